@@ -1,0 +1,352 @@
+"""One-H200-run benchmark: our Triton kernels vs the peers at K3 per-rank shapes (TP=8: 12 heads; TP=1: 96).
+
+Usage (GPU): PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out benchmarks/results/bench.jsonl [--junit junit.xml]
+Each record: what, shape, us, peer_us, ratio (peer/ours, >1 = we are faster), bytes, GBps, pct_copy, correct.
+Speeds are reported only for kernels whose correctness check passed in the same run (in-script check at the bench
+shape; plus the pytest junit results when given).
+"""
+import argparse, json, math, os, sys, time, xml.etree.ElementTree as ET
+import torch, triton
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from plugins.kda import kernels as kda_k   # noqa: E402
+from plugins.mla import kernels as mla_k   # noqa: E402
+from plugins.moe import kernels as moe_k   # noqa: E402
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--out", default="benchmarks/results/bench.jsonl")
+ap.add_argument("--junit", default=None)
+ap.add_argument("--only", default="kda_decode,graph,mla,moe,kda_prefill")
+args = ap.parse_args()
+ONLY = set(args.only.split(","))
+dev = "cuda"
+fout = open(args.out, "w")
+RECS = []
+
+
+def out(**kw):
+    RECS.append(kw)
+    print(json.dumps(kw), flush=True)
+    fout.write(json.dumps(kw) + "\n"); fout.flush()
+
+
+def bench(fn, rep=200):
+    return do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+# pytest results (same run), per family
+fam_ok = {}
+if args.junit and os.path.exists(args.junit):
+    for tc in ET.parse(args.junit).getroot().iter("testcase"):
+        name = tc.get("name")
+        fam = name.split("[")[0].replace("test_", "")
+        bad = any(c.tag in ("failure", "error") for c in tc)
+        fam_ok[fam] = fam_ok.get(fam, True) and not bad
+out(what="env", gpu=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__, pytest=fam_ok)
+
+x = torch.empty(2 * 1024**3, dtype=torch.uint8, device=dev); y = torch.empty_like(x)
+COPY = 2 * x.numel() / bench(lambda: y.copy_(x)) / 1e6
+out(what="copy", GBps=COPY)
+del x, y
+
+try:
+    from fla.ops.kda import chunk_kda, fused_recurrent_kda
+    HAVE_FLA = True
+except Exception as e:
+    HAVE_FLA = False
+    out(what="fla_import", error=repr(e)[:300])
+
+K = 128
+
+
+def kda_decode_inputs(B, H, act=torch.bfloat16):
+    P = H * K
+    S = B + 1
+    d = dict(qkv=torch.randn(B, 3 * P, device=dev).to(act), f=torch.randn(B, P, device=dev).to(act),
+             b=torch.randn(B, H, device=dev).to(act), g=torch.randn(B, P, device=dev).to(act),
+             conv_w=torch.randn(3 * P, 4, device=dev) * 0.5, A_log=torch.randn(H, device=dev) * 0.5,
+             dt_bias=torch.randn(P, device=dev) * 0.3, o_norm_w=torch.rand(K, device=dev) + 0.5)
+    state = torch.randn(S, H, K, K, device=dev) * 0.1
+    conv = torch.randn(S, 3 * P, 3, device=dev).to(act)
+    slots = (torch.randperm(B, device=dev) + 1).int()
+    return d, state, conv, slots
+
+
+def torch_kda_decode(d, state, conv, slots, H):
+    """fp32 torch transcription of one decode step (check only)."""
+    B = slots.shape[0]; P = H * K; sl = slots.long()
+    X = conv[sl].float(); xn = d["qkv"].float()
+    win = torch.cat([X, xn[:, :, None]], -1)
+    y = torch.nn.functional.silu((win * d["conv_w"][None]).sum(-1))
+    q, k, v = y[:, :P].view(B, H, K), y[:, P:2 * P].view(B, H, K), y[:, 2 * P:].view(B, H, K)
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * K ** -0.5
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    gate = -5.0 * torch.sigmoid(d["A_log"].exp()[None, :, None] * (d["f"].float() + d["dt_bias"]).view(B, H, K))
+    beta = torch.sigmoid(d["b"].float())
+    S = state[sl] * gate.exp()[:, :, None, :]
+    u = v - torch.einsum("bhvk,bhk->bhv", S, k)
+    S = S + beta[:, :, None, None] * u[..., None] * k[:, :, None, :]
+    o = torch.einsum("bhvk,bhk->bhv", S, q)
+    z = o * torch.rsqrt((o * o).mean(-1, keepdim=True) + 1e-5) * d["o_norm_w"] * torch.sigmoid(d["g"].float().view(B, H, K))
+    return z.reshape(B, P), S
+
+
+# ------------------------------------------------------------------ KDA decode
+if "kda_decode" in ONLY:
+    for H in (12, 96):
+        for B in (1, 64, 256):
+            try:
+                d, state, conv, slots = kda_decode_inputs(B, H)
+                st0, cv0 = state.clone(), conv.clone()
+                ro, rS = torch_kda_decode(d, st0, cv0, slots, H)
+                ok = fam_ok.get("kda_decode", True)
+                res, best, errs = {}, None, {}
+                for bv in (32, 64, 16, 128):
+                    state.copy_(st0); conv.copy_(cv0)
+                    o, _, _ = kda_k.kda_decode(**d, state=state, conv=conv, slots=slots, num_heads=H, head_dim=K, block_v=bv)
+                    e1, e2 = rel(o.float(), ro), rel(state[slots.long()], rS)
+                    errs[bv] = (e1, e2)
+                    if not (e1 < 2e-2 and e2 < 1e-3):
+                        ok = False; continue
+                    ms_v = bench(lambda: kda_k.kda_decode(**d, state=state, conv=conv, slots=slots, num_heads=H, head_dim=K, block_v=bv))
+                    res[bv] = ms_v * 1e3
+                    if best is None or ms_v < best[0]:
+                        best = (ms_v, bv)
+                err_o, err_s = max(e[0] for e in errs.values()), max(e[1] for e in errs.values())
+                ms = best[0] if (ok and best) else float("nan")
+                # bytes: state read+write + conv read+write + activations
+                P = H * K
+                nbytes = B * (H * K * K * 4 * 2 + 3 * P * 3 * 2 * 2 + (3 * P + 2 * P + H) * 2 + P * 2)
+                peer = float("nan")
+                if HAVE_FLA:
+                    q = torch.nn.functional.normalize(torch.randn(B, 1, H, K, device=dev), dim=-1).bfloat16()
+                    kk = torch.nn.functional.normalize(torch.randn(B, 1, H, K, device=dev), dim=-1).bfloat16()
+                    v = torch.randn(B, 1, H, K, device=dev).bfloat16()
+                    gg = (-5.0 * torch.sigmoid(torch.randn(B, 1, H, K, device=dev))).float()
+                    be = torch.sigmoid(torch.randn(B, 1, H, device=dev)).bfloat16()
+                    h0 = torch.randn(B, H, K, K, device=dev) * 0.1
+                    peer = bench(lambda: fused_recurrent_kda(q, kk, v, gg, be, initial_state=h0, output_final_state=True))
+                out(what="kda_decode", H=H, B=B, correct=ok, err_o=err_o, err_state=err_s, us=ms * 1e3, variants_block_v=res,
+                    best_block_v=best[1] if best else None,
+                    peer="fla fused_recurrent_kda (recurrence only)", peer_us=peer * 1e3, ratio=peer / ms,
+                    bytes=nbytes, GBps=nbytes / ms / 1e6, pct_copy=100 * nbytes / ms / 1e6 / COPY)
+                del d, state, conv
+            except Exception as e:
+                out(what="kda_decode", H=H, B=B, error=repr(e)[:400])
+
+# ------------------------------------------------------------------ MLA decode
+R, DR = 512, 64
+
+
+def mla_inputs(B, H, L, BS=64):
+    MB = triton.cdiv(L + 1, BS)
+    NB = B * MB + 1
+    cache = torch.randn(NB, BS, R + DR, device=dev).bfloat16()
+    bt = (torch.randperm(B * MB, device=dev) + 1).int().view(B, MB)
+    ctx = torch.full((B,), L - 1, dtype=torch.int32, device=dev)
+    q = torch.randn(B, H, R + DR, device=dev).bfloat16()
+    lat = torch.randn(B, R + DR, device=dev).bfloat16()
+    return q, lat, cache, bt, ctx
+
+
+if "mla" in ONLY:
+    for H, B, L in ((12, 64, 32768), (96, 64, 32768), (12, 1, 32768), (96, 1, 32768), (12, 64, 8192)):
+        try:
+            q, lat, cache, bt, ctx = mla_inputs(B, H, L)
+            BS = cache.shape[1]
+            scale = 192 ** -0.5
+            o, _ = mla_k.mla_decode(q, lat, cache, bt, ctx, num_heads=H, kv_lora_rank=R, scale=scale)
+            # contiguous view of each sequence's L latents for the peer / check
+            pos = torch.arange(L, device=dev)
+            rows = (bt.long()[:, pos // BS] * BS + pos % BS)                     # [B, L]
+            C = cache.view(-1, R + DR)[rows]                                     # [B, L, 576]
+
+            def peer_fn():
+                s = torch.bmm(q, C.transpose(1, 2)).float() * scale
+                p = torch.softmax(s, -1).to(torch.bfloat16)
+                return torch.bmm(p, C[:, :, :R])
+            ref = torch.softmax(torch.bmm(q.float(), C.float().transpose(1, 2)) * scale, -1) @ C[:, :, :R].float() \
+                if B * H * L <= 64 * 12 * 32768 else None
+            err = rel(o.float(), ref) if ref is not None else rel(o.float(), peer_fn().float())
+            ok = err < 1e-2 and fam_ok.get("mla_decode", True)
+            del ref
+            nbytes = B * L * (R + DR) * 2
+            res = {}
+            variants = ([dict(), dict(block_n=32, num_stages=3), dict(block_n=32, num_stages=4), dict(block_n=16, num_stages=4),
+                         dict(block_n=64, num_stages=3), dict(block_n=32, num_stages=3, num_warps=8)] if H <= 16 else
+                        [dict(block_h=16, block_n=64), dict(block_h=16, block_n=32, num_stages=3), dict(), dict(block_h=32, num_stages=3)])
+            if B == 1:
+                variants += [dict(v, num_splits=ns) for v in variants[:2] for ns in (32, 64)]
+            best = None
+            for vv in variants:
+                if not ok:
+                    break
+                o2, _ = mla_k.mla_decode(q, lat, cache, bt, ctx, num_heads=H, kv_lora_rank=R, scale=scale, **vv)
+                if rel(o2.float(), o.float()) > 1e-2:
+                    out(what="mla_decode_variant_mismatch", H=H, B=B, L=L, variant=vv); continue
+                ms = bench(lambda: mla_k.mla_decode(q, lat, cache, bt, ctx, num_heads=H, kv_lora_rank=R, scale=scale, **vv))
+                res[json.dumps(vv)] = ms * 1e3
+                if best is None or ms < best[0]:
+                    best = (ms, vv)
+            ms = best[0] if best else float("nan")
+            peer = bench(peer_fn)
+            out(what="mla_decode", H=H, B=B, L=L, correct=ok, err=err, us=ms * 1e3, variants=res,
+                best=best[1] if best else None, peer="torch bmm-softmax-bmm (contiguous cache)", peer_us=peer * 1e3,
+                ratio=peer / ms, bytes=nbytes, GBps=nbytes / ms / 1e6, pct_copy=100 * nbytes / ms / 1e6 / COPY)
+            del q, lat, cache, C
+        except Exception as e:
+            out(what="mla_decode", H=H, B=B, L=L, error=repr(e)[:400])
+    torch.cuda.empty_cache()
+
+# ------------------------------------------------------------------ CUDA graph decode step (one KDA + one MLA layer, B=1)
+if "graph" in ONLY:
+    for H in (12, 96):
+        try:
+            d, state, conv, slots = kda_decode_inputs(1, H)
+            q, lat, cache, bt, ctx = mla_inputs(1, H, 8192)
+            kout = torch.empty(1, H * K, dtype=torch.bfloat16, device=dev)
+            mout = torch.empty(1, H, R, dtype=torch.bfloat16, device=dev)
+            kda_step = lambda: kda_k.kda_decode(**d, state=state, conv=conv, slots=slots, num_heads=H, head_dim=K, out=kout)
+            mla_step = lambda: mla_k.mla_decode(q, lat, cache, bt, ctx, num_heads=H, kv_lora_rank=R, scale=192 ** -0.5, out=mout)
+            res = {}
+            for name, fn in (("kda", kda_step), ("mla_L8192", mla_step), ("kda+mla", lambda: (kda_step(), mla_step()))):
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    for _ in range(3):
+                        fn()
+                torch.cuda.current_stream().wait_stream(s)
+                gph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(gph):
+                    fn()
+                # time 100 replays of the captured step
+                n = 100
+                ms = bench(lambda: [gph.replay() for _ in range(n)], rep=300) / n
+                res[name] = ms * 1e3
+            out(what="cuda_graph_decode_step", H=H, B=1, us=res)
+        except Exception as e:
+            out(what="cuda_graph_decode_step", H=H, error=repr(e)[:400])
+
+# ------------------------------------------------------------------ MoE
+if "moe" in ONLY:
+    E, D, I, KK = 112, 3584, 3072, 16
+    try:
+        w13p = torch.randint(0, 256, (E, 2 * I, D // 2), device=dev, dtype=torch.uint8)
+        w13s = torch.randint(118, 126, (E, 2 * I, D // 32), device=dev, dtype=torch.uint8)
+        w2p = torch.randint(0, 256, (E, D, I // 2), device=dev, dtype=torch.uint8)
+        w2s = torch.randint(118, 126, (E, D, I // 32), device=dev, dtype=torch.uint8)
+        lut = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], device=dev, dtype=torch.bfloat16)
+
+        def deq(p, s):
+            w = torch.stack([lut[(p & 15).long()], lut[(p >> 4).long()]], -1).flatten(-2)
+            return w * torch.exp2(s.float() - 127).to(torch.bfloat16).repeat_interleave(32, -1)
+        w13 = torch.cat([deq(w13p[i:i + 16], w13s[i:i + 16]) for i in range(0, E, 16)])
+        w2 = torch.cat([deq(w2p[i:i + 16], w2s[i:i + 16]) for i in range(0, E, 16)])
+
+        def situ(g, u):
+            return 4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(u / 25)
+        for T in (64, 1, 8, 256):
+            xl = torch.randn(T, D, device=dev, dtype=torch.bfloat16) * 0.1
+            ids = torch.stack([torch.randperm(E, device=dev)[:KK] for _ in range(T)]).int()
+            wts = torch.rand(T, KK, device=dev)
+            touched = torch.unique(ids).numel()
+            flat = ids.reshape(-1).long(); order = torch.argsort(flat); counts = torch.bincount(flat, minlength=E)
+            offs = torch.cumsum(counts, 0).to(torch.int32); tok = order // KK
+
+            def grouped():
+                a = xl[tok]
+                h = torch._grouped_mm(a, w13.transpose(1, 2), offs=offs)
+                g = situ(h[:, :I].float(), h[:, I:].float()).to(torch.bfloat16)
+                o = torch._grouped_mm(g, w2.transpose(1, 2), offs=offs)
+                yy = torch.zeros(T, D, device=dev, dtype=torch.float32)
+                yy.index_add_(0, tok, o.float() * wts.reshape(-1)[order][:, None]); return yy
+            ref = grouped()
+            yk = moe_k.mxfp4_moe(xl, ids, wts, w13p, w13s, w2p, w2s)
+            err = rel(yk, ref)
+            ok = err < 2e-2 and fam_ok.get("mxfp4_moe", True)
+            mx_bytes = touched * (2 * I * (D // 2 + D // 32) + D * (I // 2 + I // 32))
+            bf_bytes = touched * 3 * D * I * 2
+            res = {}
+            best = None
+            cfgs = [dict(), dict(block_n13=32, block_n2=32), dict(block_n13=128, block_n2=128), dict(block_k=256)]
+            for cfg in cfgs:
+                if not ok:
+                    break
+                try:
+                    y2 = moe_k.mxfp4_moe(xl, ids, wts, w13p, w13s, w2p, w2s, **cfg)
+                    if rel(y2, ref) > 2e-2:
+                        res[json.dumps(cfg)] = "mismatch"; continue
+                    ms = bench(lambda: moe_k.mxfp4_moe(xl, ids, wts, w13p, w13s, w2p, w2s, **cfg), rep=100)
+                    res[json.dumps(cfg)] = ms * 1e3
+                    if best is None or ms < best[0]:
+                        best = (ms, cfg)
+                except Exception as e:
+                    res[json.dumps(cfg)] = repr(e)[:200]
+            ms = best[0] if best else float("nan")
+            peer = bench(grouped, rep=100)
+            out(what="mxfp4_moe", T=T, experts_touched=touched, correct=ok, err=err, us=ms * 1e3, variants=res,
+                best=best[1] if best else None, peer="bf16 dequantized weights + torch._grouped_mm", peer_us=peer * 1e3,
+                ratio=peer / ms, bytes=mx_bytes, GBps=mx_bytes / ms / 1e6, pct_copy=100 * mx_bytes / ms / 1e6 / COPY,
+                peer_pct_copy=100 * bf_bytes / peer / 1e6 / COPY)
+        del w13, w2, w13p, w2p
+    except Exception as e:
+        out(what="mxfp4_moe", error=repr(e)[:400])
+    torch.cuda.empty_cache()
+
+# ------------------------------------------------------------------ KDA prefill
+if "kda_prefill" in ONLY and HAVE_FLA:
+    for H in (12, 96):
+        try:
+            T = 32768
+            P = H * K
+            d = dict(qkv=torch.randn(T, 3 * P, device=dev).bfloat16(), f=torch.randn(T, P, device=dev).bfloat16(),
+                     b=torch.randn(T, H, device=dev).bfloat16(), g=torch.randn(T, P, device=dev).bfloat16(),
+                     conv_w=torch.randn(3 * P, 4, device=dev) * 0.5, A_log=torch.randn(H, device=dev) * 0.5,
+                     dt_bias=torch.randn(P, device=dev) * 0.3, o_norm_w=torch.rand(K, device=dev) + 0.5)
+            state = torch.zeros(3, H, K, K, device=dev); conv = torch.zeros(3, 3 * P, 3, device=dev).bfloat16()
+            cu = torch.tensor([0, T], dtype=torch.int32, device=dev); slots = torch.tensor([2], dtype=torch.int32, device=dev)
+            ok = fam_ok.get("kda_prefill", True)
+            fn = lambda: kda_k.kda_prefill(**d, state=state, conv=conv, cu_seqlens=cu, slots=slots, num_heads=H, head_dim=K)
+            fn()
+            ms = bench(fn, rep=100) if ok else float("nan")
+            q = torch.nn.functional.normalize(torch.randn(1, T, H, K, device=dev), dim=-1).bfloat16()
+            kk = torch.nn.functional.normalize(torch.randn(1, T, H, K, device=dev), dim=-1).bfloat16()
+            v = torch.randn(1, T, H, K, device=dev).bfloat16()
+            gg = (-5.0 * torch.sigmoid(torch.randn(1, T, H, K, device=dev))).float()
+            be = torch.sigmoid(torch.randn(1, T, H, device=dev)).bfloat16()
+            h0 = torch.zeros(1, H, K, K, device=dev)
+            peer = bench(lambda: chunk_kda(q, kk, v, gg, be, initial_state=h0, output_final_state=True), rep=100)
+            out(what="kda_prefill", H=H, T=T, correct=ok, us=ms * 1e3, peer="fla chunk_kda (recurrence only, pre-gated)",
+                peer_us=peer * 1e3, ratio=peer / ms, Mtok_per_s=T / ms / 1e3)
+            del d, q, kk, v, gg
+        except Exception as e:
+            out(what="kda_prefill", H=H, error=repr(e)[:400])
+
+# ------------------------------------------------------------------ plot
+try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in RECS if "pct_copy" in r and r.get("correct") and r.get("us") == r.get("us")]
+    fig, ax = plt.subplots(figsize=(10, 5))
+    labels = []
+    for r in rows:
+        lab = r["what"] + " " + ",".join(f"{k}={r[k]}" for k in ("H", "B", "L", "T") if k in r)
+        labels.append(lab)
+    ax.barh(range(len(rows)), [r["pct_copy"] for r in rows])
+    ax.axvline(100, color="k", ls="--", lw=1); ax.axvline(85, color="g", ls=":", lw=1); ax.axvline(70, color="r", ls=":", lw=1)
+    ax.set_yticks(range(len(rows))); ax.set_yticklabels(labels, fontsize=7)
+    ax.set_xlabel(f"% of measured copy bandwidth ({COPY / 1e3:.2f} TB/s), bytes = compulsory HBM traffic")
+    ax.set_title("k3deploy Triton kernels on H200: memory roofline fraction")
+    fig.tight_layout(); fig.savefig(os.path.join(os.path.dirname(args.out), "roofline.png"), dpi=110)
+except Exception as e:
+    print("plot failed", repr(e))
+print("DONE", flush=True)

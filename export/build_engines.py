@@ -1,0 +1,338 @@
+#!/usr/bin/env python
+"""The main job: a Kimi K3 checkpoint to a verified deployment.
+
+    python export/build_engines.py [--checkpoint DIR] [--out DIR] [--tp N] [--ep M]
+        [--backend tensorrt|tensorrt-rtx|onnxruntime] [--target-cc sm86 ...] [--max-batch B]
+        [--max-num-tokens T] [--max-context L] [--dry-run] [--force]
+
+Steps (each with progress and a one-line summary; skipped on a rerun whose inputs hash the same, redone with
+--force): checkpoint (load + validate) -> plan -> export (shard per TP/EP rank, ONNX per layer) -> verify
+(Polygraphy: ONNX Runtime vs the PyTorch reference, per layer, states included) -> engines (whatever TensorRT is
+installed, or a clear skip) -> repository (manifest.json + Triton model repository) -> smoke (generate a few tokens
+with the runtime and compare them with the reference).
+
+This script is the pipeline's orchestrator: it is the one place that calls every stage (export, engines, serve,
+runtime); no stage imports a later one.
+
+Output layout (OUT): manifest.json, plan.txt, onnx/ (docs/EXPORT_FORMAT.md), verify/report.json, engines/
+(rank{r}/*.plan + manifest.json), triton/ (model repository), smoke.json, .steps.json (step hashes).
+Exit status: 0 success, 1 verification or smoke mismatch, 2 bad input (one message naming the field and the fix).
+"""
+from __future__ import annotations
+
+import argparse
+import errno
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: import from the repository root, not from export/ (its onnx.py
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # would shadow the onnx package)
+
+from model.checkpoint import Checkpoint, CheckpointError  # noqa: E402
+from model.config import ConfigError, load_config  # noqa: E402
+
+log = logging.getLogger("build_engines")
+DEFAULT_PRESET = "k3-tiny"
+STEPS = ("checkpoint", "plan", "export", "verify", "engines", "repository", "smoke")
+
+
+class BuildError(Exception):
+    """A failure with one clear message for the user (exit 2)."""
+
+
+def cache_dir() -> Path:
+    """Where the embedded default checkpoint is generated: $K3DEPLOY_CACHE or ~/.cache/k3deploy."""
+    return Path(os.environ.get("K3DEPLOY_CACHE", Path.home() / ".cache" / "k3deploy"))
+
+
+def default_checkpoint() -> Path:
+    """The embedded default: a synthetic k3-tiny checkpoint, generated on first use."""
+    from model.synthetic import write_synthetic
+    path = cache_dir() / f"{DEFAULT_PRESET}-seed0"
+    if (path / "model.safetensors.index.json").is_file():
+        log.info("using the embedded default checkpoint %s (synthetic %s)", path, DEFAULT_PRESET)
+        return path
+    log.info("no --checkpoint given: generating the embedded default (synthetic %s, seed 0) into %s", DEFAULT_PRESET, path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_synthetic(load_config(DEFAULT_PRESET), path, seed=0, overwrite=True, progress=True)
+    return path
+
+
+def _sha(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def checkpoint_fingerprint(path: Path) -> str:
+    """Content hash of config.json and the index, plus name/size/mtime of every file (cheap for 1.5 TB)."""
+    h = hashlib.sha256()
+    for name in ("config.json", "model.safetensors.index.json"):
+        p = path / name
+        if p.is_file():
+            h.update(p.read_bytes())
+    for p in sorted(path.glob("*.safetensors")):
+        st = p.stat()
+        h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def write_json_atomic(obj, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+class Pipeline:
+    """Runs the steps, skipping those whose input hash and outputs are unchanged (state in OUT/.steps.json)."""
+
+    def __init__(self, out: Path, force: bool):
+        self.out, self.force = out, force
+        self.state_path = out / ".steps.json"
+        self.state = json.loads(self.state_path.read_text()) if self.state_path.is_file() and not force else {}
+        self.ran: list[str] = []
+        self.skipped: list[str] = []
+
+    def run(self, i: int, name: str, inputs, outputs: list[Path], fn):
+        """Run step `name` unless its input hash matches the last run and all `outputs` exist. fn() returns
+        (summary line, result); the result is stored in the state and returned."""
+        key = _sha(inputs)
+        prev = self.state.get(name)
+        t0 = time.time()
+        if prev and prev.get("hash") == key and all(p.exists() for p in outputs):
+            self.skipped.append(name)
+            log.info("[%d/%d] %-10s skipped (inputs unchanged): %s", i, len(STEPS), name, prev.get("summary", ""))
+            return prev.get("result")
+        log.info("[%d/%d] %-10s ...", i, len(STEPS), name)
+        summary, result = fn()
+        self.state[name] = {"hash": key, "summary": summary, "result": result}
+        write_json_atomic(self.state, self.state_path)
+        self.ran.append(name)
+        log.info("[%d/%d] %-10s done in %.1f s: %s", i, len(STEPS), name, time.time() - t0, summary)
+        return result
+
+
+def pick_backend(requested: str | None) -> str:
+    """The engine builder: the requested one, else full TensorRT, else TensorRT-RTX, else onnxruntime (no engines)."""
+    from engines.trt import load_trt
+    if requested == "onnxruntime":
+        return requested
+    flavors = [requested] if requested else ["tensorrt", "tensorrt-rtx"]
+    for fl in flavors:
+        try:
+            load_trt(fl)
+            return fl
+        except (ImportError, RuntimeError, ValueError) as e:
+            if requested:
+                raise BuildError(f"--backend {requested}: not installed here ({e}); install it (README) or pick another backend")
+    return "onnxruntime"
+
+
+def engine_dims(cfg, max_batch: int, max_num_tokens: int, max_context: int, block_size: int) -> dict:
+    """Ranges of the pool / block-table dims for the engine profiles (runtime pools are fixed per deployment)."""
+    slots = max_batch + 1
+    mb = -(-max_context // block_size)
+    nb = max_batch * mb + 1
+    return {"S": (slots, slots, slots), "NB": (nb, nb, nb), "BS": (block_size,) * 3, "MB": (1, mb, mb),
+            "N1": (2, max_batch + 1, max_batch + 1),
+            "M": (1, max_batch, max_num_tokens)}
+
+
+def smoke(out: Path, ckpt: Path, backend: str, steps: int = 8) -> dict:
+    """Greedy-generate `steps` tokens for two prompts with the runtime on `backend` and with the reference
+    (model.reference.forward); returns both token lists and whether they match."""
+    import torch
+
+    from model.reference import K3Model, SequenceState, forward
+    from runtime.api import LLM, SamplingParams
+    cfg = load_config(ckpt)
+    prompts = [[(7 * i + 3) % cfg.vocab_size for i in range(n)] for n in (5, 11)]
+    ref_model = K3Model.from_checkpoint(ckpt)
+    want = []
+    for p in prompts:
+        st = SequenceState(cfg, len(p) + steps + 1)
+        logits, _ = forward(ref_model, p, st)
+        toks = []
+        for _ in range(steps):
+            t = int(torch.argmax(logits[-1]))
+            toks.append(t)
+            logits, _ = forward(ref_model, [t], st)
+        want.append(toks)
+    llm = LLM(str(out), backend=backend)
+    got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=steps, ignore_eos=True))]
+    return {"backend": backend, "prompts": prompts, "runtime": got, "reference": want, "match": got == want}
+
+
+def build(args) -> int:
+    ckpt = Path(args.checkpoint) if args.checkpoint else default_checkpoint()
+    if not ckpt.is_dir() or not (ckpt / "config.json").is_file():
+        raise BuildError(f"--checkpoint {ckpt}: no config.json there; point it at a K3 checkpoint directory")
+    cfg = load_config(ckpt)
+    config_only = not (ckpt / "model.safetensors.index.json").is_file()
+    from export.plan import make_plan
+    from model.sharding import check_parallel
+    ep = args.ep if args.ep is not None else 1
+    check_parallel(cfg, args.tp, ep)
+    max_context = args.max_context or min(cfg.max_position_embeddings, 4096)
+    plan = make_plan(cfg, args.tp, ep, max_batch=args.max_batch, max_context=max_context)
+    if args.dry_run or config_only:
+        if config_only and not args.dry_run:
+            log.info("%s holds only config.json: printing the plan (there are no weights to export)", ckpt)
+        print(plan.report())
+        return 0
+
+    out = Path(args.out) if args.out else Path("out") / f"{ckpt.name}-tp{args.tp}-ep{ep}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-probe-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise BuildError(f"--out {out}: not writable ({e.strerror}); choose a directory you can write") from e
+    backend = pick_backend(args.backend)
+    pipe = Pipeline(out, args.force)
+    fp = checkpoint_fingerprint(ckpt)
+
+    def step_checkpoint():
+        ck = Checkpoint(ckpt)
+        ck.validate()
+        return f"{ckpt} valid ({ck.data_bytes():,} B, config {cfg.config_hash()})", {"bytes": ck.data_bytes()}
+
+    pipe.run(1, "checkpoint", [fp], [], step_checkpoint)
+
+    def step_plan():
+        (out / "plan.txt").write_text(plan.report() + "\n")
+        print(plan.report())
+        return f"{plan.weights.total:,} B of weights per rank, {len(plan.cfg.kda_layers)} KDA + {len(plan.cfg.mla_layers)} MLA layers", None
+
+    pipe.run(2, "plan", [fp, args.tp, ep, args.max_batch, max_context], [out / "plan.txt"], step_plan)
+
+    from export.onnx import code_hash, export_model
+    onnx_dir = out / "onnx"
+    exp_inputs = [fp, args.tp, ep, code_hash()]
+
+    def step_export():
+        index = export_model(ckpt, onnx_dir, tp=args.tp, ep=ep)
+        return f"{len(index['graphs'])} graphs for {args.tp} rank(s) in {onnx_dir}", None
+
+    pipe.run(3, "export", exp_inputs, [onnx_dir / "index.json"], step_export)
+
+    def step_verify():
+        from export.verify import verify
+        report = verify(onnx_dir, ckpt)
+        (out / "verify").mkdir(exist_ok=True)
+        write_json_atomic(report, out / "verify" / "report.json")
+        results = dict(report["graphs"])
+        if "end_to_end" in report:
+            results["end_to_end"] = report["end_to_end"]
+        bad = [k for k, r in results.items() if not r["passed"]]
+        return (f"{len(results) - len(bad)}/{len(results)} comparisons pass "
+                f"({'every output and state within tolerance' if not bad else 'FAILED: ' + ', '.join(bad[:5])})",
+                {"failed": bad})
+
+    verified = pipe.run(4, "verify", exp_inputs, [out / "verify" / "report.json"], step_verify)
+    if verified and verified["failed"]:
+        log.error("Polygraphy verification failed for %s; see %s", verified["failed"], out / "verify" / "report.json")
+        return 1
+
+    eng_dir = out / "engines"
+    dims = engine_dims(cfg, args.max_batch, args.max_num_tokens, max_context, 16)
+
+    def step_engines():
+        if backend == "onnxruntime":
+            return ("skipped: no TensorRT installed here (install the `rtx` extra for ahead-of-time RTX builds, or "
+                    "TensorRT on a GPU host); the runtime serves the ONNX graphs with onnxruntime"), {"built": False}
+        from engines.build import build_all
+        target = args.target_cc or (["sm86"] if backend == "tensorrt-rtx" else None)
+        m = build_all(onnx_dir, eng_dir, target_cc=target, max_batch=args.max_batch, max_num_tokens=args.max_num_tokens,
+                      extra_dims=dims, force=args.force, trt_flavor=backend)
+        return f"{len(m['engines'])} {backend} engines in {eng_dir} (target {target or 'this GPU'})", {"built": True}
+
+    engines = pipe.run(5, "engines", exp_inputs + [backend, args.target_cc, args.max_batch, args.max_num_tokens, dims],
+                       [eng_dir / "manifest.json"] if backend != "onnxruntime" else [], step_engines)
+    # The runtime can execute engines only with full TensorRT on a GPU; otherwise it serves the ONNX graphs.
+    serve_backend = "tensorrt" if backend == "tensorrt" else "onnxruntime"
+
+    def step_repository():
+        from serve.repository import write_repository
+        manifest = {"format": "k3deploy.build/1", "checkpoint": str(ckpt.resolve()), "onnx": "onnx",
+                    "engines_dir": "engines" if engines and engines.get("built") else None,
+                    "engine_flavor": backend if engines and engines.get("built") else None,
+                    "backend": serve_backend, "tp": args.tp, "ep": ep, "config_hash": cfg.config_hash(),
+                    "max_batch": args.max_batch, "max_num_tokens": args.max_num_tokens, "max_context": max_context,
+                    "verify_report": "verify/report.json", "triton_repository": "triton"}
+        write_json_atomic(manifest, out / "manifest.json")
+        cfg_path = write_repository(out, out / "triton", serve_backend, max_batch=args.max_batch,
+                                    max_num_tokens=args.max_num_tokens, max_context=max_context, overwrite=True)
+        return f"manifest.json + Triton repository {cfg_path.parent.parent} (backend {serve_backend})", None
+
+    pipe.run(6, "repository", exp_inputs + [backend, serve_backend, args.max_batch, args.max_num_tokens, max_context],
+             [out / "manifest.json", out / "triton"], step_repository)
+
+    if args.tp > 1:
+        log.info("[7/7] smoke      skipped: the runtime's onnxruntime backend runs one rank per process; "
+                 "multi-rank generation is `torchrun ... -m runtime.generate` (README)")
+        return 0
+
+    def step_smoke():
+        res = smoke(out, ckpt, serve_backend)
+        write_json_atomic(res, out / "smoke.json")
+        verdict = "equal to the reference" if res["match"] else "DIFFER from the reference"
+        return f"{serve_backend} greedy tokens for {len(res['prompts'])} prompts {verdict}", {"match": res["match"]}
+
+    sm = pipe.run(7, "smoke", exp_inputs + [serve_backend], [out / "smoke.json"], step_smoke)
+    if not sm["match"]:
+        log.error("smoke generation differs from the reference; see %s", out / "smoke.json")
+        return 1
+    log.info("deployment ready in %s (ran: %s; skipped: %s)", out, ", ".join(pipe.ran) or "-", ", ".join(pipe.skipped) or "-")
+    return 0
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python export/build_engines.py", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", help="K3 checkpoint directory (config.json, index, shards). Default: the embedded "
+                                         "k3-tiny synthetic checkpoint, generated on first use. A directory with only "
+                                         "config.json prints the plan.")
+    ap.add_argument("--out", help="output directory (default out/<checkpoint name>-tp<N>-ep<M>)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks; must divide the KDA and MLA heads (default 1)")
+    ap.add_argument("--ep", type=int, default=None, help="expert-parallel ranks: 1 (experts split by TP) or equal to --tp (default 1)")
+    ap.add_argument("--backend", choices=["tensorrt", "tensorrt-rtx", "onnxruntime"], default=None,
+                    help="engine builder (default: tensorrt if installed, else tensorrt-rtx, else onnxruntime = no engines)")
+    ap.add_argument("--target-cc", nargs="+", default=None,
+                    help="compute capabilities for ahead-of-time TensorRT-RTX builds, e.g. sm86 sm89 (default sm86)")
+    ap.add_argument("--max-batch", type=int, default=8, help="decode profile: max sequences per step (default 8)")
+    ap.add_argument("--max-num-tokens", type=int, default=256, help="prefill profile: max packed tokens per step (default 256)")
+    ap.add_argument("--max-context", type=int, default=None, help="max tokens per request (default min(config, 4096))")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan only; allocates no weights")
+    ap.add_argument("--force", action="store_true", help="redo every step even when its inputs are unchanged")
+    ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    a = ap.parse_args(argv)
+    for name in ("tp", "max_batch", "max_num_tokens"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    return a
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    try:
+        return build(args)
+    except (BuildError, CheckpointError, ConfigError, ValueError, FileNotFoundError) as e:
+        log.error("error: %s", e)
+        return 2
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            log.error("error: disk full while writing %s; free space or choose another --out (partial files were "
+                      "written under temporary names and are not used)", e.filename or "the output")
+        else:
+            log.error("error: %s", e)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

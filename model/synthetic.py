@@ -1,0 +1,174 @@
+"""Deterministic synthetic Kimi K3 weights for any config (MODEL.md §1.4: random weights, experts per §8.3).
+
+Every tensor is drawn from its own torch.Generator seeded from sha256(seed, tensor name), so the result does
+not depend on generation order and a single tensor or layer can be regenerated alone. Scales keep a bf16
+forward finite and non-degenerate:
+
+* linear weights `[out, in]` ~ N(0, 1/in) (std in^-0.5), embedding ~ N(0, 1);
+* RMSNorm weights ~ 1 + 0.02 N(0, 1) (KDA o_norm likewise, f32);
+* AttnRes pseudo-queries `*_res_proj [1, d]` ~ N(0, 1/d) -> O(1) scores, a non-uniform softmax;
+* KDA: conv weights ~ N(0, 0.5^2) (f32), A_log[:H] = log(U(1, 16)) with zero padding to the stored length
+  (max(H, head_dim), like the release, Q1), dt_bias ~ 0.1 N(0, 1);
+* router e_score_correction_bias ~ 0.01 N(0, 1) (f32);
+* routed experts: logical weights ~ N(0, 1/in), packed with `pack_mxfp4` when the config says MXFP4.
+
+CLI: `python -m model.synthetic --preset k3-tiny --out DIR [--seed S] [--force]` streams one shard (layer)
+at a time through `model.checkpoint.CheckpointWriter`, so k3-slice (~17 GB on disk) never sits in memory.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from model.checkpoint import CheckpointWriter
+from model.config import PRESETS, K3Config, load_config
+from model.weights import TensorSpec, a_log_stored_size, all_tensors, layer_tensors
+from plugins.moe.mxfp4 import pack_mxfp4
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "U8": torch.uint8, "F16": torch.float16}
+_CHUNK = 1 << 24  # elements drawn per randn call for big tensors (bounds the float32 scratch to 64 MB)
+
+
+def tensor_generator(seed: int, name: str) -> torch.Generator:
+    """A CPU generator seeded from sha256(f"{seed}:{name}") (independent of order)."""
+    h = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
+    return torch.Generator().manual_seed(h)
+
+
+def _normal(shape: tuple[int, ...], std: float, mean: float, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    """mean + std * N(0,1) of `shape` in `dtype`, drawn in row chunks (deterministic for a given shape)."""
+    out = torch.empty(shape, dtype=dtype)
+    flat = out.view(-1)
+    for i in range(0, flat.numel(), _CHUNK):
+        n = min(_CHUNK, flat.numel() - i)
+        flat[i:i + n] = torch.randn(n, generator=g).mul_(std).add_(mean).to(dtype)
+    return out
+
+
+def _expert_base(name: str) -> str | None:
+    for suf in (".weight_packed", ".weight_scale"):
+        if name.endswith(suf) and ".experts." in name:
+            return name[: -len(suf)]
+    return None
+
+
+class SyntheticSource:
+    """Produces synthetic tensors by name for one config and seed (see module docstring for the recipe).
+
+    `get(name)` returns the tensor in its stored dtype/shape. An MXFP4 expert's packed and scale tensors come
+    from the same logical draw (seeded by the name without the suffix); the last pair is cached so a writer
+    asking for `weight_packed` then `weight_scale` draws and packs once.
+    """
+
+    def __init__(self, cfg: K3Config, seed: int = 0):
+        self.cfg, self.seed = cfg, seed
+        self.specs: dict[str, TensorSpec] = {s.name: s for s in all_tensors(cfg)}
+        self._pair: tuple[str, dict[str, torch.Tensor]] | None = None
+
+    def get(self, name: str) -> torch.Tensor:
+        s = self.specs[name]
+        base = _expert_base(name)
+        if base is not None:
+            if self._pair is None or self._pair[0] != base:
+                o, i = s.logical if s.logical else (s.shape[0], s.shape[1] * 32)
+                w = _normal((o, i), i ** -0.5, 0.0, torch.float32, tensor_generator(self.seed, base))
+                packed, scale = pack_mxfp4(w)
+                self._pair = (base, {".weight_packed": packed, ".weight_scale": scale})
+            return self._pair[1][name[len(base):]]
+        return self._dense(s)
+
+    def _dense(self, s: TensorSpec) -> torch.Tensor:
+        g = tensor_generator(self.seed, s.name)
+        dt = TORCH_DTYPES[s.dtype]
+        n = s.name
+        if n.endswith(".A_log"):
+            H = self.cfg.kda_num_heads
+            out = torch.zeros(s.shape, dtype=dt)
+            out[:H] = torch.log(torch.empty(H).uniform_(1.0, 16.0, generator=g)).to(dt)
+            return out
+        if n.endswith(("norm.weight", "layernorm.weight")):
+            return _normal(s.shape, 0.02, 1.0, dt, g)
+        if "_conv1d." in n:
+            return _normal(s.shape, 0.5, 0.0, dt, g)
+        if n.endswith(".dt_bias"):
+            return _normal(s.shape, 0.1, 0.0, dt, g)
+        if n.endswith(".e_score_correction_bias"):
+            return _normal(s.shape, 0.01, 0.0, dt, g)
+        if n.endswith("embed_tokens.weight"):
+            return _normal(s.shape, 1.0, 0.0, dt, g)
+        if len(s.shape) == 2:  # every other 2-D tensor is a linear weight [out, in] (incl. *_res_proj [1, d])
+            return _normal(s.shape, s.shape[1] ** -0.5, 0.0, dt, g)
+        raise ValueError(f"{n}: no synthetic recipe for a {s.dtype} tensor of shape {s.shape}")
+
+
+def synthetic_tensors(cfg: K3Config, seed: int = 0) -> dict[str, torch.Tensor]:
+    """All text tensors of `cfg` (full names -> stored dtype/shape), deterministic in (seed, name).
+
+    Holds everything in memory: meant for small configs (k3-tiny). For big ones use `write_synthetic`.
+    """
+    src = SyntheticSource(cfg, seed)
+    return {name: src.get(name) for name in sorted(src.specs)}
+
+
+def synthetic_layer(cfg: K3Config, l: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The tensors of decoder layer `l` only (same values as in `synthetic_tensors`)."""
+    src = SyntheticSource(cfg, seed)
+    return {s.name: src.get(s.name) for s in sorted(layer_tensors(cfg, l), key=lambda s: s.name)}
+
+
+def write_synthetic(cfg: K3Config, out: "str | Path", seed: int = 0, overwrite: bool = False,
+                    progress: bool = False) -> Path:
+    """Generate and write a synthetic checkpoint shard by shard (one layer in memory at most one tensor at
+    a time). Atomic (see CheckpointWriter). FileExistsError if `out` is non-empty and overwrite is False."""
+    src = SyntheticSource(cfg, seed)
+    with CheckpointWriter(out, cfg, overwrite=overwrite) as w:
+        plan = w.plan()
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=sum(s.nbytes for _, specs in plan for s in specs), unit="B", unit_scale=True,
+                       desc=f"synthetic {cfg.name}")
+
+        def get(name: str) -> torch.Tensor:
+            t = src.get(name)
+            if bar is not None:
+                bar.update(src.specs[name].nbytes)
+            return t
+
+        for i, specs in plan:
+            w.write_shard(i, specs, get)
+        if bar is not None:
+            bar.close()
+    return Path(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m model.synthetic",
+                                 description="Write a deterministic synthetic Kimi K3 checkpoint (MODEL.md §8 layout).")
+    ap.add_argument("--preset", required=True, help=f"config preset ({', '.join(PRESETS)}) or a config.json / checkpoint dir")
+    ap.add_argument("--out", required=True, type=Path, help="output directory (must be empty or absent unless --force)")
+    ap.add_argument("--seed", type=int, default=0, help="seed (default 0); each tensor is seeded from (seed, name)")
+    ap.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cfg = load_config(a.preset)
+    if a.out.exists() and (not a.out.is_dir() or any(a.out.iterdir())) and not a.force:
+        print(f"error: {a.out} is not empty; use --force to replace it", file=sys.stderr)
+        return 2
+    total = sum(s.nbytes for s in all_tensors(cfg))
+    print(f"writing {cfg.name} (seed {a.seed}, {total / 2**30:.2f} GiB, {cfg.num_hidden_layers + 1} shards) to {a.out}")
+    write_synthetic(cfg, a.out, seed=a.seed, overwrite=a.force, progress=True)
+    print(f"done: {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

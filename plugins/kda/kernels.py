@@ -1,0 +1,331 @@
+"""KDA Triton kernels (GPU; also run on CPU tensors under TRITON_INTERPRET=1). MODEL.md §4, DESIGN.md KdaDecode.
+
+kda_decode : ONE fused kernel per layer step: conv-history update + SiLU, L2 norm q/k, q scale, lower-bound
+             gate, beta sigmoid, delta rule on the fp32 state in place through slot indices ([S,H,V,K] = S^T per
+             head), gated output RMSNorm. One program per (token, head) holds the whole 128x128 state tile.
+kda_prefill: Triton varlen conv (with history from the slot pool) + conv-history update, then fla-core
+             `chunk_kda` (in-kernel gate / L2 / beta, safe_gate, state_v_first, cu_seqlens, initial/final
+             state gathered/scattered through slots), then a Triton gated-RMSNorm kernel. Where fla or CUDA is
+             unavailable (CPU CI) the delta rule falls back to a torch token recurrence.
+
+Same signatures as plugins.kda.reference; pools are updated in place and returned.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+# --------------------------------------------------------------------------------------------------
+# Decode: fully fused
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _kda_decode_kernel(
+    qkv_ptr, f_ptr, b_ptr, g_ptr, convw_ptr, alog_ptr, dtb_ptr, onw_ptr,
+    state_ptr, conv_ptr, slots_ptr, out_ptr, oacc_ptr, cnt_ptr,
+    stride_qkv, stride_f, stride_b, stride_g, stride_out,
+    lower_bound, norm_eps, scale,
+    H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, BV: tl.constexpr,
+):
+    """grid (B, H, K // BV). Each program owns the [BV, K] rows of S^T for value channels v0..v0+BV.
+    q/k conv + L2 norm are recomputed by every V-tile program (cheap); the v conv, state and output rows are
+    split. With several V tiles, the q/k conv history and the output RMSNorm (a reduction over all V) are done
+    by the last program of the (token, head) to arrive (atomic counter, acq_rel; it resets the counter)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    iv = tl.program_id(2)
+    NV: tl.constexpr = K // BV
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    ck = tl.arange(0, K)
+    cvv = iv * BV + tl.arange(0, BV)
+    j4 = tl.arange(0, 4)
+    hist_mask = (j4 < 3)[None, :]
+    sel3 = (j4 == 3)[None, :]
+    conv_base = conv_ptr + slot * (3 * P * 3)
+    cq = h * K + ck
+    ckk = P + h * K + ck
+    cv = 2 * P + h * K + cvv
+    xq = tl.load(qkv_ptr + t * stride_qkv + cq)
+    xk = tl.load(qkv_ptr + t * stride_qkv + ckk)
+    xv = tl.load(qkv_ptr + t * stride_qkv + cv)
+    hq = tl.load(conv_base + cq[:, None] * 3 + j4[None, :], mask=hist_mask, other=0.0)   # [K, 4]
+    hk = tl.load(conv_base + ckk[:, None] * 3 + j4[None, :], mask=hist_mask, other=0.0)
+    hv = tl.load(conv_base + cv[:, None] * 3 + j4[None, :], mask=hist_mask, other=0.0)
+    wq = tl.load(convw_ptr + cq[:, None] * 4 + j4[None, :])
+    wk = tl.load(convw_ptr + ckk[:, None] * 4 + j4[None, :])
+    wv = tl.load(convw_ptr + cv[:, None] * 4 + j4[None, :])
+    winq = tl.where(sel3, xq.to(tl.float32)[:, None], hq.to(tl.float32))              # window [h0, h1, h2, x]
+    wink = tl.where(sel3, xk.to(tl.float32)[:, None], hk.to(tl.float32))
+    winv = tl.where(sel3, xv.to(tl.float32)[:, None], hv.to(tl.float32))
+    yq = tl.sum(winq * wq, axis=1)
+    yk = tl.sum(wink * wk, axis=1)
+    yv = tl.sum(winv * wv, axis=1)
+    yq = yq * _sigmoid(yq)
+    yk = yk * _sigmoid(yk)
+    yv = yv * _sigmoid(yv)
+    cdt = conv_ptr.dtype.element_ty
+    # v history (channels owned by this program only)
+    tl.store(conv_base + cv * 3 + 0, tl.sum(tl.where((j4 == 1)[None, :], winv, 0.0), axis=1).to(cdt))
+    tl.store(conv_base + cv * 3 + 1, tl.sum(tl.where((j4 == 2)[None, :], winv, 0.0), axis=1).to(cdt))
+    tl.store(conv_base + cv * 3 + 2, xv.to(cdt))
+
+    q = yq * (1.0 / tl.sqrt(tl.sum(yq * yq, axis=0) + 1e-6)) * scale
+    k = yk * (1.0 / tl.sqrt(tl.sum(yk * yk, axis=0) + 1e-6))
+    fv = tl.load(f_ptr + t * stride_f + h * K + ck).to(tl.float32)
+    dtb = tl.load(dtb_ptr + h * K + ck)
+    a = tl.exp(tl.load(alog_ptr + h))
+    alpha = tl.exp(lower_bound * _sigmoid(a * (fv + dtb)))              # [K]
+    beta = _sigmoid(tl.load(b_ptr + t * stride_b + h).to(tl.float32))
+
+    s_ptrs = state_ptr + (slot * H + h) * (K * K) + cvv[:, None] * K + ck[None, :]   # rows = v, cols = k
+    S = tl.load(s_ptrs)
+    S = S * alpha[None, :]
+    u = yv - tl.sum(S * k[None, :], axis=1)                               # [BV]
+    S = S + (beta * u)[:, None] * k[None, :]
+    tl.store(s_ptrs, S)
+    o = tl.sum(S * q[None, :], axis=1)                                    # [BV]
+    w = tl.load(onw_ptr + cvv)
+    gv = tl.load(g_ptr + t * stride_g + h * K + cvv).to(tl.float32)
+    if NV == 1:
+        cdt2 = conv_ptr.dtype.element_ty
+        tl.store(conv_base + cq * 3 + 0, tl.sum(tl.where((j4 == 1)[None, :], winq, 0.0), axis=1).to(cdt2))
+        tl.store(conv_base + cq * 3 + 1, tl.sum(tl.where((j4 == 2)[None, :], winq, 0.0), axis=1).to(cdt2))
+        tl.store(conv_base + cq * 3 + 2, xq.to(cdt2))
+        tl.store(conv_base + ckk * 3 + 0, tl.sum(tl.where((j4 == 1)[None, :], wink, 0.0), axis=1).to(cdt2))
+        tl.store(conv_base + ckk * 3 + 1, tl.sum(tl.where((j4 == 2)[None, :], wink, 0.0), axis=1).to(cdt2))
+        tl.store(conv_base + ckk * 3 + 2, xk.to(cdt2))
+        rs = 1.0 / tl.sqrt(tl.sum(o * o, axis=0) / K + norm_eps)
+        tl.store(out_ptr + t * stride_out + h * K + cvv, (o * rs * w * _sigmoid(gv)).to(out_ptr.dtype.element_ty))
+    else:
+        oa = oacc_ptr + (t * H + h).to(tl.int64) * K
+        tl.store(oa + cvv, o)
+        prev = tl.atomic_add(cnt_ptr + t * H + h, 1, sem="acq_rel")
+        if prev == NV - 1:
+            cdt2 = conv_ptr.dtype.element_ty
+            tl.store(conv_base + cq * 3 + 0, tl.sum(tl.where((j4 == 1)[None, :], winq, 0.0), axis=1).to(cdt2))
+            tl.store(conv_base + cq * 3 + 1, tl.sum(tl.where((j4 == 2)[None, :], winq, 0.0), axis=1).to(cdt2))
+            tl.store(conv_base + cq * 3 + 2, xq.to(cdt2))
+            tl.store(conv_base + ckk * 3 + 0, tl.sum(tl.where((j4 == 1)[None, :], wink, 0.0), axis=1).to(cdt2))
+            tl.store(conv_base + ckk * 3 + 1, tl.sum(tl.where((j4 == 2)[None, :], wink, 0.0), axis=1).to(cdt2))
+            tl.store(conv_base + ckk * 3 + 2, xk.to(cdt2))
+            of = tl.load(oa + ck, volatile=True)
+            wf = tl.load(onw_ptr + ck)
+            gf = tl.load(g_ptr + t * stride_g + h * K + ck).to(tl.float32)
+            rs = 1.0 / tl.sqrt(tl.sum(of * of, axis=0) / K + norm_eps)
+            tl.store(out_ptr + t * stride_out + h * K + ck, (of * rs * wf * _sigmoid(gf)).to(out_ptr.dtype.element_ty))
+            tl.atomic_xchg(cnt_ptr + t * H + h, 0)
+
+
+_COUNTERS = {}
+
+
+def _counters(device, n):
+    buf = _COUNTERS.get(str(device))
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[str(device)] = buf
+    return buf
+
+
+def _check_last_contig(*xs):
+    return [x if x.stride(-1) == 1 else x.contiguous() for x in xs]
+
+
+def kda_decode(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slots, *,
+               num_heads: int, head_dim: int, lower_bound: float = -5.0, norm_eps: float = 1e-5, out=None,
+               block_v: int | None = None, num_warps: int | None = None):
+    """KdaDecode: one token per request; updates `state` and `conv` in place. Returns (out, state, conv)."""
+    B = qkv.shape[0]
+    H, K = num_heads, head_dim
+    P = H * K
+    assert qkv.shape[1] == 3 * P and f.shape == (B, P) and b.shape == (B, H) and g.shape == (B, P)
+    assert state.is_contiguous() and conv.is_contiguous() and state.shape[1:] == (H, K, K)
+    assert conv.shape[1:] == (3 * P, 3) and slots.shape[0] == B
+    assert K & (K - 1) == 0
+    qkv, f, b, g = _check_last_contig(qkv, f, b, g)
+    conv_w = conv_w.contiguous()
+    if out is None:
+        out = torch.empty(B, P, dtype=qkv.dtype, device=qkv.device)
+    if B == 0:
+        return out, state, conv
+    BV = block_v or (32 if K >= 128 else K)
+    NV = K // BV
+    if NV > 1:
+        oacc = torch.empty(B * H * K, dtype=torch.float32, device=qkv.device)
+        cnt = _counters(qkv.device, B * H)
+    else:
+        oacc = cnt = out
+    _kda_decode_kernel[(B, H, NV)](
+        qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slots, out, oacc, cnt,
+        qkv.stride(0), f.stride(0), b.stride(0), g.stride(0), out.stride(0),
+        float(lower_bound), float(norm_eps), float(K) ** -0.5,
+        H=H, K=K, P=P, BV=BV, num_warps=num_warps or (8 if BV * K >= 16384 else 4),
+    )
+    return out, state, conv
+
+
+# --------------------------------------------------------------------------------------------------
+# Prefill
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _conv_prefill_kernel(
+    qkv_ptr, convw_ptr, conv_ptr, slots_ptr, seq_ptr, cu_ptr, y_ptr,
+    T, stride_qkv, D: tl.constexpr, P: tl.constexpr,
+    BT: tl.constexpr, BD: tl.constexpr, L2NORM: tl.constexpr,
+):
+    """y[c // P, t, c % P] = silu(sum_j w[c,j] x_{t-3+j}[c]), x_{<0} from the slot's conv history."""
+    pid_t = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    tt = pid_t * BT + tl.arange(0, BT)
+    cc = pid_d * BD + tl.arange(0, BD)
+    tmask = tt < T
+    cmask = cc < D
+    seq = tl.load(seq_ptr + tt, mask=tmask, other=0)
+    start = tl.load(cu_ptr + seq, mask=tmask, other=0)
+    slot = tl.load(slots_ptr + seq, mask=tmask, other=0).to(tl.int64)
+    pos = tt - start
+    m2 = tmask[:, None] & cmask[None, :]
+    acc = tl.zeros([BT, BD], dtype=tl.float32)
+    for j in tl.static_range(4):
+        p = pos - 3 + j                                           # position inside the sequence
+        w = tl.load(convw_ptr + cc * 4 + j, mask=cmask, other=0.0)
+        from_x = p >= 0
+        xv = tl.load(qkv_ptr + (tt - 3 + j)[:, None].to(tl.int64) * stride_qkv + cc[None, :],
+                     mask=m2 & from_x[:, None], other=0.0).to(tl.float32)
+        hv = tl.load(conv_ptr + slot[:, None] * (D * 3) + cc[None, :] * 3 + (p + 3)[:, None],
+                     mask=m2 & (~from_x)[:, None], other=0.0).to(tl.float32)
+        acc += (xv + hv) * w[None, :]
+    y = acc * _sigmoid(acc)
+    if L2NORM:   # BD == head_dim: this block is one head of q, k or v; L2-normalize q and k rows
+        nrm = 1.0 / tl.sqrt(tl.sum(y * y, axis=1) + 1e-6)
+        is_qk = (pid_d * BD) < 2 * P
+        y = tl.where(is_qk, y * nrm[:, None], y)
+    which = cc // P
+    ch = cc % P
+    tl.store(y_ptr + which[None, :].to(tl.int64) * T * P + tt[:, None].to(tl.int64) * P + ch[None, :],
+             y.to(y_ptr.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _conv_hist_kernel(qkv_ptr, conv_ptr, slots_ptr, cu_ptr, stride_qkv, D: tl.constexpr, BD: tl.constexpr):
+    """New history of sequence n = last 3 raw inputs of [old history ‖ new tokens]."""
+    n = tl.program_id(0)
+    cc = tl.program_id(1) * BD + tl.arange(0, BD)
+    cmask = cc < D
+    start = tl.load(cu_ptr + n)
+    L = tl.load(cu_ptr + n + 1) - start
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    base = conv_ptr + slot * (D * 3) + cc * 3
+    old0 = tl.load(base + 0, mask=cmask, other=0.0)
+    old1 = tl.load(base + 1, mask=cmask, other=0.0)
+    old2 = tl.load(base + 2, mask=cmask, other=0.0)
+    for j in tl.static_range(3):
+        # index into the extended sequence [old0, old1, old2, x_0 .. x_{L-1}] at L + j
+        e = tl.zeros([BD], dtype=tl.int32) + L + j
+        xv = tl.load(qkv_ptr + (start + e - 3).to(tl.int64) * stride_qkv + cc, mask=cmask & (e >= 3), other=0.0)
+        hv = tl.where(e == 0, old0, tl.where(e == 1, old1, old2))
+        v = tl.where(e >= 3, xv.to(conv_ptr.dtype.element_ty), hv)
+        tl.store(base + j, v, mask=cmask)
+
+
+@triton.jit
+def _gated_norm_kernel(o_ptr, g_ptr, w_ptr, out_ptr, T, stride_g, stride_out, norm_eps,
+                       H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr):
+    tt = tl.program_id(0) * BT + tl.arange(0, BT)
+    h = tl.program_id(1)
+    tm = (tt < T)[:, None]
+    t64 = tt.to(tl.int64)[:, None]
+    ck = tl.arange(0, K)[None, :]
+    o = tl.load(o_ptr + (t64 * H + h) * K + ck, mask=tm, other=0.0).to(tl.float32)
+    gv = tl.load(g_ptr + t64 * stride_g + h * K + ck, mask=tm, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + ck)
+    rs = 1.0 / tl.sqrt(tl.sum(o * o, axis=1) / K + norm_eps)
+    tl.store(out_ptr + t64 * stride_out + h * K + ck, (o * rs[:, None] * w * _sigmoid(gv)).to(out_ptr.dtype.element_ty),
+             mask=tm)
+
+
+def _fla_available(device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import fla.ops.kda  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
+def _delta_rule_torch(q, k, v, fraw, braw, A_log, dt_bias, state, cu, slots, H, K, lower_bound):
+    """CPU fallback of the chunk stage: token recurrence in fp32 (q, k raw post-conv; normalizes here)."""
+    T = q.shape[0]
+    qf = q.float().view(T, H, K)
+    kf = k.float().view(T, H, K)
+    qf = qf * K ** -0.5          # q, k arrive L2-normalized from the conv kernel
+    vf = v.float().view(T, H, K)
+    gate = lower_bound * torch.sigmoid(torch.exp(A_log.float())[None, :, None] * (fraw.float() + dt_bias.float()).view(T, H, K))
+    beta = torch.sigmoid(braw.float())
+    o = torch.empty(T, H, K, dtype=torch.float32, device=q.device)
+    cu_l = cu.tolist()
+    for n in range(len(cu_l) - 1):
+        s = int(slots[n])
+        S = state[s].clone()
+        for t in range(cu_l[n], cu_l[n + 1]):
+            S = S * torch.exp(gate[t])[:, None, :]
+            u = vf[t] - torch.einsum("hvk,hk->hv", S, kf[t])
+            S = S + beta[t][:, None, None] * u[:, :, None] * kf[t][:, None, :]
+            o[t] = torch.einsum("hvk,hk->hv", S, qf[t])
+        state[s] = S
+    return o
+
+
+def kda_prefill(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, cu_seqlens, slots, *,
+                num_heads: int, head_dim: int, lower_bound: float = -5.0, norm_eps: float = 1e-5, out=None):
+    """KdaPrefill: varlen packed prefill continuing from the slots' state/conv history; in place."""
+    T = qkv.shape[0]
+    H, K = num_heads, head_dim
+    P = H * K
+    D = 3 * P
+    N = slots.shape[0]
+    assert qkv.shape[1] == D and f.shape == (T, P) and b.shape == (T, H) and g.shape == (T, P)
+    assert cu_seqlens.shape[0] == N + 1
+    dev = qkv.device
+    qkv, f, b, g = _check_last_contig(qkv, f, b, g)
+    conv_w = conv_w.contiguous()
+    cu32 = cu_seqlens.to(torch.int32)
+    lens = cu32[1:] - cu32[:-1]
+    seq = torch.repeat_interleave(torch.arange(N, device=dev, dtype=torch.int32), lens.long(), output_size=T)
+    use_fla = _fla_available(dev)
+    ydtype = torch.bfloat16 if use_fla and qkv.dtype == torch.float32 else qkv.dtype
+    y = torch.empty(3, T, P, dtype=ydtype, device=dev)
+    BT, BD = 32, K
+    _conv_prefill_kernel[(triton.cdiv(T, BT), triton.cdiv(D, BD))](
+        qkv, conv_w, conv, slots, seq, cu32, y, T, qkv.stride(0), D=D, P=P, BT=BT, BD=BD, L2NORM=True, num_warps=4)
+    _conv_hist_kernel[(N, triton.cdiv(D, 256))](qkv, conv, slots, cu32, qkv.stride(0), D=D, BD=256, num_warps=4)
+    q, k, v = y[0], y[1], y[2]
+    if use_fla:
+        from fla.ops.kda import chunk_kda
+        slots_l = slots.long()
+        h0 = state.index_select(0, slots_l)                           # [N, H, V, K] (state_v_first layout)
+        fa = f if f.dtype == q.dtype else f.to(q.dtype)
+        ba = b if b.dtype == q.dtype else b.to(q.dtype)
+        o, ht = chunk_kda(
+            q.view(1, T, H, K), k.view(1, T, H, K), v.view(1, T, H, K), fa.view(1, T, H, K), ba.view(1, T, H),
+            scale=K ** -0.5, initial_state=h0, output_final_state=True,
+            use_qk_l2norm_in_kernel=False, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+            A_log=A_log, dt_bias=dt_bias, safe_gate=True, lower_bound=lower_bound,
+            state_v_first=True, cu_seqlens=cu_seqlens.long())
+        state.index_copy_(0, slots_l, ht.to(state.dtype))
+        o = o.view(T, H, K)
+    else:
+        o = _delta_rule_torch(q, k, v, f, b, A_log, dt_bias, state, cu32, slots, H, K, lower_bound)
+    if out is None:
+        out = torch.empty(T, P, dtype=qkv.dtype, device=dev)
+    o = o.contiguous()
+    _gated_norm_kernel[(triton.cdiv(T, 16), H)](o, g, o_norm_w, out, T, g.stride(0), out.stride(0), float(norm_eps),
+                                               H=H, K=K, BT=16, num_warps=4)
+    return out, state, conv

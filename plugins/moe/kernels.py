@@ -1,0 +1,261 @@
+"""MXFP4 routed-expert MoE Triton kernels (GPU; CPU tensors under TRITON_INTERPRET=1). MODEL.md §7.2, §8.3.
+
+mxfp4_moe: tokens' (token, expert) pairs are sorted by local expert in torch (no host sync), then
+  kernel 1: per (expert, I-tile) grouped GEMM x·W13ᵀ with the MXFP4 weights dequantized in registers
+            (E2M1 bits placed into bf16 by integer ops, scaled by the E8M0 factor with one bf16x2 multiply per
+            two weights through inline PTX on the GPU; plain Triton arithmetic in the interpreter), gate and up
+            tiles of the same columns in one program, SiTU fused in fp32, h written in bf16;
+  kernel 2: per (expert, Rl-tile) h·W2ᵀ the same way, times the pair's routing weight, written per pair;
+  combine: fp32 sum over the k choices (deterministic; non-local choices contribute 0).
+route: the fp32 router (sigmoid, + correction bias for selection only, optional group stage, top-k, renormalize,
+  scale) in torch.
+Hopper has no FP4 MMA: the MMAs are bf16 with fp32 accumulation.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _dequant_ref(p, s):
+    """Plain Triton decode (interpreter / fallback): p uint8 [BN, BKH] packed, s uint8 [BN, BKH] scale per byte.
+    Returns (lo, hi) fp32 = even / odd columns."""
+    pi = p.to(tl.int32)
+    sc = tl.exp2(s.to(tl.float32) - 127.0)
+    c = pi & 15
+    mag = c & 7
+    e = mag >> 1
+    m = (mag & 1).to(tl.float32)
+    v = tl.where(e == 0, m * 0.5, tl.exp2((e - 1).to(tl.float32)) * (1.0 + 0.5 * m))
+    lo = tl.where((c & 8) != 0, -v, v) * sc
+    c = (pi >> 4) & 15
+    mag = c & 7
+    e = mag >> 1
+    m = (mag & 1).to(tl.float32)
+    v = tl.where(e == 0, m * 0.5, tl.exp2((e - 1).to(tl.float32)) * (1.0 + 0.5 * m))
+    hi = tl.where((c & 8) != 0, -v, v) * sc
+    return lo, hi
+
+
+@triton.jit
+def _dequant_asm(p, sb):
+    """GPU decode: p uint8 [BN, BKH]; sb bf16 [BN, BKH] = 2^(u-127) per byte.
+    E2M1 sign -> bf16 bit 15, magnitude bits -> bf16 bits 8:6 (a bf16 equal to value * 2^-126, subnormal for
+    the 0.5 code), mul.bf16x2 by 2^126 (PTX bf16 mul keeps subnormals) gives the E2M1 value exactly, then
+    mul.bf16x2 by the E8M0 factor."""
+    lo, hi = tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 L, H, a, t, u, bias;
+        mov.b32 bias, 0x7E807E80;
+        and.b32 L, $4, 0x0F0F0F0F;
+        shr.b32 H, $4, 4;
+        and.b32 H, H, 0x0F0F0F0F;
+        prmt.b32 a, L, 0, 0x4140;
+        and.b32 t, a, 0x00070007;
+        and.b32 u, a, 0x00080008;
+        shl.b32 t, t, 6;
+        shl.b32 u, u, 12;
+        or.b32 a, t, u;
+        mul.rn.bf16x2 a, a, bias;
+        mul.rn.bf16x2 $0, a, $5;
+        prmt.b32 a, L, 0, 0x4342;
+        and.b32 t, a, 0x00070007;
+        and.b32 u, a, 0x00080008;
+        shl.b32 t, t, 6;
+        shl.b32 u, u, 12;
+        or.b32 a, t, u;
+        mul.rn.bf16x2 a, a, bias;
+        mul.rn.bf16x2 $1, a, $6;
+        prmt.b32 a, H, 0, 0x4140;
+        and.b32 t, a, 0x00070007;
+        and.b32 u, a, 0x00080008;
+        shl.b32 t, t, 6;
+        shl.b32 u, u, 12;
+        or.b32 a, t, u;
+        mul.rn.bf16x2 a, a, bias;
+        mul.rn.bf16x2 $2, a, $5;
+        prmt.b32 a, H, 0, 0x4342;
+        and.b32 t, a, 0x00070007;
+        and.b32 u, a, 0x00080008;
+        shl.b32 t, t, 6;
+        shl.b32 u, u, 12;
+        or.b32 a, t, u;
+        mul.rn.bf16x2 a, a, bias;
+        mul.rn.bf16x2 $3, a, $6;
+        }
+        """,
+        constraints="=r,=r,=r,=r,r,r,r",
+        args=[p, sb],
+        dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True,
+        pack=4,
+    )
+    return lo, hi
+
+
+@triton.jit
+def _load_wtile(w_ptr, s_ptr, rows, rmask, j0, stride_w, stride_s,
+                BN: tl.constexpr, BKH: tl.constexpr, USE_ASM: tl.constexpr, CDT: tl.constexpr):
+    """Dequantized (lo, hi) [BN, BKH] tiles of rows `rows`, packed columns j0 .. j0+BKH."""
+    jj = tl.arange(0, BKH)
+    p = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + (j0 + jj)[None, :], mask=rmask[:, None], other=0)
+    gg = tl.arange(0, BKH // 16)
+    s = tl.load(s_ptr + rows[:, None].to(tl.int64) * stride_s + (j0 // 16 + gg)[None, :], mask=rmask[:, None], other=127)
+    if USE_ASM:
+        sb = (s.to(tl.int32) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        sb = tl.reshape(tl.broadcast_to(sb[:, :, None], (BN, BKH // 16, 16)), (BN, BKH))
+        lo, hi = _dequant_asm(p, sb)
+    else:
+        se = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, BKH // 16, 16)), (BN, BKH))
+        lo, hi = _dequant_ref(p, se)
+        lo = lo.to(CDT)
+        hi = hi.to(CDT)
+    return lo, hi
+
+
+@triton.jit
+def _situ(g, u, beta, lbeta):
+    # 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25); tanh(x) = 2 sigmoid(2x) - 1
+    tg = 2.0 / (1.0 + tl.exp(-2.0 * g / beta)) - 1.0
+    tu = 2.0 / (1.0 + tl.exp(-2.0 * u / lbeta)) - 1.0
+    return beta * tg * (1.0 / (1.0 + tl.exp(-g))) * lbeta * tu
+
+
+@triton.jit
+def _moe_w13_kernel(
+    x_ptr, tok_ptr, offs_ptr, w_ptr, s_ptr, h_ptr,
+    stride_x, stride_we, stride_w, stride_se, stride_s, stride_h,
+    I, RL, beta, lbeta,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr, CDT: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    e = tl.program_id(1)
+    lo_off = tl.load(offs_ptr + e)
+    hi_off = tl.load(offs_ptr + e + 1)
+    if hi_off <= lo_off:
+        return
+    BKH: tl.constexpr = BK // 2
+    nn = pid_n * BN + tl.arange(0, BN)
+    nmask = nn < I
+    wg = w_ptr + e.to(tl.int64) * stride_we
+    sg = s_ptr + e.to(tl.int64) * stride_se
+    jj = tl.arange(0, BKH)
+    for m0 in range(lo_off, hi_off, BM):
+        mm = m0 + tl.arange(0, BM)
+        mmask = mm < hi_off
+        tok = tl.load(tok_ptr + mm, mask=mmask, other=0).to(tl.int64)
+        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        for j0 in range(0, RL // 2, BKH):
+            xe = tl.load(x_ptr + tok[:, None] * stride_x + (2 * (j0 + jj))[None, :], mask=mmask[:, None], other=0.0).to(CDT)
+            xo = tl.load(x_ptr + tok[:, None] * stride_x + (2 * (j0 + jj) + 1)[None, :], mask=mmask[:, None], other=0.0).to(CDT)
+            glo, ghi = _load_wtile(wg, sg, nn, nmask, j0, stride_w, stride_s, BN, BKH, USE_ASM, CDT)
+            acc_g += tl.dot(xe, tl.trans(glo)) + tl.dot(xo, tl.trans(ghi))
+            ulo, uhi = _load_wtile(wg, sg, nn + I, nmask, j0, stride_w, stride_s, BN, BKH, USE_ASM, CDT)
+            acc_u += tl.dot(xe, tl.trans(ulo)) + tl.dot(xo, tl.trans(uhi))
+        hval = _situ(acc_g, acc_u, beta, lbeta)
+        tl.store(h_ptr + mm[:, None].to(tl.int64) * stride_h + nn[None, :], hval.to(h_ptr.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _moe_w2_kernel(
+    h_ptr, pair_ptr, wts_ptr, offs_ptr, w_ptr, s_ptr, y_ptr,
+    stride_h, stride_we, stride_w, stride_se, stride_s, stride_y,
+    I, RL,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr, CDT: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    e = tl.program_id(1)
+    lo_off = tl.load(offs_ptr + e)
+    hi_off = tl.load(offs_ptr + e + 1)
+    if hi_off <= lo_off:
+        return
+    BKH: tl.constexpr = BK // 2
+    nn = pid_n * BN + tl.arange(0, BN)
+    nmask = nn < RL
+    wg = w_ptr + e.to(tl.int64) * stride_we
+    sg = s_ptr + e.to(tl.int64) * stride_se
+    jj = tl.arange(0, BKH)
+    for m0 in range(lo_off, hi_off, BM):
+        mm = m0 + tl.arange(0, BM)
+        mmask = mm < hi_off
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for j0 in range(0, I // 2, BKH):
+            he = tl.load(h_ptr + mm[:, None].to(tl.int64) * stride_h + (2 * (j0 + jj))[None, :], mask=mmask[:, None], other=0.0)
+            ho = tl.load(h_ptr + mm[:, None].to(tl.int64) * stride_h + (2 * (j0 + jj) + 1)[None, :], mask=mmask[:, None], other=0.0)
+            wlo, whi = _load_wtile(wg, sg, nn, nmask, j0, stride_w, stride_s, BN, BKH, USE_ASM, CDT)
+            acc += tl.dot(he.to(CDT), tl.trans(wlo)) + tl.dot(ho.to(CDT), tl.trans(whi))
+        pair = tl.load(pair_ptr + mm, mask=mmask, other=0).to(tl.int64)
+        wt = tl.load(wts_ptr + pair, mask=mmask, other=0.0)
+        tl.store(y_ptr + pair[:, None] * stride_y + nn[None, :], acc * wt[:, None], mask=mmask[:, None] & nmask[None, :])
+
+
+def _sort_pairs(topk_ids, E, expert_offset):
+    T, k = topk_ids.shape
+    flat = topk_ids.reshape(-1).to(torch.int64) - expert_offset
+    valid = (flat >= 0) & (flat < E)
+    key = torch.where(valid, flat, torch.full_like(flat, E))
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=E + 1)[:E]
+    offs = torch.zeros(E + 1, dtype=torch.int32, device=topk_ids.device)
+    offs[1:] = torch.cumsum(counts, 0).to(torch.int32)
+    tok = (order // k).to(torch.int32)
+    return order.to(torch.int32), tok, offs, valid
+
+
+def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *, expert_offset: int = 0,
+              situ_beta: float = 4.0, situ_linear_beta: float = 25.0, block_m: int = 16, block_n13: int = 64,
+              block_n2: int = 64, block_k: int = 128, use_asm: bool | None = None):
+    """Mxfp4Moe: y [T, Rl] fp32 = sum over local choices of w * w2_e(SiTU(w1_e x, w3_e x))."""
+    T, RL = x.shape
+    k = topk_ids.shape[1]
+    E, I2, _ = w13_packed.shape
+    I = I2 // 2
+    dev = x.device
+    if use_asm is None:
+        use_asm = dev.type == "cuda" and not _INTERPRET
+    cdt = tl.bfloat16 if dev.type == "cuda" else tl.float32   # interpreter: fp32 math (its bf16 dot is unreliable)
+    tdt = torch.bfloat16 if cdt == tl.bfloat16 else torch.float32
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    order, tok, offs, valid = _sort_pairs(topk_ids, E, int(expert_offset))
+    h = torch.empty(T * k, I, dtype=tdt, device=dev)
+    BM = block_m
+    _moe_w13_kernel[(triton.cdiv(I, block_n13), E)](
+        x, tok, offs, w13_packed, w13_scale, h,
+        x.stride(0), w13_packed.stride(0), w13_packed.stride(1), w13_scale.stride(0), w13_scale.stride(1), h.stride(0),
+        I, RL, float(situ_beta), float(situ_linear_beta),
+        BM=BM, BN=block_n13, BK=block_k, USE_ASM=use_asm, CDT=cdt, num_warps=4, num_stages=3)
+    ypair = torch.zeros(T * k, RL, dtype=torch.float32, device=dev)
+    wts = topk_w.reshape(-1).to(torch.float32).contiguous()
+    _moe_w2_kernel[(triton.cdiv(RL, block_n2), E)](
+        h, order, wts, offs, w2_packed, w2_scale, ypair,
+        h.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1), ypair.stride(0),
+        I, RL, BM=BM, BN=block_n2, BK=block_k, USE_ASM=use_asm, CDT=cdt, num_warps=4, num_stages=3)
+    return ypair.view(T, k, RL).sum(1)
+
+
+def route(x, gate_w, correction_bias, *, top_k: int = 16, num_expert_group: int = 1, topk_group: int = 1,
+          routed_scaling_factor: float = 1.0):
+    """fp32 router (§7.2): returns (topk_ids int32 [T, k], topk_w fp32 [T, k])."""
+    z = x.float() @ gate_w.float().t()
+    s = torch.sigmoid(z)
+    sel = s + correction_bias.float()
+    if num_expert_group > 1 and num_expert_group > topk_group:
+        T, Etot = sel.shape
+        grp = sel.view(T, num_expert_group, -1).topk(2, dim=-1).values.sum(-1)
+        keep = grp.topk(topk_group, dim=-1).indices
+        gmask = torch.zeros_like(grp, dtype=torch.bool).scatter_(1, keep, True)
+        sel = sel.masked_fill(~gmask[:, :, None].expand(T, num_expert_group, Etot // num_expert_group).reshape(T, Etot),
+                              float("-inf"))
+    idx = sel.topk(top_k, dim=-1).indices
+    w = s.gather(1, idx)
+    w = w / (w.sum(-1, keepdim=True) + 1e-20) * routed_scaling_factor
+    return idx.to(torch.int32), w

@@ -1,0 +1,35 @@
+"""TensorRT IPluginV3 plugin ``kimi::Mxfp4Moe`` (namespace ``kimi``, version ``1``).
+
+Contract: docs/DESIGN.md. Inputs ``x [T,Rl] act, topk_ids [T,k] i32, topk_w [T,k] f32, w13_packed [E,2I,Rl/2] u8,
+w13_scale [E,2I,Rl/32] u8, w2_packed [E,Rl,I/2] u8, w2_scale [E,Rl,I/32] u8``; output ``y [T,Rl] f32`` (EP partial
+sum over local experts). Fields: expert_offset (INT32, default 0), situ_beta (4.0), situ_linear_beta (25.0).
+enqueue calls ``plugins.moe.kernels.mxfp4_moe``. ``Mxfp4MoePlugin`` / ``Mxfp4MoePluginCreator`` are built on first
+access with full TensorRT; :data:`MXFP4_MOE` imports without it.
+"""
+
+from __future__ import annotations
+
+from plugins.trt_common import ACT, F32, I32, U8, AttrSpec, Like, OpSpec, make_plugin_classes
+
+MXFP4_MOE = OpSpec(
+    "Mxfp4Moe",
+    (("x", ACT), ("topk_ids", I32), ("topk_w", F32), ("w13_packed", U8), ("w13_scale", U8), ("w2_packed", U8),
+     ("w2_scale", U8)),
+    (("y", F32),),
+    (AttrSpec("expert_offset", "int", 0), AttrSpec("situ_beta", "float", 4.0),
+     AttrSpec("situ_linear_beta", "float", 25.0)),
+    lambda a: [Like(0)],
+    "plugins.moe.kernels:mxfp4_moe",
+)
+
+_LAZY = {"Mxfp4MoePlugin": (MXFP4_MOE, 0), "Mxfp4MoePluginCreator": (MXFP4_MOE, 1)}
+__all__ = ["MXFP4_MOE", *_LAZY]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import tensorrt
+
+        spec, which = _LAZY[name]
+        return make_plugin_classes(spec, tensorrt)[which]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,322 @@
+"""The runtime API that serve/ builds on (docs/DESIGN.md "Runtime API").
+
+    llm = LLM(path, backend="torch" | "onnxruntime" | "tensorrt", max_batch=8, max_num_tokens=256, max_context=None)
+    outs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=8))   # -> list[RequestOutput]
+    for tok in llm.stream([1, 2, 3], SamplingParams(max_tokens=8)): ...      # yields token ids
+    eng = llm.start()                                       # AsyncEngine, one scheduler thread (idempotent)
+    eng.submit(request_id, prompt_ids, params, on_token)    # on_token(token_id | None, finished, error)
+    eng.cancel(request_id); eng.metrics(); eng.shutdown()
+
+`path` is a checkpoint directory (config.json + safetensors index), an ONNX export directory (index.json), an
+engine directory (engines/ manifest.json) or a build output directory whose manifest.json names them
+(`checkpoint`, `onnx` / `onnx_dir`, `engines` / `engine_dir`; relative to the directory) or holds them as
+subdirectories `checkpoint/`, `onnx/`, `engines/`. A `tiktoken.model` next to the checkpoint (or in `path`) gives
+`llm.tokenizer`.
+
+Invalid requests raise ValueError naming the field (prompt_ids, max_tokens, temperature, top_k, top_p, seed,
+stop_token_ids, request_id) from `generate`, `stream` and `submit`; requests already in flight are unaffected.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import json
+import logging
+import math
+import queue
+import threading
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from runtime.cache import HybridCache, plan_memory
+from runtime.sampling import SamplingParams
+from runtime.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "AsyncEngine", "resolve_model_dir"]
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """request_id; prompt_ids; token_ids generated (a stop/eos token that ended the request is included);
+    finish_reason "length" | "stop" | "cancelled" | "error"; error: message when finish_reason == "error"."""
+
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+    error: str | None = None
+
+
+def _first_key(d: dict, *keys):
+    for k in keys:
+        if d.get(k):
+            return d[k]
+    return None
+
+
+def resolve_model_dir(path: "str | Path") -> dict[str, Path | None]:
+    """Find {"checkpoint", "onnx", "engines", "tokenizer"} under `path` (None where absent). See module docstring."""
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: not a directory (expected a checkpoint, ONNX export, engine or build dir)")
+    found: dict[str, Path | None] = {"checkpoint": None, "onnx": None, "engines": None, "tokenizer": None}
+    manifest = root / "manifest.json"
+    if manifest.is_file():
+        try:
+            m = json.loads(manifest.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{manifest}: not valid JSON ({e})") from e
+        if isinstance(m.get("engines"), dict) and "format" in m:
+            found["engines"] = root                              # an engines/ manifest
+        for key, names in (("checkpoint", ("checkpoint", "checkpoint_dir")), ("onnx", ("onnx", "onnx_dir")),
+                           ("engines", ("engine_dir", "engines_dir", "engines")), ("tokenizer", ("tokenizer",))):
+            v = _first_key(m, *names)
+            if isinstance(v, str):
+                found[key] = (root / v).resolve()
+    if found["checkpoint"] is None:
+        for c in (root, root / "checkpoint"):
+            if (c / "config.json").is_file() and (c / "model.safetensors.index.json").is_file():
+                found["checkpoint"] = c
+                break
+    if found["onnx"] is None:
+        for c in (root, root / "onnx"):
+            if (c / "index.json").is_file():
+                found["onnx"] = c
+                break
+    if found["engines"] is None and (root / "engines" / "manifest.json").is_file():
+        found["engines"] = root / "engines"
+    if found["tokenizer"] is None:
+        for c in (root, found["checkpoint"]):
+            if c is not None and (c / "tiktoken.model").is_file():
+                found["tokenizer"] = c / "tiktoken.model"
+                break
+    return found
+
+
+class AsyncEngine:
+    """One scheduler thread that batches every submitted request. Thread safe. Callbacks run on the scheduler
+    thread and must be quick; they may call submit/cancel."""
+
+    def __init__(self, scheduler: Scheduler):
+        self._sched = scheduler
+        self._cv = threading.Condition(threading.RLock())
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="k3-scheduler", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive() and not self._stop
+
+    def submit(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams | None = None,
+               on_token: Callable[[int | None, bool, str | None], None] | None = None):
+        """Queue a request; returns its scheduler Request (read-only for callers). Raises ValueError naming the
+        field for a bad request, RuntimeError after shutdown."""
+        with self._cv:
+            if self._stop:
+                raise RuntimeError("engine is shut down")
+            req = self._sched.add(request_id, prompt_ids, params or SamplingParams(), on_token)
+            self._cv.notify_all()
+            return req
+
+    def cancel(self, request_id: str) -> bool:
+        """Free the request's slot and blocks now (after the step in progress); on_token(None, True, None)
+        follows. Returns False for an unknown or already finished request."""
+        with self._cv:
+            return self._sched.cancel(request_id)
+
+    def metrics(self) -> dict:
+        """{"kda_slots_in_use", "latent_blocks_in_use", "tokens_generated", "preemptions", "steps",
+        "max_requests_per_step"}."""
+        with self._cv:
+            return self._sched.metrics()
+
+    def shutdown(self) -> None:
+        """Stop the thread; requests still in flight finish as "cancelled". Idempotent."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+        with self._cv:
+            for rid in list(self._sched.requests):
+                self._sched.cancel(rid)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self._sched.has_work():
+                    self._cv.wait()
+                if self._stop:
+                    return
+                try:
+                    self._sched.step()
+                except Exception:                    # keep serving; the step's requests were finished with an error
+                    log.exception("scheduler step failed")
+
+
+class LLM:
+    """Load a model on a backend and generate. See the module docstring for `path`.
+
+    backend: "torch" (fp32 reference, needs a checkpoint), "onnxruntime" (needs an ONNX export), "tensorrt"
+    (needs engines + export index; full TensorRT and a GPU). max_batch: requests running at once (KDA slots =
+    max_batch + 1); max_num_tokens: tokens per scheduler step; max_context: tokens per request (default: the
+    config's max_position_embeddings). block_size / num_blocks / memory_budget size the latent pool (default:
+    enough for max_batch requests at max_context; memory_budget in bytes goes through `plan_memory`).
+    decode_pad_multiple pads decode batches with sentinel rows. Raises FileNotFoundError when the backend's
+    files are absent, ImportError when its package is missing, ValueError for bad sizes.
+    """
+
+    def __init__(self, path: "str | Path", backend: str = "torch", max_batch: int = 8, max_num_tokens: int = 256,
+                 max_context: int | None = None, *, block_size: int = 16, num_blocks: int | None = None,
+                 memory_budget: int | None = None, decode_pad_multiple: int | None = None):
+        self.paths = resolve_model_dir(path)
+        self.backend = backend
+        self.executor = self._make_executor(backend)
+        cfg = self.cfg = self.executor.cfg
+        max_context = max_context or cfg.max_position_embeddings
+        device = "cuda" if backend == "tensorrt" else "cpu"
+        if memory_budget is not None:
+            plan = plan_memory(cfg, self.executor.tp, 1, memory_budget, max_batch, max_context, block_size, torch.float32)
+            self.plan = plan
+            log.info("memory plan:\n%s", plan.table())
+            cache = HybridCache.from_plan(cfg, plan, device)
+        else:
+            if num_blocks is None:
+                num_blocks = 1 + max_batch * math.ceil(max_context / block_size)
+            cache = HybridCache(cfg, max_batch + 1, num_blocks, block_size, self.executor.tp, torch.float32, device,
+                                max_context)
+        self.cache = cache
+        self.scheduler = Scheduler(self.executor, cache, max_batch, max_num_tokens, cfg.eos_token_id,
+                                   decode_pad_multiple)
+        self._engine: AsyncEngine | None = None
+        self._ids = itertools.count()
+        self._tokenizer = None
+
+    def _make_executor(self, backend: str):
+        p = self.paths
+        if backend == "torch":
+            if p["checkpoint"] is None:
+                raise FileNotFoundError(f"backend 'torch' needs a checkpoint (config.json + model.safetensors.index.json); "
+                                        f"found none in {p}")
+            from runtime.executor import TorchExecutor
+            return TorchExecutor(p["checkpoint"])
+        if backend == "onnxruntime":
+            if p["onnx"] is None:
+                raise FileNotFoundError(f"backend 'onnxruntime' needs an ONNX export directory with index.json; found none ({p})")
+            from runtime.executor import OnnxRuntimeExecutor
+            return OnnxRuntimeExecutor(p["onnx"])
+        if backend == "tensorrt":
+            from runtime.executor import TensorRTExecutor
+            if p["engines"] is None:
+                raise FileNotFoundError(f"backend 'tensorrt' needs an engine directory with manifest.json; found none ({p})")
+            return TensorRTExecutor(p["engines"], p["onnx"])
+        raise ValueError(f"backend = {backend!r}: choose 'torch', 'onnxruntime' or 'tensorrt'")
+
+    @property
+    def tokenizer(self):
+        """The checkpoint's tokenizer (runtime.tokenizer.Tokenizer), or None when no tiktoken.model is present."""
+        if self._tokenizer is None and self.paths["tokenizer"] is not None:
+            from runtime.tokenizer import Tokenizer
+            self._tokenizer = Tokenizer.from_file(self.paths["tokenizer"])
+        return self._tokenizer
+
+    # ---- background engine ----
+    def start(self) -> AsyncEngine:
+        """Start (once) and return the background engine."""
+        if self._engine is None or not self._engine.running:
+            self._engine = AsyncEngine(self.scheduler)
+        return self._engine
+
+    def shutdown(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+    def metrics(self) -> dict:
+        return self._engine.metrics() if self._engine else self.scheduler.metrics()
+
+    # ---- synchronous helpers ----
+    def generate(self, prompts: Sequence[Sequence[int]], params: "SamplingParams | Sequence[SamplingParams] | None" = None
+                 ) -> list[RequestOutput]:
+        """Generate for every prompt (continuous batching); outputs in prompt order. A single prompt (list of ints)
+        is accepted too. Every request is validated before any runs: ValueError names the field."""
+        if prompts and isinstance(prompts[0], int):
+            prompts = [prompts]
+        plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"params: {len(plist)} SamplingParams for {len(prompts)} prompts")
+        for p in plist:
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"params: expected SamplingParams, got {type(p).__name__}")
+            p.validate()
+        from runtime.sampling import validate_prompt
+        prompts = [validate_prompt(pr, self.cfg.vocab_size, self.cache.max_context) for pr in prompts]
+        outs: list[RequestOutput] = []
+        done = threading.Semaphore(0)
+        for pr, p in zip(prompts, plist):
+            out = RequestOutput(f"gen-{next(self._ids)}", list(pr), [], "")
+            outs.append(out)
+            reqs: list = []
+
+            def on_token(tok, finished, error, out=out, reqs=reqs):
+                if tok is not None:
+                    out.token_ids.append(tok)
+                if finished:
+                    out.finish_reason, out.error = reqs[0].finish_reason, error
+                    done.release()
+            with self._engine._cv if self._engine is not None else contextlib.nullcontext():
+                reqs.append(self._submit(out.request_id, pr, p, on_token))   # before its first callback can run
+        self._wait(done, len(outs))
+        return outs
+
+    def stream(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Iterator[int]:
+        """Yield the generated token ids of one request as they come. ValueError (naming the field) is raised at
+        the first next(); closing the iterator early cancels the request. Raises RuntimeError when the request
+        ends with an error."""
+        params = params or SamplingParams()
+        rid = f"stream-{next(self._ids)}"
+        q: "queue.Queue[tuple]" = queue.Queue()
+        self._submit(rid, prompt_ids, params, lambda tok, fin, err: q.put((tok, fin, err)))
+        finished = False
+        try:
+            while True:
+                if self._engine is None:
+                    while q.empty():
+                        self.scheduler.step()
+                tok, finished, err = q.get()
+                if tok is not None:
+                    yield tok
+                if finished:
+                    if err:
+                        raise RuntimeError(f"request {rid} failed: {err}")
+                    return
+        finally:
+            if not finished:
+                self.cancel(rid)
+
+    def cancel(self, request_id: str) -> bool:
+        return self._engine.cancel(request_id) if self._engine else self.scheduler.cancel(request_id)
+
+    def _submit(self, rid, prompt_ids, params, on_token):
+        if self._engine is not None:
+            return self._engine.submit(rid, prompt_ids, params, on_token)
+        return self.scheduler.add(rid, prompt_ids, params, on_token)
+
+    def _wait(self, done: threading.Semaphore, n: int) -> None:
+        for _ in range(n):
+            while not done.acquire(blocking=self._engine is not None):
+                if not self.scheduler.step() and not self.scheduler.has_work():
+                    raise RuntimeError("generate: scheduler idle with requests unfinished")
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+        self.executor.close()

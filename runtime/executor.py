@@ -1,0 +1,253 @@
+"""Executors: run one packed forward layer by layer on a backend.
+
+Common interface (what `runtime.scheduler.Scheduler` calls)::
+
+    logits, pools = executor.forward(ids, batch, pools, logits_index)
+
+ids [T] int64 packed tokens; batch: `model.reference.Batch` (decode=True: one token per sequence, decode graphs);
+pools: {layer: {"state", "conv"} | {"cache"}} as allocated by `runtime.cache.HybridCache` (slot 0 / block 0
+sentinels); logits_index [M] int64 rows whose logits are wanted. Returns logits [M, vocab] fp32 and the updated
+pools (new tensors or the same ones updated in place; the caller writes them back either way).
+
+Backends:
+* `TorchExecutor`: `model.reference.K3Model` (fp32 reference ops). TP = 1 here; a TP > 1 executor runs one
+  K3Model per rank (`K3Model.from_checkpoint(path, rank, tp, ep, comm=Comm(rank, tp, gloo_group))`) in rank
+  processes that receive (ids, batch) from rank 0; not written yet (raises NotImplementedError).
+* `OnnxRuntimeExecutor`: the per-layer graphs of an export directory (docs/EXPORT_FORMAT.md, index.json), one
+  `onnxruntime.InferenceSession` per graph; pools are passed in as inputs and the `*_out` outputs taken back.
+  tp == 1 (segment "full") only for now.
+* `TensorRTExecutor`: the per-layer engines of an engine directory (engines/ `manifest.json`), name-based I/O,
+  pool outputs bound to the pool input buffers (in place). Needs full TensorRT, the `kimi` plugins and a CUDA GPU;
+  it cannot run on a machine without them and raises ImportError / RuntimeError saying so.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from model.config import K3Config, load_config
+from model.reference import Batch, K3Model
+
+log = logging.getLogger(__name__)
+
+
+class Executor:
+    """Base class: `cfg` (K3Config), `tp`, `act_dtype` of the pools it expects."""
+
+    cfg: K3Config
+    tp: int = 1
+    act_dtype: torch.dtype = torch.float32
+
+    def forward(self, ids: torch.Tensor, batch: Batch, pools: dict, logits_index: torch.Tensor):
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release backend resources (sessions, engines)."""
+
+
+class TorchExecutor(Executor):
+    """fp32 PyTorch reference. `model` is a loaded K3Model or a checkpoint directory. Raises
+    NotImplementedError for tp > 1 (see module docstring), CheckpointError for a bad checkpoint."""
+
+    def __init__(self, model: "K3Model | str | Path", tp: int = 1, ep: int = 1):
+        if tp != 1 or ep != 1:
+            raise NotImplementedError(f"tp = {tp}, ep = {ep}: the torch executor runs TP = EP = 1 only so far "
+                                      "(TP ranks through torch.distributed/gloo are planned)")
+        self.model = model if isinstance(model, K3Model) else K3Model.from_checkpoint(model)
+        self.cfg = self.model.cfg
+
+    def forward(self, ids, batch, pools, logits_index):
+        with torch.no_grad():
+            return self.model.forward(ids, batch, pools, logits_index)
+
+
+# ---- onnxruntime ------------------------------------------------------------------------------------------
+
+def read_index(onnx_dir: "str | Path") -> dict:
+    """index.json of an export directory. Raises FileNotFoundError (no index: export incomplete) or ValueError
+    (wrong format/version)."""
+    p = Path(onnx_dir) / "index.json"
+    if not p.is_file():
+        raise FileNotFoundError(f"{p}: missing; the ONNX export is incomplete or {onnx_dir} is not an export directory "
+                                "(run python -m export.onnx --checkpoint CKPT --out DIR)")
+    index = json.loads(p.read_text())
+    if index.get("format") != "k3deploy.onnx" or index.get("format_version") != 1:
+        raise ValueError(f"{p}: format {index.get('format')!r} version {index.get('format_version')!r}; "
+                         "this runtime reads k3deploy.onnx version 1 (docs/EXPORT_FORMAT.md)")
+    return index
+
+
+_NP = {"float32": np.float32, "float16": np.float16, "int32": np.int32, "int64": np.int64}
+
+
+class OnnxRuntimeExecutor(Executor):
+    """Runs the rank-0 graphs of an export directory with onnxruntime (CPU provider by default).
+
+    Raises FileNotFoundError/ValueError for a missing or foreign index.json, NotImplementedError for tp > 1 exports
+    (segments + collectives not wired yet), ImportError when onnxruntime is not installed.
+    """
+
+    def __init__(self, onnx_dir: "str | Path", providers: list[str] | None = None, threads: int | None = None):
+        import onnxruntime as ort
+        self.dir = Path(onnx_dir)
+        self.index = read_index(self.dir)
+        self.cfg = load_config(self.index["config"])
+        if self.index.get("config_hash") not in (None, self.cfg.config_hash()):
+            raise ValueError(f"{self.dir}/index.json: config_hash {self.index['config_hash']} does not match its config "
+                             f"({self.cfg.config_hash()}); re-export")
+        self.tp = int(self.index.get("tp", 1))
+        if self.tp != 1:
+            raise NotImplementedError(f"{self.dir}: tp = {self.tp} export; the onnxruntime executor runs tp = 1 only so far")
+        if self.index.get("act_dtype", "float32") != "float32":
+            raise NotImplementedError(f"act_dtype {self.index['act_dtype']}: only float32 exports are supported")
+        opts = ort.SessionOptions()
+        if threads:
+            opts.intra_op_num_threads = threads
+        providers = providers or ["CPUExecutionProvider"]
+        self.graphs: dict[tuple, dict] = {}
+        self.sessions: dict[tuple, "ort.InferenceSession"] = {}
+        for g in self.index["graphs"]:
+            if g.get("rank", 0) != 0:
+                continue
+            key = ("layer", g["layer"], g["graph"]) if g["kind"] == "layer" else (g["kind"],)
+            self.graphs[key] = g
+            self.sessions[key] = ort.InferenceSession(str(self.dir / g["path"]), opts, providers=providers)
+        missing = [k for k in [("embed",), ("head",)] + [("layer", l, m) for l in range(self.cfg.num_hidden_layers)
+                                                            for m in ("prefill", "decode")] if k not in self.sessions]
+        if missing:
+            raise ValueError(f"{self.dir}/index.json: graphs {missing[:4]} missing; re-export")
+
+    def _run(self, key: tuple, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        sess = self.sessions[key]
+        g = self.graphs[key]
+        inp = {}
+        for spec in g["inputs"]:
+            t = feeds[spec["name"]]
+            inp[spec["name"]] = np.ascontiguousarray(t.detach().cpu().numpy().astype(_NP[spec["dtype"]], copy=False))
+        names = [o["name"] for o in g["outputs"]]
+        outs = sess.run(names, inp)
+        return {n: torch.from_numpy(np.asarray(o)) for n, o in zip(names, outs)}
+
+    def forward(self, ids, batch, pools, logits_index):
+        meta = {"cu_seqlens": batch.cu_seqlens, "slots": batch.slots, "block_tables": batch.block_tables,
+                "context_lens": batch.context_lens}
+        P = self._run(("embed",), {"ids": ids})["P"]
+        bank = P.new_zeros(P.shape[0], 0, P.shape[1])
+        kind = "decode" if batch.decode else "prefill"
+        new = {}
+        for l in range(self.cfg.num_hidden_layers):
+            key = ("layer", l, kind)
+            out = self._run(key, {"P": P, "bank": bank, **meta, **pools[l]})
+            P = out["P_out"]
+            bank = out.get("bank_out", bank)
+            new[l] = {name: out[o] for name, o in self.graphs[key]["state_io"].items()}
+        logits = self._run(("head",), {"P": P, "bank": bank, "logits_index": logits_index})["logits"]
+        return logits.float(), new
+
+    def close(self) -> None:
+        self.sessions.clear()
+
+
+# ---- TensorRT ---------------------------------------------------------------------------------------------
+
+class TensorRTExecutor(Executor):
+    """Per-layer TensorRT engines (engines/ `manifest.json`, entries `rank0/<graph>.plan` with `onnx` naming the
+    graph of index.json) run on one CUDA GPU with name-based I/O.
+
+    Pools live on the GPU (torch CUDA tensors); each pool input and its `*_out` output are bound to the same buffer
+    (the kimi plugins update in place), so the returned pools are the input tensors. Needs full TensorRT
+    (`import tensorrt`), a CUDA device and the kimi plugins (`plugins.trt_common.register_tensorrt_plugins`).
+    Raises ImportError naming the missing package, RuntimeError without a GPU, FileNotFoundError/ValueError for a
+    missing or incomplete manifest. It cannot run on a CPU-only machine.
+    """
+
+    def __init__(self, engine_dir: "str | Path", onnx_dir: "str | Path | None" = None, device: int = 0):
+        try:
+            import tensorrt as trt
+        except ImportError as e:
+            raise ImportError("backend 'tensorrt' needs full TensorRT (`pip install tensorrt`, Linux + NVIDIA GPU); "
+                              f"it is not importable here ({e}). Use backend='onnxruntime' or 'torch' instead.") from e
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend 'tensorrt' needs a CUDA GPU; torch sees none. Use 'onnxruntime' or 'torch'.")
+        from plugins.trt_common import register_tensorrt_plugins
+        register_tensorrt_plugins(trt)
+        self.trt, self.device = trt, torch.device("cuda", device)
+        self.dir = Path(engine_dir)
+        mpath = self.dir / "manifest.json"
+        if not mpath.is_file():
+            raise FileNotFoundError(f"{mpath}: missing; build engines with python -m engines.build")
+        manifest = json.loads(mpath.read_text())
+        self.index = read_index(onnx_dir or self.dir)
+        self.cfg = load_config(self.index["config"])
+        if int(self.index.get("tp", 1)) != 1:
+            raise NotImplementedError("tensorrt executor: tp > 1 engines (segments + NCCL collectives) not wired yet")
+        by_onnx = {g["path"]: g for g in self.index["graphs"] if g.get("rank", 0) == 0}
+        self._logger = trt.Logger(trt.Logger.WARNING)
+        self._runtime = trt.Runtime(self._logger)
+        self.engines: dict[tuple, tuple] = {}
+        for plan, entry in manifest.get("engines", {}).items():
+            g = by_onnx.get(entry.get("onnx"))
+            if g is None:
+                continue
+            key = ("layer", g["layer"], g["graph"]) if g["kind"] == "layer" else (g["kind"],)
+            engine = self._runtime.deserialize_cuda_engine((self.dir / plan).read_bytes())
+            if engine is None:
+                raise RuntimeError(f"{self.dir / plan}: TensorRT could not deserialize the engine (version/GPU mismatch?)")
+            self.engines[key] = (engine, engine.create_execution_context(), g)
+        need = [("embed",), ("head",)] + [("layer", l, m) for l in range(self.cfg.num_hidden_layers)
+                                          for m in ("prefill", "decode")]
+        missing = [k for k in need if k not in self.engines]
+        if missing:
+            raise ValueError(f"{mpath}: no engines for graphs {missing[:4]}; rebuild the engines")
+        self.stream = torch.cuda.Stream(self.device)
+
+    _TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int32": torch.int32,
+              "int64": torch.int64}
+
+    def _run(self, key: tuple, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        engine, ctx, g = self.engines[key]
+        state_io = g.get("state_io", {})
+        aliased = {o: i for i, o in state_io.items()}
+        outs: dict[str, torch.Tensor] = {}
+        for spec in g["inputs"]:
+            name = spec["name"]
+            t = feeds[name].to(self.device, self._TORCH[spec["dtype"]]).contiguous()
+            feeds[name] = t
+            ctx.set_input_shape(name, tuple(t.shape))
+            ctx.set_tensor_address(name, t.data_ptr())
+        for spec in g["outputs"]:
+            name = spec["name"]
+            if name in aliased:
+                t = feeds[aliased[name]]                    # in place: output bound to the pool input buffer
+            else:
+                shape = tuple(ctx.get_tensor_shape(name))
+                t = torch.empty(shape, dtype=self._TORCH[spec["dtype"]], device=self.device)
+            ctx.set_tensor_address(name, t.data_ptr())
+            outs[name] = t
+        if not ctx.execute_async_v3(self.stream.cuda_stream):
+            raise RuntimeError(f"TensorRT execution of {g['id']} failed")
+        self.stream.synchronize()
+        return outs
+
+    def forward(self, ids, batch, pools, logits_index):
+        meta = {"cu_seqlens": batch.cu_seqlens, "slots": batch.slots, "block_tables": batch.block_tables,
+                "context_lens": batch.context_lens}
+        P = self._run(("embed",), {"ids": ids})["P"]
+        bank = P.new_zeros(P.shape[0], 0, P.shape[1])
+        kind = "decode" if batch.decode else "prefill"
+        new = {}
+        for l in range(self.cfg.num_hidden_layers):
+            key = ("layer", l, kind)
+            feeds = {"P": P, "bank": bank, **meta, **pools[l]}
+            out = self._run(key, feeds)
+            P, bank = out["P_out"], out.get("bank_out", bank)
+            new[l] = {name: out[o] for name, o in self.engines[key][2]["state_io"].items()}
+        logits = self._run(("head",), {"P": P, "bank": bank, "logits_index": logits_index})["logits"]
+        return logits.float().cpu(), new
+
+    def close(self) -> None:
+        self.engines.clear()

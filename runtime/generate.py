@@ -1,0 +1,57 @@
+"""CLI: generate tokens for one prompt and print the generated ids on one line, space-separated.
+
+    python -m runtime.generate --model DIR --backend torch|onnxruntime|tensorrt --prompt-ids 1,2,3 --max-tokens N
+    python -m runtime.generate --model DIR --prompt "text"        # needs tiktoken.model in DIR (or the checkpoint)
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from runtime.api import LLM, SamplingParams
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m runtime.generate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="checkpoint, ONNX export, engine or build output directory")
+    ap.add_argument("--backend", default="torch", choices=["torch", "onnxruntime", "tensorrt"])
+    g = ap.add_mutually_exclusive_group(required=True)
+    g.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
+    g.add_argument("--prompt", help="prompt text (needs a tokenizer: tiktoken.model)")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--max-context", type=int, default=None)
+    ap.add_argument("--text", action="store_true", help="also print the decoded text on a second line")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if a.prompt_ids is not None:
+            try:
+                ids = [int(x) for x in a.prompt_ids.replace(" ", "").split(",") if x != ""]
+            except ValueError:
+                ap.error(f"--prompt-ids {a.prompt_ids!r}: expected comma-separated integers")
+        llm = LLM(a.model, backend=a.backend, max_batch=1, max_context=a.max_context)
+        if a.prompt is not None:
+            if llm.tokenizer is None:
+                ap.error(f"--prompt: no tokenizer (tiktoken.model) in {a.model}; use --prompt-ids")
+            ids = llm.tokenizer.encode(a.prompt)
+        params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                                seed=a.seed, ignore_eos=a.ignore_eos)
+        out = llm.generate([ids], params)[0]
+    except (ValueError, FileNotFoundError, ImportError, NotImplementedError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(" ".join(str(t) for t in out.token_ids))
+    if a.text and llm.tokenizer is not None:
+        print(llm.tokenizer.decode(out.token_ids))
+    return 0 if out.finish_reason != "error" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

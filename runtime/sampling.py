@@ -1,0 +1,91 @@
+"""Sampling parameters, request validation and per-request token sampling.
+
+Greedy (temperature 0) is the argmax of the fp32 logits (lowest id on ties). Otherwise: logits / temperature,
+top-k, then top-p (smallest set of highest-probability tokens whose mass reaches top_p), then one draw from a
+per-request `torch.Generator` seeded from `seed` and advanced once per sampled token, so a seeded request yields
+the same tokens whatever else shares its batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """max_tokens >= 1; temperature >= 0 (0 = greedy); top_k >= 0 (0 = off); top_p in (0, 1];
+    seed: int or None (None with temperature > 0 = nondeterministic); stop_token_ids: finish ("stop") after
+    emitting one of them; ignore_eos: do not stop at the model's eos_token_id."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field."""
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens = {self.max_tokens!r}: must be an integer >= 1")
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
+            raise ValueError(f"temperature = {self.temperature!r}: must be >= 0 (0 = greedy)")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k = {self.top_k!r}: must be an integer >= 0 (0 = off)")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p = {self.top_p!r}: must be in (0, 1]")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed = {self.seed!r}: must be an integer or None")
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids = {self.stop_token_ids!r}: must be integers")
+
+
+def validate_prompt(prompt_ids, vocab_size: int, max_context: int) -> list[int]:
+    """Check a prompt; returns it as a list of ints. Raises ValueError naming `prompt_ids`."""
+    if isinstance(prompt_ids, torch.Tensor):
+        prompt_ids = prompt_ids.reshape(-1).tolist()
+    try:
+        ids = list(prompt_ids)
+    except TypeError:
+        raise ValueError(f"prompt_ids: expected a list of token ids, got {type(prompt_ids).__name__}") from None
+    if not ids:
+        raise ValueError("prompt_ids: empty; pass at least one token id")
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt_ids: token ids {bad[:5]} outside [0, vocab_size={vocab_size})")
+    if len(ids) > max_context:
+        raise ValueError(f"prompt_ids: {len(ids)} tokens, longer than max_context = {max_context}")
+    return [int(t) for t in ids]
+
+
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    """The per-request generator (None for greedy)."""
+    if params.temperature == 0:
+        return None
+    g = torch.Generator()
+    if params.seed is not None:
+        g.manual_seed(int(params.seed) & 0xFFFF_FFFF_FFFF_FFFF)
+    else:
+        g.seed()
+    return g
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token id from logits [vocab] (any float dtype; computed in fp32)."""
+    x = logits.float().reshape(-1)
+    if params.temperature == 0:
+        return int(torch.argmax(x))
+    x = x / float(params.temperature)
+    if 0 < params.top_k < x.numel():
+        kth = torch.topk(x, params.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, -1)
+    if params.top_p < 1:
+        p, idx = torch.sort(probs, descending=True)
+        keep = (p.cumsum(0) - p) < params.top_p          # mass before this token still below top_p
+        keep[0] = True
+        probs = torch.zeros_like(probs).scatter_(0, idx[keep], p[keep])
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Create .venv and install k3deploy with the given extras (default: rtx,serve,test).
+# torch==2.13.0 is pinned first so pip takes the CPU build where one is on local disk; on a GPU host pip
+# takes the CUDA build of the same version.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+EXTRAS="${1:-rtx,serve,test}"
+if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[${EXTRAS}]"

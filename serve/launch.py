@@ -1,0 +1,518 @@
+"""Start the ``tritonserver`` binary bundled in ``nvidia-pytriton`` against a model repository.
+
+The wheel ships the server binary (``pytriton/tritonserver/bin/tritonserver``), the Python backend
+(``pytriton/tritonserver/backends/python``), one Python-backend stub per Python version
+(``pytriton/tritonserver/python_backend_stubs/<X.Y>/``) and the shared libraries the binary needs
+(``nvidia_pytriton.libs``).  To run it outside PyTriton we
+
+1. copy the Python backend plus the stub matching the running interpreter into a private
+   ``<workdir>/backends/python`` (the stub must sit next to ``libtriton_python.so``),
+2. put ``nvidia_pytriton.libs`` and this interpreter's ``libpython`` directory on ``LD_LIBRARY_PATH``
+   and this interpreter's ``bin`` first on ``PATH`` (the stub resolves ``python`` there, which makes the
+   embedded interpreter use this virtual environment's packages),
+3. start the binary with HTTP/gRPC/metrics bound to ``127.0.0.1`` and poll ``/v2/health/ready``.
+
+CLI::
+
+    python -m serve.launch --repo REPO --http-port 8000 --grpc-port 8001 [--metrics-port 8002]
+
+Python::
+
+    with TritonServer(repo, http_port=8000, grpc_port=8001, metrics_port=8002) as srv:
+        ...  # srv.http_url, srv.grpc_url, srv.metrics_url
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from typing import Optional, Sequence
+
+LOGGER = logging.getLogger(__name__)
+
+DEFAULT_HOST = "127.0.0.1"
+
+
+class TritonLaunchError(RuntimeError):
+    """The server could not be prepared, died during start-up, or did not become ready in time."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonDistribution:
+    """Paths of the Triton Inference Server shipped inside the installed ``nvidia-pytriton`` wheel."""
+
+    root: pathlib.Path  # .../pytriton/tritonserver
+    binary: pathlib.Path  # root/bin/tritonserver
+    python_backend: pathlib.Path  # root/backends/python
+    stubs: pathlib.Path  # root/python_backend_stubs
+    libs: pathlib.Path  # .../nvidia_pytriton.libs (or root/external_libs for editable installs)
+    caches: pathlib.Path  # root/caches
+
+    def stub_for(self, version: Optional[str] = None) -> pathlib.Path:
+        """Return the Python-backend stub for ``version`` ("X.Y", default: the running interpreter).
+
+        Raises:
+            TritonLaunchError: no stub is shipped for that Python version.
+        """
+        version = version or f"{sys.version_info[0]}.{sys.version_info[1]}"
+        stub = self.stubs / version / "triton_python_backend_stub"
+        if not stub.is_file():
+            have = sorted(p.name for p in self.stubs.iterdir()) if self.stubs.is_dir() else []
+            raise TritonLaunchError(
+                f"nvidia-pytriton ships no Python-backend stub for Python {version} (looked for {stub}; "
+                f"available: {', '.join(have) or 'none'}). Run the launcher with one of those Python versions."
+            )
+        return stub
+
+
+def find_distribution() -> TritonDistribution:
+    """Locate the ``tritonserver`` bundled in ``nvidia-pytriton`` without importing ``pytriton``.
+
+    Raises:
+        TritonLaunchError: ``nvidia-pytriton`` is not installed or its server tree is incomplete.
+    """
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise TritonLaunchError(
+            "package 'pytriton' not found: install it with `pip install nvidia-pytriton` into the "
+            f"interpreter running the launcher ({sys.executable})"
+        )
+    pkg = pathlib.Path(list(spec.submodule_search_locations)[0])
+    root = pkg / "tritonserver"
+    libs = pkg.parent / "nvidia_pytriton.libs"
+    if not libs.is_dir():  # editable install layout
+        libs = root / "external_libs"
+    dist = TritonDistribution(
+        root=root,
+        binary=root / "bin" / "tritonserver",
+        python_backend=root / "backends" / "python",
+        stubs=root / "python_backend_stubs",
+        libs=libs,
+        caches=root / "caches",
+    )
+    for what, path in (("server binary", dist.binary), ("python backend", dist.python_backend / "libtriton_python.so"),
+                       ("shared libraries", dist.libs)):
+        if not path.exists():
+            raise TritonLaunchError(f"nvidia-pytriton install is incomplete: {what} missing at {path}; "
+                                    "reinstall with `pip install --force-reinstall nvidia-pytriton`")
+    return dist
+
+
+def prepare_backends(dist: TritonDistribution, workdir: pathlib.Path) -> pathlib.Path:
+    """Copy the Python backend and the stub for this interpreter into ``workdir/backends``; return that dir."""
+    backends = workdir / "backends"
+    dst = backends / "python"
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(dist.python_backend, dst,
+                    ignore=shutil.ignore_patterns("__pycache__", "triton_python_backend_stub"))
+    stub_dst = dst / "triton_python_backend_stub"
+    shutil.copy2(dist.stub_for(), stub_dst)
+    stub_dst.chmod(0o755)
+    return backends
+
+
+STUB_SITE_ENV = "K3_TRITON_STUB_SITE"
+
+
+def default_stub_site() -> pathlib.Path:
+    """Directory holding ``numpy<2`` for the stub: ``$K3_TRITON_STUB_SITE`` or
+    ``~/.cache/k3deploy/triton-stub-site/pyX.Y``."""
+    env = os.environ.get(STUB_SITE_ENV)
+    if env:
+        return pathlib.Path(env).expanduser()
+    return pathlib.Path.home() / ".cache" / "k3deploy" / "triton-stub-site" / f"py{sys.version_info[0]}.{sys.version_info[1]}"
+
+
+def _numpy_major(paths: Optional[Sequence[str]] = None) -> Optional[int]:
+    """Major version of the numpy distribution visible on ``paths`` (default ``sys.path``), without importing it."""
+    for d in importlib.metadata.distributions(name="numpy", **({"path": list(paths)} if paths is not None else {})):
+        return int(d.version.split(".")[0])
+    return None
+
+
+def prepare_python_env(workdir: pathlib.Path, stub_site: Optional[pathlib.Path] = None) -> pathlib.Path:
+    """Return the ``bin`` directory whose ``python`` the stub should resolve through ``PATH``.
+
+    The stub of nvidia-pytriton 0.7.0 (Triton 2.51) is compiled against the numpy 1.x C ABI: with numpy 2
+    in the environment, tensors cross the stub empty or garbled (no error is raised). When this interpreter
+    has numpy >= 2 we therefore build a small overlay virtual environment in ``workdir/stubenv`` whose
+    ``sys.path`` is ``stub_site`` (holding numpy<2) first, then this interpreter's site-packages (torch, the
+    project's dependencies, ...). With numpy < 2 the interpreter's own ``bin`` is returned unchanged.
+
+    Raises:
+        TritonLaunchError: numpy >= 2 is installed and ``stub_site`` holds no numpy < 2.
+    """
+    major = _numpy_major()
+    if major is None or major < 2:
+        return pathlib.Path(sys.executable).parent
+    site_dir = pathlib.Path(stub_site) if stub_site is not None else default_stub_site()
+    site_major = _numpy_major([str(site_dir)]) if site_dir.is_dir() else None
+    if site_major is None or site_major >= 2:
+        raise TritonLaunchError(
+            f"numpy {importlib.metadata.version('numpy')} is installed in {sys.prefix}, but nvidia-pytriton's "
+            "Python-backend stub is built for the numpy 1.x ABI (tensors would arrive empty or garbled). "
+            f"Give the stub its own numpy<2 (the environment keeps numpy 2): "
+            f"`{sys.executable} -m pip install --target {site_dir} 'numpy<2'` "
+            f"(or point ${STUB_SITE_ENV} / --stub-site at a directory holding numpy<2)."
+        )
+    env_dir = workdir / "stubenv"
+    bin_dir = env_dir / "bin"
+    pyver = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    sp = env_dir / "lib" / pyver / "site-packages"
+    sp.mkdir(parents=True, exist_ok=True)
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    base_exe = pathlib.Path(getattr(sys, "_base_executable", sys.executable)).resolve()
+    (env_dir / "pyvenv.cfg").write_text(
+        f"home = {base_exe.parent}\ninclude-system-site-packages = false\n"
+        f"version = {sys.version_info[0]}.{sys.version_info[1]}.{sys.version_info[2]}\n")
+    for name in ("python", "python3", pyver):
+        link = bin_dir / name
+        if not link.exists():
+            link.symlink_to(base_exe)
+    # .pth files run in name order: numpy<2 first, then the real environment (with its own .pth files).
+    (sp / "00_k3_stub_numpy.pth").write_text(f"{site_dir.resolve()}\n")
+    parent_sites = [p for p in sysconfig.get_paths().values() if p.endswith("site-packages")]
+    lines = "".join(f"import site; site.addsitedir({str(p)!r})\n" for p in dict.fromkeys(parent_sites))
+    (sp / "01_k3_parent_env.pth").write_text(lines)
+    return bin_dir
+
+
+def server_env(dist: TritonDistribution, python_bin: Optional[pathlib.Path] = None,
+               base: Optional[dict] = None) -> dict:
+    """Environment for ``tritonserver`` and its Python stubs: ``LD_LIBRARY_PATH`` gets the bundled libs and
+    this interpreter's libpython directory, ``PATH`` starts with ``python_bin`` (default: this interpreter's
+    ``bin``) so the stub embeds the right environment."""
+    env = dict(os.environ if base is None else base)
+    lib_dirs = [str(dist.libs)]
+    if sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        # Make the stub load the libpython of *this* interpreter, not whichever one the system has.
+        libdir = sysconfig.get_config_var("LIBDIR")
+        if libdir:
+            lib_dirs.insert(0, libdir)
+    if env.get("LD_LIBRARY_PATH"):
+        lib_dirs.append(env["LD_LIBRARY_PATH"])
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(lib_dirs)
+    bin_dir = str(python_bin or pathlib.Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join([bin_dir] + ([env["PATH"]] if env.get("PATH") else []))
+    return env
+
+
+def free_ports(n: int, host: str = DEFAULT_HOST) -> list[int]:
+    """Return ``n`` distinct TCP ports that were free on ``host`` a moment ago (bound to port 0, then closed)."""
+    socks, ports = [], []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
+class TritonServer:
+    """A ``tritonserver`` child process serving ``repo`` on loopback ports.
+
+    Args:
+        repo: model repository directory.
+        http_port, grpc_port: ports for the HTTP/REST and gRPC endpoints.
+        metrics_port: Prometheus metrics port; ``None`` disables the metrics endpoint.
+        host: address every endpoint binds to (default ``127.0.0.1``).
+        workdir: where backends are copied and the server log is written; default a temporary
+            directory removed by :meth:`stop`.
+        startup_timeout: seconds :meth:`wait_ready` waits by default.
+        exit_timeout: seconds the server may take to drain in-flight requests when stopped.
+        log_verbose: ``--log-verbose`` level.
+        extra_args: more ``tritonserver`` flags, appended last.
+        stub_site: directory with numpy<2 for the stub when this environment has numpy 2
+            (default :func:`default_stub_site`); see :func:`prepare_python_env`.
+    """
+
+    def __init__(self, repo: os.PathLike | str, http_port: int, grpc_port: int, metrics_port: Optional[int] = None,
+                 *, host: str = DEFAULT_HOST, workdir: Optional[os.PathLike | str] = None,
+                 startup_timeout: float = 120.0, exit_timeout: int = 10, log_verbose: int = 0,
+                 extra_args: Sequence[str] = (), stub_site: Optional[os.PathLike | str] = None):
+        self.repo = pathlib.Path(repo).resolve()
+        if not self.repo.is_dir():
+            raise TritonLaunchError(f"--repo {self.repo} is not a directory; pass a Triton model repository "
+                                    "(e.g. one written by `python -m serve.repository`)")
+        ports = [p for p in (http_port, grpc_port, metrics_port) if p is not None]
+        for name, p in (("http_port", http_port), ("grpc_port", grpc_port), ("metrics_port", metrics_port)):
+            if p is not None and not (0 < int(p) < 65536):
+                raise TritonLaunchError(f"{name}={p} is not a TCP port; pass 1..65535")
+        if len(set(ports)) != len(ports):
+            raise TritonLaunchError(f"ports must differ: http={http_port} grpc={grpc_port} metrics={metrics_port}")
+        self.http_port, self.grpc_port, self.metrics_port = int(http_port), int(grpc_port), metrics_port
+        self.host = host
+        self.startup_timeout = startup_timeout
+        self.exit_timeout = int(exit_timeout)
+        self.log_verbose = int(log_verbose)
+        self.extra_args = list(extra_args)
+        self.stub_site = pathlib.Path(stub_site) if stub_site is not None else None
+        self._own_workdir = workdir is None
+        self._workdir_arg = pathlib.Path(workdir) if workdir is not None else None
+        self.workdir: Optional[pathlib.Path] = None
+        self.log_path: Optional[pathlib.Path] = None
+        self._log_file = None
+        self._proc: Optional[subprocess.Popen] = None
+        self.returncode: Optional[int] = None
+        self._final_log = ""
+
+    # -- endpoints ---------------------------------------------------------------------------------
+    @property
+    def http_url(self) -> str:
+        """``host:port`` of the HTTP endpoint (the form tritonclient.http expects)."""
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        """``host:port`` of the gRPC endpoint (the form tritonclient.grpc expects)."""
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> Optional[str]:
+        """Full URL of the Prometheus metrics page, or ``None`` when metrics are disabled."""
+        return None if self.metrics_port is None else f"http://{self.host}:{self.metrics_port}/metrics"
+
+    @property
+    def pid(self) -> Optional[int]:
+        """Process id of the running server, if started."""
+        return None if self._proc is None else self._proc.pid
+
+    def command(self, backends: pathlib.Path) -> list[str]:
+        """The full ``tritonserver`` command line."""
+        dist = find_distribution()
+        shm_prefix = f"k3serve_{os.getpid()}_{uuid.uuid4().hex[:8]}_"
+        cmd = [
+            str(dist.binary),
+            f"--model-repository={self.repo}",
+            f"--backend-directory={backends}",
+            f"--cache-directory={dist.caches}",
+            f"--http-address={self.host}", f"--http-port={self.http_port}",
+            f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
+            "--allow-sagemaker=false", "--allow-vertex-ai=false",
+            "--exit-on-error=true", "--strict-readiness=true",
+            f"--exit-timeout-secs={self.exit_timeout}",
+            f"--log-verbose={self.log_verbose}",
+            # A private shared-memory prefix lets several servers (e.g. parallel tests) coexist.
+            f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
+        ]
+        if self.metrics_port is None:
+            cmd.append("--allow-metrics=false")
+        else:
+            cmd += ["--allow-metrics=true", f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}"]
+        return cmd + self.extra_args
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self, wait: bool = True, timeout: Optional[float] = None) -> "TritonServer":
+        """Start the server; with ``wait`` (default) block until it is ready (see :meth:`wait_ready`)."""
+        if self._proc is not None and self._proc.poll() is None:
+            raise TritonLaunchError(f"server already running (pid {self._proc.pid}); call stop() first")
+        dist = find_distribution()
+        if self._own_workdir:
+            self.workdir = pathlib.Path(tempfile.mkdtemp(prefix="k3serve_"))
+        else:
+            self.workdir = self._workdir_arg.resolve()
+            self.workdir.mkdir(parents=True, exist_ok=True)
+        backends = prepare_backends(dist, self.workdir)
+        python_bin = prepare_python_env(self.workdir, self.stub_site)
+        cmd = self.command(backends)
+        self.log_path = self.workdir / "tritonserver.log"
+        self._log_file = open(self.log_path, "wb")
+        LOGGER.info("starting tritonserver: %s", " ".join(cmd))
+        self._proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      env=server_env(dist, python_bin), cwd=self.workdir, start_new_session=True)
+        self.returncode = None
+        if wait:
+            try:
+                self.wait_ready(timeout)
+            except BaseException:
+                self.stop()
+                raise
+        return self
+
+    def is_alive(self) -> bool:
+        """True while the server process runs."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def is_ready(self) -> bool:
+        """True when ``GET /v2/health/ready`` answers 200."""
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self, timeout: Optional[float] = None) -> None:
+        """Block until the server is ready.
+
+        Raises:
+            TritonLaunchError: the process exited, or ``timeout`` (default ``startup_timeout``) seconds
+                passed; the message carries the tail of the server log.
+        """
+        if self._proc is None:
+            raise TritonLaunchError("server not started; call start() first")
+        timeout = self.startup_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            rc = self._proc.poll()
+            if rc is not None:
+                raise TritonLaunchError(f"tritonserver exited with code {rc} before becoming ready "
+                                        f"(repo {self.repo}). Server log tail:\n{self.log_tail()}")
+            if self.is_ready():
+                LOGGER.info("tritonserver ready: http=%s grpc=%s metrics=%s", self.http_url, self.grpc_url,
+                            self.metrics_url)
+                return
+            if time.monotonic() > deadline:
+                raise TritonLaunchError(f"tritonserver not ready after {timeout:.0f}s (repo {self.repo}); "
+                                        f"raise the timeout if models load slowly. Server log tail:\n{self.log_tail()}")
+            time.sleep(0.2)
+
+    def log_text(self) -> str:
+        """The whole server log so far (kept after :meth:`stop` removes a temporary workdir)."""
+        if self.log_path is not None and self.log_path.exists():
+            try:
+                self._log_file and self._log_file.flush()
+            except ValueError:
+                pass
+            return self.log_path.read_text(errors="replace")
+        return self._final_log
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last ``lines`` lines of the server log."""
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def stop(self, timeout: Optional[float] = None) -> Optional[int]:
+        """Stop the server: SIGTERM, wait up to ``timeout`` (default ``exit_timeout`` + 15 s), then SIGKILL
+        its process group. Removes a temporary workdir. Returns the server's exit code. Idempotent."""
+        proc = self._proc
+        if proc is not None:
+            if proc.poll() is None:
+                LOGGER.info("stopping tritonserver (pid %d)", proc.pid)
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=self.exit_timeout + 15 if timeout is None else timeout)
+                except subprocess.TimeoutExpired:
+                    LOGGER.warning("tritonserver (pid %d) ignored SIGTERM; killing its process group", proc.pid)
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)  # own session: pgid == pid, only our children
+                    except ProcessLookupError:
+                        pass
+                    proc.wait()
+            self.returncode = proc.returncode
+            self._proc = None
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        if self.workdir is not None:
+            if self.log_path is not None and self.log_path.exists():
+                self._final_log = self.log_path.read_text(errors="replace")
+            if self._own_workdir:
+                shutil.rmtree(self.workdir, ignore_errors=True)
+                self.log_path = None
+            self.workdir = None
+        return self.returncode
+
+    def __enter__(self) -> "TritonServer":
+        if not self.is_alive():
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m serve.launch",
+        description="Run the tritonserver bundled in nvidia-pytriton against a model repository, bound to "
+                    "127.0.0.1; prints the endpoints once ready and stops cleanly on SIGINT/SIGTERM.")
+    p.add_argument("--repo", required=True, help="Triton model repository (see `python -m serve.repository`)")
+    p.add_argument("--http-port", type=int, required=True, help="HTTP/REST port")
+    p.add_argument("--grpc-port", type=int, required=True, help="gRPC port")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics port (omit: metrics off)")
+    p.add_argument("--host", default=DEFAULT_HOST, help="address to bind every endpoint to (default %(default)s)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for readiness (default %(default)s)")
+    p.add_argument("--exit-timeout", type=int, default=10,
+                   help="seconds the server may drain in-flight requests on shutdown (default %(default)s)")
+    p.add_argument("--workdir", default=None, help="keep copied backends and tritonserver.log here (default: temp)")
+    p.add_argument("--stub-site", default=None,
+                   help="directory holding numpy<2 for the Python-backend stub when the environment has numpy>=2 "
+                        f"(default ${STUB_SITE_ENV} or ~/.cache/k3deploy/triton-stub-site/pyX.Y)")
+    p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
+    p.add_argument("--log-level", default="INFO", help="launcher logging level (default %(default)s)")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """CLI entry point; returns the process exit code."""
+    args = _parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stop_event = threading.Event()
+    received: list[int] = []
+
+    def _on_signal(signum, _frame):
+        received.append(signum)
+        stop_event.set()
+
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    try:
+        server = TritonServer(args.repo, args.http_port, args.grpc_port, args.metrics_port, host=args.host,
+                              workdir=args.workdir, startup_timeout=args.timeout, exit_timeout=args.exit_timeout,
+                              log_verbose=args.log_verbose, stub_site=args.stub_site)
+        server.start(wait=False)
+    except TritonLaunchError as e:
+        LOGGER.error("%s", e)
+        return 2
+    try:
+        deadline = time.monotonic() + args.timeout
+        while not server.is_ready():
+            if stop_event.is_set():
+                return 0
+            if not server.is_alive() or time.monotonic() > deadline:
+                server.wait_ready(timeout=0)  # raises with the log tail
+            time.sleep(0.2)
+        # The endpoints are this CLI's output (stdout), one per line, machine-readable.
+        print(f"http    http://{server.http_url}", flush=True)
+        print(f"grpc    {server.grpc_url}", flush=True)
+        if server.metrics_url:
+            print(f"metrics {server.metrics_url}", flush=True)
+        print("ready", flush=True)
+        while not stop_event.wait(0.5):
+            if not server.is_alive():
+                LOGGER.error("tritonserver exited unexpectedly (code %s). Log tail:\n%s",
+                             server._proc.returncode if server._proc else None, server.log_tail())
+                return 1
+        LOGGER.info("received %s; shutting down", signal.Signals(received[0]).name)
+        return 0
+    except TritonLaunchError as e:
+        LOGGER.error("%s", e)
+        return 1
+    finally:
+        rc = server.stop()
+        LOGGER.info("tritonserver exited with code %s", rc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

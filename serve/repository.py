@@ -1,0 +1,262 @@
+"""Write a Triton model repository serving a k3deploy model through the Python backend.
+
+::
+
+    python -m serve.repository --engines DIR --out REPO [--backend torch|onnxruntime|tensorrt]
+
+writes::
+
+    REPO/k3/config.pbtxt     decoupled Python-backend model, TensorRT-LLM tensor names
+    REPO/k3/1/model.py       copy of serve/model.py (drives runtime.api through AsyncEngine)
+
+``DIR`` is what ``runtime.api.LLM(path, backend=...)`` loads (a checkpoint for ``torch``, an engine directory
+for ``onnxruntime``/``tensorrt``). The backend comes from ``DIR/manifest.json`` key ``"backend"`` when present,
+else ``--backend``, else ``torch``. The config carries parameters ``project_root`` (prepended to ``sys.path``
+in the stub so ``import runtime`` works), ``model_path``, ``backend``, ``max_batch``, ``max_num_tokens``,
+``max_context`` and, when ``DIR/config.json`` names it, ``vocab_size`` (used to reject out-of-range ids early).
+
+Every written ``config.pbtxt`` is parsed back with the ModelConfig protobuf shipped in ``tritonclient``
+(:func:`validate_config`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import pathlib
+import shutil
+import sys
+from typing import Any, Mapping, Optional, Sequence
+
+LOGGER = logging.getLogger(__name__)
+
+BACKENDS = ("torch", "onnxruntime", "tensorrt")
+DEFAULT_MODEL_NAME = "k3"
+PROJECT_ROOT = pathlib.Path(__file__).resolve().parent.parent
+MODEL_PY = pathlib.Path(__file__).resolve().parent / "model.py"
+
+# (name, Triton data type, dims, optional) -- mirrors tensorrt_llm's Triton model (docs/model_config.md).
+INPUTS: tuple[tuple[str, str, tuple[int, ...], bool], ...] = (
+    ("input_ids", "TYPE_INT32", (-1,), False),
+    ("input_lengths", "TYPE_INT32", (1,), True),
+    ("request_output_len", "TYPE_INT32", (1,), False),
+    ("streaming", "TYPE_BOOL", (1,), True),
+    ("end_id", "TYPE_INT32", (1,), True),
+    ("pad_id", "TYPE_INT32", (1,), True),
+    ("temperature", "TYPE_FP32", (1,), True),
+    ("runtime_top_k", "TYPE_INT32", (1,), True),
+    ("runtime_top_p", "TYPE_FP32", (1,), True),
+    ("top_k", "TYPE_INT32", (1,), True),  # alias of runtime_top_k (text-level name)
+    ("top_p", "TYPE_FP32", (1,), True),  # alias of runtime_top_p
+    ("random_seed", "TYPE_UINT64", (1,), True),
+    ("stop_words", "TYPE_INT32", (-1,), True),
+)
+OUTPUTS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
+    ("output_ids", "TYPE_INT32", (-1, -1)),
+    ("sequence_length", "TYPE_INT32", (-1,)),
+)
+REQUIRED_INPUTS = tuple(name for name, _, _, optional in INPUTS if not optional)
+
+
+class RepositoryError(ValueError):
+    """Bad arguments for, or an invalid result of, writing a model repository."""
+
+
+def resolve_backend(engines: pathlib.Path, flag: Optional[str] = None) -> str:
+    """Backend for ``engines``: ``manifest.json["backend"]`` if present, else ``flag``, else ``"torch"``."""
+    backend, source = None, None
+    manifest = engines / "manifest.json"
+    if manifest.is_file():
+        try:
+            data = json.loads(manifest.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise RepositoryError(f"{manifest} is not readable JSON ({e}); fix or delete it") from e
+        if isinstance(data, dict) and data.get("backend"):
+            backend, source = data["backend"], f"{manifest} key 'backend'"
+            if flag and flag != backend:
+                LOGGER.warning("--backend %s ignored: %s says %r", flag, manifest, backend)
+    if backend is None:
+        backend, source = (flag, "--backend") if flag else ("torch", "default")
+    if backend not in BACKENDS:
+        raise RepositoryError(f"backend {backend!r} (from {source}) is not one of {', '.join(BACKENDS)}")
+    return backend
+
+
+def discover_vocab_size(engines: pathlib.Path) -> Optional[int]:
+    """``vocab_size`` from ``engines/manifest.json`` or ``engines/config.json`` (top level or ``text_config``)."""
+    for name in ("manifest.json", "config.json"):
+        path = engines / name
+        if not path.is_file():
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if not isinstance(data, dict):
+            continue
+        for d in (data, data.get("text_config"), data.get("config")):
+            if isinstance(d, dict) and isinstance(d.get("vocab_size"), int) and d["vocab_size"] > 0:
+                return d["vocab_size"]
+    return None
+
+
+def _dims(d: Sequence[int]) -> str:
+    return "[ " + ", ".join(str(x) for x in d) + " ]"
+
+
+def render_config(name: str, parameters: Mapping[str, Any], instance_count: int = 1) -> str:
+    """Text of ``config.pbtxt`` for the decoupled Python-backend model ``name``."""
+    lines = [
+        f'name: "{name}"',
+        'backend: "python"',
+        "max_batch_size: 0  # requests are batched in-flight inside runtime/ (AsyncEngine), not by Triton",
+        "model_transaction_policy { decoupled: true }",
+        "input [",
+    ]
+    ins = [f'  {{ name: "{n}" data_type: {t} dims: {_dims(d)}{" optional: true" if opt else ""} }}'
+           for n, t, d, opt in INPUTS]
+    lines.append(",\n".join(ins))
+    lines += ["]", "output ["]
+    lines.append(",\n".join(f'  {{ name: "{n}" data_type: {t} dims: {_dims(d)} }}' for n, t, d in OUTPUTS))
+    lines += ["]", f"instance_group [ {{ count: {int(instance_count)} kind: KIND_CPU }} ]"]
+    for key, value in parameters.items():
+        if value is None:
+            continue
+        lines.append(f"parameters: {{ key: {json.dumps(str(key))} value: {{ string_value: {json.dumps(str(value))} }} }}")
+    return "\n".join(lines) + "\n"
+
+
+def validate_config(text: str, expect_name: Optional[str] = None, *, where: str = "config.pbtxt"):
+    """Parse ``text`` with tritonclient's ``ModelConfig`` protobuf and check what ``k3`` relies on.
+
+    Returns the parsed ``ModelConfig``.
+
+    Raises:
+        RepositoryError: the text does not parse, or the model is not a decoupled Python-backend model with
+            the required inputs/outputs.
+    """
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    cfg = model_config_pb2.ModelConfig()
+    try:
+        text_format.Parse(text, cfg)
+    except text_format.ParseError as e:
+        raise RepositoryError(f"{where} does not parse as a Triton ModelConfig: {e}") from e
+    problems = []
+    if expect_name is not None and cfg.name != expect_name:
+        problems.append(f"name is {cfg.name!r}, must equal the model directory name {expect_name!r}")
+    if cfg.backend != "python":
+        problems.append(f"backend is {cfg.backend!r}, must be \"python\"")
+    if not cfg.model_transaction_policy.decoupled:
+        problems.append("model_transaction_policy.decoupled must be true (streaming sends many responses)")
+    inputs = {i.name: i for i in cfg.input}
+    for name in REQUIRED_INPUTS:
+        if name not in inputs:
+            problems.append(f"input {name!r} is missing")
+        elif inputs[name].optional:
+            problems.append(f"input {name!r} must not be optional")
+    outputs = {o.name for o in cfg.output}
+    for name, _, _ in OUTPUTS:
+        if name not in outputs:
+            problems.append(f"output {name!r} is missing")
+    if problems:
+        raise RepositoryError(f"{where}: " + "; ".join(problems))
+    return cfg
+
+
+def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backend: Optional[str] = None, *,
+                     name: str = DEFAULT_MODEL_NAME, max_batch: int = 8, max_num_tokens: int = 256,
+                     max_context: Optional[int] = None, instance_count: int = 1,
+                     project_root: str | pathlib.Path = PROJECT_ROOT, overwrite: bool = False) -> pathlib.Path:
+    """Write ``out/<name>/config.pbtxt`` and ``out/<name>/1/model.py``; return the config's path.
+
+    Raises:
+        RepositoryError: ``engines`` is not a directory, the backend is unknown, a limit is < 1, or
+            ``out/<name>`` exists and ``overwrite`` is false.
+    """
+    engines = pathlib.Path(engines).resolve()
+    out = pathlib.Path(out).resolve()
+    if not engines.is_dir():
+        raise RepositoryError(f"--engines {engines} is not a directory; pass the checkpoint/engine directory "
+                              "that runtime.api.LLM(path) loads")
+    for field, v in (("max_batch", max_batch), ("max_num_tokens", max_num_tokens), ("instance_count", instance_count)):
+        if int(v) < 1:
+            raise RepositoryError(f"{field}={v} must be >= 1")
+    if max_context is not None and int(max_context) < 1:
+        raise RepositoryError(f"max_context={max_context} must be >= 1 (or omitted)")
+    resolved = resolve_backend(engines, backend)
+    model_dir = out / name
+    if model_dir.exists():
+        if not overwrite:
+            raise RepositoryError(f"{model_dir} exists; pass --force (overwrite=True) to replace it")
+        shutil.rmtree(model_dir)
+    (model_dir / "1").mkdir(parents=True)
+    params = {
+        "project_root": str(pathlib.Path(project_root).resolve()),
+        "model_path": str(engines),
+        "backend": resolved,
+        "max_batch": int(max_batch),
+        "max_num_tokens": int(max_num_tokens),
+        "max_context": None if max_context is None else int(max_context),
+        "vocab_size": discover_vocab_size(engines),
+    }
+    text = render_config(name, params, instance_count)
+    validate_config(text, name, where=str(model_dir / "config.pbtxt"))
+    (model_dir / "config.pbtxt").write_text(text)
+    shutil.copy2(MODEL_PY, model_dir / "1" / "model.py")
+    LOGGER.info("wrote %s (backend %s, model %s)", model_dir, resolved, engines)
+    return model_dir / "config.pbtxt"
+
+
+def validate_repository(repo: str | pathlib.Path) -> list[pathlib.Path]:
+    """Validate every ``<repo>/<model>/config.pbtxt`` that names a Python-backend model; return the paths checked."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    checked = []
+    for cfg_path in sorted(pathlib.Path(repo).glob("*/config.pbtxt")):
+        text = cfg_path.read_text()
+        cfg = model_config_pb2.ModelConfig()
+        try:
+            text_format.Parse(text, cfg)
+        except text_format.ParseError as e:
+            raise RepositoryError(f"{cfg_path} does not parse as a Triton ModelConfig: {e}") from e
+        if cfg.backend == "python" and cfg.name == DEFAULT_MODEL_NAME:
+            validate_config(text, cfg_path.parent.name, where=str(cfg_path))
+        checked.append(cfg_path)
+    return checked
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """CLI entry point; returns the process exit code."""
+    p = argparse.ArgumentParser(
+        prog="python -m serve.repository",
+        description="Write a Triton model repository with the decoupled Python-backend model 'k3' "
+                    "(TensorRT-LLM tensor names) that serves DIR through runtime.api.")
+    p.add_argument("--engines", required=True, help="checkpoint or engine directory loaded by runtime.api.LLM")
+    p.add_argument("--out", required=True, help="model repository directory to write")
+    p.add_argument("--backend", choices=BACKENDS, default=None,
+                   help="runtime backend when DIR/manifest.json has no 'backend' key (default torch)")
+    p.add_argument("--name", default=DEFAULT_MODEL_NAME, help="model name (default %(default)s)")
+    p.add_argument("--max-batch", type=int, default=8, help="LLM(max_batch=...) (default %(default)s)")
+    p.add_argument("--max-num-tokens", type=int, default=256, help="LLM(max_num_tokens=...) (default %(default)s)")
+    p.add_argument("--max-context", type=int, default=None, help="LLM(max_context=...) (default: runtime's)")
+    p.add_argument("--instances", type=int, default=1, help="Python-backend instances (default %(default)s)")
+    p.add_argument("--force", action="store_true", help="replace an existing OUT/<name>")
+    args = p.parse_args(argv)
+    logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
+    try:
+        path = write_repository(args.engines, args.out, args.backend, name=args.name, max_batch=args.max_batch,
+                                max_num_tokens=args.max_num_tokens, max_context=args.max_context,
+                                instance_count=args.instances, overwrite=args.force)
+    except RepositoryError as e:
+        LOGGER.error("%s", e)
+        return 2
+    LOGGER.info("repository ready: %s", path.parent.parent)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""The main job (issue 5): `python export/build_engines.py` end to end on k3-tiny, the K3 dry-run plan,
+idempotent reruns, and every error path with one clear message."""
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from export import build_engines as be
+from export.plan import make_plan
+from model.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "export" / "build_engines.py"
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=1200)
+
+
+# ---- the real K3 plan --------------------------------------------------------------------------------------
+
+def test_k3_dry_run_matches_seed_table_and_model_md(tmp_path):
+    """Config-only checkpoint dir -> the plan; numbers from the seed's TP=8 table and MODEL.md §9-§11."""
+    ck = tmp_path / "k3"
+    ck.mkdir()
+    shutil.copy(ROOT / "model" / "k3_config.json", ck / "config.json")
+    r = run_cli("--checkpoint", ck, "--tp", 8, "--ep", 8)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    for row in ("KDA Q/K/V/G2               [T,12,128]", "KDA beta                   [T,12]",
+                "KDA decay                  [T,12,128]", "KDA recurrent state        [12,128,128] fp32",
+                "KDA conv history           [4608,3]", "KDA F_a (replicated)       [T,128]",
+                "MLA q_latent (decode)      [B,12,576]", "MLA latent (replicated)    [T,576]",
+                "MoE experts per rank       112", "MoE dispatch               [T*16,3584]"):
+        assert row in out, row
+    assert "205,056,582,464 B" in out and "DOES NOT FIT 8 x 141 GB" in out and "16 GPUs" in out
+    assert "27,648 B" in out                       # latent per token per rank (§9)
+    assert "29,440,401,408 B" in out              # one request at 1M context, whole model (§9)
+    assert "53.6 MiB" in out                       # KDA slice per request at TP=8 (§9)
+    p = make_plan(load_config("k3"), 8, 8)
+    assert (p.weights.replicated, p.weights.sharded, p.weights.experts) == (11_498_150_400, 12_751_423_808, 180_807_008_256)
+    assert p.smallest[0] == 16 and not p.fits
+    assert make_plan(load_config("k3"), 1, 1).kda_bytes_per_request == 434_110_464 + 15_261_696
+
+
+def test_dry_run_of_a_weightful_checkpoint_allocates_nothing(tiny_ckpt, tmp_path):
+    r = run_cli("--checkpoint", tiny_ckpt, "--dry-run", "--out", tmp_path / "o")
+    assert r.returncode == 0, r.stderr
+    assert "== plan:" in r.stdout and not (tmp_path / "o").exists()
+
+
+# ---- the default run end to end ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_build(tiny_ckpt, tmp_path_factory):
+    out = tmp_path_factory.mktemp("build") / "tp1"
+    r = run_cli("--checkpoint", tiny_ckpt, "--out", out, "--max-batch", 4, "--max-num-tokens", 64)
+    return out, r
+
+
+def test_default_run_end_to_end_tp1(tiny_build):
+    out, r = tiny_build
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads((out / "verify" / "report.json").read_text())
+    assert report["passed"] and report["graphs"] and all(g["passed"] for g in report["graphs"].values())
+    assert any("state_out" in g["outputs"] and "conv_out" in g["outputs"] for g in report["graphs"].values())
+    assert report["end_to_end"]["passed"]
+    smoke = json.loads((out / "smoke.json").read_text())
+    assert smoke["match"] and smoke["runtime"] == smoke["reference"] and len(smoke["runtime"][0]) == 8
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["onnx"] == "onnx" and (out / "triton" / "k3" / "config.pbtxt").is_file()
+    if manifest["engine_flavor"] == "tensorrt-rtx":
+        em = json.loads((out / "engines" / "manifest.json").read_text())
+        assert len(em["engines"]) == len(json.loads((out / "onnx" / "index.json").read_text())["graphs"])
+
+
+def test_rerun_does_no_work_and_force_redoes(tiny_build, tiny_ckpt):
+    out, r = tiny_build
+    assert r.returncode == 0
+    again = run_cli("--checkpoint", tiny_ckpt, "--out", out, "--max-batch", 4, "--max-num-tokens", 64)
+    assert again.returncode == 0, again.stderr
+    log = again.stderr
+    for step in ("checkpoint", "plan", "export", "verify", "engines", "repository", "smoke"):
+        assert f"{step:<10} skipped" in log, (step, log)
+    state = json.loads((out / ".steps.json").read_text())
+    forced = run_cli("--checkpoint", tiny_ckpt, "--out", out, "--max-batch", 4, "--max-num-tokens", 64, "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert "skipped (inputs unchanged)" not in forced.stderr
+    assert json.loads((out / ".steps.json").read_text()).keys() == state.keys()
+
+
+def test_run_tp2_ep2(tiny_ckpt, tmp_path):
+    out = tmp_path / "tp2"
+    r = run_cli("--checkpoint", tiny_ckpt, "--out", out, "--tp", 2, "--ep", 2, "--max-batch", 4, "--max-num-tokens", 64)
+    assert r.returncode == 0, r.stdout + r.stderr
+    index = json.loads((out / "onnx" / "index.json").read_text())
+    assert {g["rank"] for g in index["graphs"]} == {0, 1}
+    report = json.loads((out / "verify" / "report.json").read_text())
+    assert report["passed"] and report["end_to_end"]["passed"]
+
+
+# ---- errors: one clear message, non-zero exit, nothing partial looking complete ------------------------------
+
+def _copy_ckpt(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("case", ["missing_shard", "truncated_shard", "no_config", "tp", "ep"])
+def test_error_paths(case, tiny_ckpt, tmp_path):
+    ck = _copy_ckpt(tiny_ckpt, tmp_path / "ck")
+    args = ["--checkpoint", ck, "--out", tmp_path / "out"]
+    shards = sorted(ck.glob("model-*.safetensors"))
+    if case == "missing_shard":
+        shards[2].unlink()
+        want = shards[2].name
+    elif case == "truncated_shard":
+        data = shards[3].read_bytes()
+        shards[3].write_bytes(data[: len(data) // 2])
+        want = shards[3].name
+    elif case == "no_config":
+        (ck / "config.json").unlink()
+        want = "config.json"
+    elif case == "tp":
+        args += ["--tp", 3]
+        want = "tp = 3"
+    else:
+        args += ["--tp", 2, "--ep", 3]
+        want = "ep = 3"
+    r = run_cli(*args)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert want in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_unwritable_out(tiny_ckpt, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    r = run_cli("--checkpoint", tiny_ckpt, "--out", blocker / "sub")
+    assert r.returncode == 2 and "--out" in r.stderr and "not writable" in r.stderr
+
+
+def test_disk_full_leaves_no_complete_looking_output(tiny_ckpt, tmp_path, monkeypatch, caplog):
+    """ENOSPC while writing the ONNX: exit 2 with the message; no index.json / manifest.json left behind."""
+    import export.onnx as eo
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "out" / "onnx"))
+
+    monkeypatch.setattr(eo, "save_atomic", full)
+    rc = be.main(["--checkpoint", str(tiny_ckpt), "--out", str(tmp_path / "out"), "--backend", "onnxruntime"])
+    assert rc == 2
+    assert "disk full" in caplog.text
+    assert not (tmp_path / "out" / "onnx" / "index.json").exists()
+    assert not (tmp_path / "out" / "manifest.json").exists()

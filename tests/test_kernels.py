@@ -1,0 +1,263 @@
+"""Triton kernels vs the fp32 references. CPU: TRITON_INTERPRET=1 with tiny shapes (CI). GPU: production head
+counts (12, 24, 48, 96 heads per rank), bf16 activations, poisoned pools, non-contiguous slots/blocks."""
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"   # must precede the first triton import
+
+from plugins.kda import kernels as kda_k          # noqa: E402
+from plugins.kda import reference as kda_ref      # noqa: E402
+from plugins.mla import kernels as mla_k          # noqa: E402
+from plugins.moe import kernels as moe_k          # noqa: E402
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+gpu_only = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+
+
+def relerr(a, b):
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    assert torch.isfinite(a).all(), "non-finite values in kernel output"
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def nan_equal(a, b):
+    return torch.equal(torch.nan_to_num(a.cpu().float(), nan=1234.5), torch.nan_to_num(b.cpu().float(), nan=1234.5))
+
+
+# ------------------------------------------------------------------------------------------------- KDA
+def _kda_inputs(T, H, K, S, act, seed):
+    g = torch.Generator().manual_seed(seed)
+    P = H * K
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    d = dict(qkv=r(T, 3 * P).to(act), f=r(T, P).to(act), b=r(T, H).to(act), g=r(T, P).to(act),
+             conv_w=r(3 * P, 4) * 0.5, A_log=r(H) * 0.5, dt_bias=r(P) * 0.3, o_norm_w=torch.rand(K, generator=g) + 0.5)
+    state = r(S, H, K, K) * 0.1
+    conv = r(S, 3 * P, 3).to(act)
+    return d, state, conv
+
+
+def _poison(state, conv, used):
+    for s in range(state.shape[0]):
+        if s not in used:
+            state[s] = float("nan")
+            conv[s] = float("nan")
+
+
+KDA_CASES = [(2, 16, torch.float32)] + ([(12, 128, torch.bfloat16), (24, 128, torch.bfloat16),
+                                        (48, 128, torch.bfloat16), (96, 128, torch.bfloat16)] if HAS_CUDA else
+                                       [(3, 32, torch.bfloat16)])
+
+
+@pytest.mark.parametrize("bv", [None, "quarter"])
+@pytest.mark.parametrize("H,K,act", KDA_CASES)
+def test_kda_decode(H, K, act, bv):
+    slots = torch.tensor([5, 2, 7, 3], dtype=torch.int32)
+    S = 9
+    d, state, conv = _kda_inputs(len(slots), H, K, S, act, seed=H)
+    _poison(state, conv, set(slots.tolist()))
+    ro, rs, rc = kda_ref.kda_decode(**d, state=state, conv=conv, slots=slots, num_heads=H, head_dim=K)
+    dd = {k: v.to(DEV) for k, v in d.items()}
+    st, cv = state.to(DEV), conv.to(DEV)
+    o, st2, cv2 = kda_k.kda_decode(**dd, state=st, conv=cv, slots=slots.to(DEV), num_heads=H, head_dim=K,
+                                   block_v=K // 4 if bv else K)
+    assert st2.data_ptr() == st.data_ptr() and cv2.data_ptr() == cv.data_ptr()
+    tol = 1e-5 if act == torch.float32 else 2e-2
+    assert relerr(o, ro) < tol
+    u = slots.long()
+    assert relerr(st[u], rs[u]) < (1e-5 if act == torch.float32 else 2e-3)
+    assert relerr(cv[u], rc[u]) < 1e-6
+    unused = [s for s in range(S) if s not in set(slots.tolist())]
+    assert torch.isnan(st[unused].cpu()).all() and torch.isnan(cv[unused].cpu().float()).all()
+
+
+@pytest.mark.parametrize("H,K,act", KDA_CASES[:2] if HAS_CUDA else KDA_CASES)
+def test_kda_decode_multi_step(H, K, act):
+    """Three consecutive steps through the same slots (state carried in the pools)."""
+    slots = torch.tensor([4, 1], dtype=torch.int32)
+    d, state, conv = _kda_inputs(2, H, K, 6, act, seed=7)
+    st, cv = state.to(DEV), conv.to(DEV)
+    rs, rc = state, conv
+    for step in range(3):
+        d, _, _ = _kda_inputs(2, H, K, 6, act, seed=100 + step)
+        ro, rs, rc = kda_ref.kda_decode(**d, state=rs, conv=rc, slots=slots, num_heads=H, head_dim=K)
+        o, st, cv = kda_k.kda_decode(**{k: v.to(DEV) for k, v in d.items()}, state=st, conv=cv,
+                                     slots=slots.to(DEV), num_heads=H, head_dim=K)
+        assert relerr(o, ro) < (1e-5 if act == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("H,K,act,lens", [(2, 16, torch.float32, [2, 5, 13])] + (
+    [(12, 128, torch.bfloat16, [1, 3, 70, 130]), (96, 128, torch.bfloat16, [2, 67])] if HAS_CUDA else
+    [(2, 32, torch.bfloat16, [1, 3, 9])]))
+def test_kda_prefill(H, K, act, lens):
+    N = len(lens)
+    T = sum(lens)
+    S = N + 4
+    slots = torch.tensor([S - 1 - 2 * i for i in range(N)], dtype=torch.int32)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    d, state, conv = _kda_inputs(T, H, K, S, act, seed=11)
+    _poison(state, conv, set(slots.tolist()))
+    ro, rs, rc = kda_ref.kda_prefill(**d, state=state, conv=conv, cu_seqlens=cu, slots=slots, num_heads=H, head_dim=K)
+    st, cv = state.to(DEV), conv.to(DEV)
+    o, st, cv = kda_k.kda_prefill(**{k: v.to(DEV) for k, v in d.items()}, state=st, conv=cv, cu_seqlens=cu.to(DEV),
+                                  slots=slots.to(DEV), num_heads=H, head_dim=K)
+    bf = act == torch.bfloat16 or HAS_CUDA
+    assert relerr(o, ro) < (3e-2 if bf else 1e-5)
+    u = slots.long()
+    assert relerr(st[u], rs[u]) < (2e-2 if bf else 1e-5)
+    assert relerr(cv[u], rc[u]) < 1e-6
+    unused = [s for s in range(S) if s not in set(slots.tolist())]
+    assert torch.isnan(st[unused].cpu()).all() and torch.isnan(cv[unused].cpu().float()).all()
+
+
+# ------------------------------------------------------------------------------------------------- MLA
+def mla_decode_ref(q_abs, latent, cache, bt, ctx, H, R, scale):
+    cache = cache.clone().cpu().float()
+    NB, BS, DL = cache.shape
+    B = q_abs.shape[0]
+    out = torch.empty(B, H, R)
+    for b in range(B):
+        p = int(ctx[b])
+        cache[int(bt[b, p // BS]), p % BS] = latent[b].float().cpu()
+        pos = torch.arange(p + 1)
+        C = cache[bt[b].long().cpu()[pos // BS], pos % BS]
+        s = (q_abs[b].float().cpu() @ C.T) * scale
+        out[b] = torch.softmax(s, -1) @ C[:, :R]
+    return out, cache
+
+
+def _mla_setup(B, H, R, DR, BS, MB, ctx, dt, seed):
+    g = torch.Generator().manual_seed(seed)
+    NB = B * MB + 3
+    cache = torch.full((NB, BS, R + DR), float("nan")).to(dt)
+    bt = (torch.randperm(NB - 1, generator=g)[:B * MB].view(B, MB) + 1).int()
+    for b in range(B):
+        for p in range(int(ctx[b])):
+            cache[bt[b, p // BS], p % BS] = torch.randn(R + DR, generator=g).to(dt)
+    return cache, bt, g
+
+
+MLA_CASES = [(12, 64, 16, 4, torch.float32)] + ([(12, 512, 64, 64, torch.bfloat16), (24, 512, 64, 64, torch.bfloat16),
+                                                 (48, 512, 64, 16, torch.bfloat16), (96, 512, 64, 64, torch.bfloat16)]
+                                                if HAS_CUDA else [])
+
+
+@pytest.mark.parametrize("H,R,DR,BS,dt", MLA_CASES)
+def test_mla_decode(H, R, DR, BS, dt):
+    ctx = torch.tensor([0, 5, 3 * BS + 1, 6 * BS - 1], dtype=torch.int32)
+    B, MB = 4, 6
+    cache, bt, g = _mla_setup(B, H, R, DR, BS, MB, ctx, dt, seed=H)
+    q = torch.randn(B, H, R + DR, generator=g).to(dt)
+    lat = torch.randn(B, R + DR, generator=g).to(dt)
+    scale = 192 ** -0.5
+    ro, rc = mla_decode_ref(q, lat, cache, bt, ctx, H, R, scale)
+    c = cache.to(DEV)
+    o, c2 = mla_k.mla_decode(q.to(DEV), lat.to(DEV), c, bt.to(DEV), ctx.to(DEV), num_heads=H, kv_lora_rank=R, scale=scale,
+                             **({} if HAS_CUDA else dict(num_splits=3, block_n=16)))
+    assert c2.data_ptr() == c.data_ptr()
+    assert relerr(o, ro) < (1e-5 if dt == torch.float32 else 1e-2)
+    assert nan_equal(c.float(), rc)
+
+
+def mla_prefill_ref(q, latent, kv_b, cache, bt, cu, ctx, H, Dn, Dv, R, scale):
+    cache = cache.clone().cpu().float()
+    NB, BS, DL = cache.shape
+    out = torch.empty(q.shape[0], H * Dv)
+    W = kv_b.float().cpu().view(H, Dn + Dv, R)
+    for n in range(len(cu) - 1):
+        a, e = int(cu[n]), int(cu[n + 1])
+        for i in range(e - a):
+            p = int(ctx[n]) + i
+            cache[int(bt[n, p // BS]), p % BS] = latent[a + i].float().cpu()
+        tot = int(ctx[n]) + e - a
+        pos = torch.arange(tot)
+        C = cache[bt[n].long().cpu()[pos // BS], pos % BS]
+        kv = torch.einsum("tr,hdr->htd", C[:, :R], W)
+        k = torch.cat([kv[..., :Dn], C[None, :, R:].expand(H, tot, DL - R)], -1)
+        v = kv[..., Dn:]
+        qq = q[a:e].float().cpu().transpose(0, 1)
+        s = qq @ k.transpose(1, 2) * scale
+        mask = torch.arange(tot)[None, :] <= (int(ctx[n]) + torch.arange(e - a))[:, None]
+        s = s.masked_fill(~mask, float("-inf"))
+        out[a:e] = (torch.softmax(s, -1) @ v).transpose(0, 1).reshape(e - a, H * Dv)
+    return out, cache
+
+
+@pytest.mark.parametrize("H,R,DR,Dn,Dv,BS", [(2, 32, 8, 16, 16, 4)] + ([(12, 512, 64, 128, 128, 64)] if HAS_CUDA else []))
+def test_mla_prefill(H, R, DR, Dn, Dv, BS):
+    dt = torch.bfloat16 if HAS_CUDA else torch.float32
+    lens, ctxl = [3, 7], [0, 5]
+    ctx = torch.tensor(ctxl, dtype=torch.int32)
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    cache, bt, g = _mla_setup(2, H, R, DR, BS, 4, ctx, dt, seed=3)
+    q = torch.randn(10, H, Dn + DR, generator=g).to(dt)
+    lat = torch.randn(10, R + DR, generator=g).to(dt)
+    kv_b = (torch.randn(H * (Dn + Dv), R, generator=g) * R ** -0.5).to(dt)
+    scale = (Dn + DR) ** -0.5
+    ro, rc = mla_prefill_ref(q, lat, kv_b, cache, bt, cu, ctx, H, Dn, Dv, R, scale)
+    c = cache.to(DEV)
+    o, c = mla_k.mla_prefill(q.to(DEV), lat.to(DEV), kv_b.to(DEV), c, bt.to(DEV), cu.to(DEV), ctx.to(DEV), num_heads=H,
+                             qk_nope_head_dim=Dn, v_head_dim=Dv, kv_lora_rank=R, scale=scale)
+    assert relerr(o, ro) < (1e-5 if dt == torch.float32 else 2e-2)
+    assert nan_equal(c.float(), rc)
+
+
+# ------------------------------------------------------------------------------------------------- MoE
+_LUT = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def dequant(p, s):
+    lo, hi = _LUT[(p & 15).long()], _LUT[(p >> 4).long()]
+    return torch.stack([lo, hi], -1).flatten(-2) * torch.exp2(s.float() - 127).repeat_interleave(32, -1)
+
+
+def situ(g, u):
+    return 4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(u / 25)
+
+
+def moe_ref(x, ids, w, w13p, w13s, w2p, w2s, off):
+    E = w13p.shape[0]
+    W13, W2 = dequant(w13p, w13s), dequant(w2p, w2s)
+    I = W13.shape[1] // 2
+    y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j]) - off
+            if 0 <= e < E:
+                h = W13[e].double() @ x[t].double()
+                y[t] += float(w[t, j]) * (W2[e].double() @ situ(h[:I], h[I:]))
+    return y
+
+
+@pytest.mark.parametrize("E,RL,I,T,k,bk", [(6, 64, 64, 5, 3, 32)] + ([(16, 512, 256, 9, 6, 128)] if HAS_CUDA else []))
+def test_mxfp4_moe(E, RL, I, T, k, bk):
+    g = torch.Generator().manual_seed(5)
+    w13p = torch.randint(0, 256, (E, 2 * I, RL // 2), dtype=torch.uint8, generator=g)
+    w13s = torch.randint(121, 127, (E, 2 * I, RL // 32), dtype=torch.uint8, generator=g)
+    w2p = torch.randint(0, 256, (E, RL, I // 2), dtype=torch.uint8, generator=g)
+    w2s = torch.randint(118, 124, (E, RL, I // 32), dtype=torch.uint8, generator=g)
+    x = torch.randn(T, RL, generator=g).to(torch.bfloat16)
+    off = 2
+    ids = torch.stack([torch.randperm(E + 4, generator=g)[:k] for _ in range(T)]).int()   # some non-local (EP)
+    w = torch.rand(T, k, generator=g)
+    r = moe_ref(x, ids, w, w13p, w13s, w2p, w2s, off)
+    y = moe_k.mxfp4_moe(x.to(DEV), ids.to(DEV), w.to(DEV), w13p.to(DEV), w13s.to(DEV), w2p.to(DEV), w2s.to(DEV),
+                        expert_offset=off, block_k=bk, block_n13=32 if not HAS_CUDA else 64,
+                        block_n2=32 if not HAS_CUDA else 64)
+    assert y.dtype == torch.float32
+    assert relerr(y, r) < 1e-2   # h is rounded to bf16 between the two GEMMs
+
+
+def test_router():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 32, generator=g)
+    gw = torch.randn(24, 32, generator=g)
+    bias = torch.randn(24, generator=g) * 0.1
+    ids, w = moe_k.route(x, gw, bias, top_k=4)
+    s = torch.sigmoid(x @ gw.t())
+    ref_ids = (s + bias).topk(4, -1).indices
+    assert torch.equal(ids.long().sort(-1).values, ref_ids.sort(-1).values)
+    assert torch.allclose(w.sum(-1), torch.ones(4))

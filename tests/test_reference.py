@@ -1,0 +1,247 @@
+"""The fp32 reference (MODEL.md §4-§7, §13): prefill == prefix + decode, chunked == recurrent, absorbed ==
+unabsorbed, the KDA core against fla's independent oracle, AttnRes source counts, grouped routing.
+
+Tolerances: fp64 runs check the algebra (<= 1e-10); fp32 runs are bounded at 1e-5 relative to the logit
+scale (max |logit|), which is fp32 round-off amplified over 9 layers (measured ~3.5e-6 on k3-tiny seed 0).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.config import load_config
+from model.reference import (Batch, K3Model, SequenceState, allocate_pools, forward, state_spec)
+from plugins.common import compute_dtype
+from plugins.kda import reference as kda_ref
+from plugins.mla import reference as mla_ref
+from plugins.moe import reference as moe_ref
+
+FP32_REL = 1e-5
+
+
+def _ids(cfg, n, seed=1):
+    return torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _prefill_then_decode(model, cfg, ids, split, max_len=64):
+    st = SequenceState(cfg, max_len)
+    outs = [forward(model, ids[:split], st)[0]]
+    for i in range(split, ids.shape[0]):
+        outs.append(forward(model, ids[i:i + 1], st)[0])
+    return torch.cat(outs), st
+
+
+def test_model_prefill_equals_prefix_plus_decode_fp32(tiny_model, tiny_cfg):
+    ids = _ids(tiny_cfg, 40)
+    full, st_full = forward(tiny_model, ids, SequenceState(tiny_cfg, 64))
+    inc, st_inc = _prefill_then_decode(tiny_model, tiny_cfg, ids, 9)
+    scale = full.abs().max()
+    assert (inc - full).abs().max() <= FP32_REL * scale
+    assert torch.equal(inc.argmax(-1), full.argmax(-1))
+    for l in tiny_cfg.kda_layers:  # recurrent state and conv history match too
+        for name in ("state", "conv"):
+            a, b = st_full.pools[l][name][1], st_inc.pools[l][name][1]
+            assert (a - b).abs().max() <= 1e-4 * a.abs().max()
+
+
+@pytest.fixture(scope="module")
+def tiny_model64(tiny_ckpt):
+    with compute_dtype(torch.float64):
+        model = K3Model.from_checkpoint(tiny_ckpt)
+    return model
+
+
+def _pools64(st):
+    st.pools = {l: {k: v.double() for k, v in d.items()} for l, d in st.pools.items()}
+    return st
+
+
+def test_model_prefill_equals_prefix_plus_decode_fp64(tiny_model64, tiny_cfg):
+    ids = _ids(tiny_cfg, 30, seed=2)
+    with compute_dtype(torch.float64):
+        full, _ = forward(tiny_model64, ids, _pools64(SequenceState(tiny_cfg, 64)))
+        st = _pools64(SequenceState(tiny_cfg, 64))
+        outs = [forward(tiny_model64, ids[:5], st)[0]]
+        outs += [forward(tiny_model64, ids[5:12], st)[0]]          # a second prefill chunk continues the state
+        outs += [forward(tiny_model64, ids[i:i + 1], st)[0] for i in range(12, 30)]
+    assert full.dtype == torch.float64
+    assert (torch.cat(outs) - full).abs().max() <= 1e-10 * full.abs().max()
+
+
+@pytest.mark.parametrize("layer", [0, 1, 3, 8])  # KDA+dense (commit), KDA+MoE, MLA+MoE, MLA+MoE at a commit
+def test_each_layer_kind_prefill_equals_decode(tiny_model64, tiny_cfg, layer):
+    """One decoder layer alone: a full prefill of P equals a prefix prefill plus one-token decode steps."""
+    cfg, lay = tiny_cfg, tiny_model64.layers[layer]
+    assert cfg.layer_kind(layer) == ("kda" if layer in cfg.kda_layers else "mla")
+    T, nb = 12, cfg.bank_rows_before(layer)
+    g = torch.Generator().manual_seed(layer)
+    P = torch.randn(T, cfg.hidden_size, generator=g, dtype=torch.float64)
+    bank = torch.randn(T, nb, cfg.hidden_size, generator=g, dtype=torch.float64)
+
+    def pools():
+        p = allocate_pools(cfg, 2, 3, 16)[layer]
+        return {k: v.double() for k, v in p.items()}
+
+    def batch(L, ctx, decode=False):
+        return Batch(torch.tensor([0, L], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
+                     torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([ctx], dtype=torch.int32), decode)
+
+    with compute_dtype(torch.float64):
+        P_full, bank_full, pool_full = lay(P, bank, batch(T, 0), pools(), tiny_model64.comm)
+        pl = pools()
+        outs = []
+        P4, b4, pl = lay(P[:4], bank[:4], batch(4, 0), pl, tiny_model64.comm)
+        outs.append(P4)
+        for t in range(4, T):
+            Pt, _, pl = lay(P[t:t + 1], bank[t:t + 1], batch(1, t, decode=True), pl, tiny_model64.comm)
+            outs.append(Pt)
+    assert bank_full.shape[1] == cfg.bank_rows_after(layer)
+    assert (torch.cat(outs) - P_full).abs().max() <= 1e-10 * P_full.abs().max()
+    for name in pool_full:
+        assert (pool_full[name] - pl[name]).abs().max() <= 1e-10 * max(1.0, pool_full[name].abs().max())
+
+
+def test_packed_sequences_equal_separate_runs(tiny_model, tiny_cfg):
+    """Three sequences packed in one prefill, with non-contiguous slots/blocks, equal three single runs."""
+    cfg = tiny_cfg
+    lens = [5, 1, 9]
+    seqs = [_ids(cfg, n, seed=10 + i) for i, n in enumerate(lens)]
+    pools = allocate_pools(cfg, 8, 8, 16)
+    for l in pools:  # poison every pool entry the batch does not own: it must not leak in
+        for k, v in pools[l].items():
+            v.fill_(float("nan"))
+            if k == "cache":
+                v[[6, 2, 4]] = 0
+            else:
+                v[[7, 3, 5]] = 0
+    batch = Batch(torch.tensor([0, 5, 6, 15], dtype=torch.int32), torch.tensor([7, 3, 5], dtype=torch.int32),
+                  torch.tensor([[6], [2], [4]], dtype=torch.int32), torch.zeros(3, dtype=torch.int32))
+    logits, _ = tiny_model.forward(torch.cat(seqs), batch, pools, logits_index=batch.last_token_index)
+    for i, s in enumerate(seqs):
+        alone, _ = forward(tiny_model, s, SequenceState(cfg, 16))
+        assert torch.isfinite(logits[i]).all()
+        assert (logits[i] - alone[-1]).abs().max() <= FP32_REL * alone.abs().max()
+
+
+def test_kda_chunked_equals_recurrent_fp64():
+    g = torch.Generator().manual_seed(0)
+    H, K, L = 3, 16, 150  # 150 = 2 full chunks of 64 + 22
+    with compute_dtype(torch.float64):
+        q = kda_ref.l2norm(torch.randn(L, H, K, generator=g, dtype=torch.float64)) * K ** -0.5
+        k = kda_ref.l2norm(torch.randn(L, H, K, generator=g, dtype=torch.float64))
+        v = torch.randn(L, H, K, generator=g, dtype=torch.float64)
+        gl = -5 * torch.rand(L, H, K, generator=g, dtype=torch.float64)
+        beta = torch.rand(L, H, generator=g, dtype=torch.float64)
+        S0 = torch.randn(H, K, K, generator=g, dtype=torch.float64)
+        o1, S1 = kda_ref.delta_rule_recurrent(q, k, v, gl, beta, S0)
+        o2, S2 = kda_ref.delta_rule_chunked(q, k, v, gl, beta, S0, chunk_size=64)
+    assert (o1 - o2).abs().max() < 1e-12 and (S1 - S2).abs().max() < 1e-12
+
+
+def test_kda_core_against_fla_naive():
+    """Independent oracle: fla-core's naive_recurrent_kda (state [B, H, K, V]; ours is [H, V, K], §4.5)."""
+    naive = pytest.importorskip("fla.ops.kda.naive", reason="fla-core (test extra) provides the independent oracle")
+    g = torch.Generator().manual_seed(3)
+    H, K, L = 2, 32, 20
+    q = kda_ref.l2norm(torch.randn(L, H, K, generator=g))
+    k = kda_ref.l2norm(torch.randn(L, H, K, generator=g))
+    v = torch.randn(L, H, K, generator=g)
+    gl = -5 * torch.rand(L, H, K, generator=g)
+    beta = torch.rand(L, H, generator=g)
+    S0 = torch.randn(H, K, K, generator=g)              # ours: [H, V, K]
+    o_ref, S_ref = naive.naive_recurrent_kda(q[None], k[None], v[None], gl[None], beta[None], scale=K ** -0.5,
+                                             initial_state=S0.transpose(1, 2)[None].clone(), output_final_state=True)
+    o, S = kda_ref.delta_rule_recurrent(q * K ** -0.5, k, v, gl, beta, S0)
+    assert (o - o_ref[0]).abs().max() < 1e-5
+    assert (S - S_ref[0].transpose(1, 2)).abs().max() < 1e-5
+
+
+def test_mla_absorbed_equals_unabsorbed(tiny_model64, tiny_cfg):
+    """§5.3: decode with q_abs over the latent cache == unabsorbed attention of the same token (fp64)."""
+    cfg, mla = tiny_cfg, tiny_model64.layers[3].attn
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(7, cfg.hidden_size, generator=g, dtype=torch.float64)
+    cache = torch.zeros(3, 4, cfg.latent_dim, dtype=torch.float64)
+    bt = torch.tensor([[2, 1]], dtype=torch.int32)
+    with compute_dtype(torch.float64):
+        q, lat = mla.project(x)
+        kw = dict(num_heads=mla.H, kv_lora_rank=mla.R, scale=mla.scale)
+        o_un, c1 = mla_ref.mla_prefill(q, lat, mla.kv_b, cache, bt, torch.tensor([0, 7], dtype=torch.int32),
+                                       torch.tensor([0], dtype=torch.int32), qk_nope_head_dim=mla.Dn, v_head_dim=mla.Dv, **kw)
+        _, c2 = mla_ref.mla_prefill(q[:6], lat[:6], mla.kv_b, cache, bt, torch.tensor([0, 6], dtype=torch.int32),
+                                    torch.tensor([0], dtype=torch.int32), qk_nope_head_dim=mla.Dn, v_head_dim=mla.Dv, **kw)
+        o_lat, c3 = mla_ref.mla_decode(mla.absorb(q[6:]), lat[6:], c2, bt, torch.tensor([6], dtype=torch.int32), **kw)
+        o_abs = torch.einsum("thr,hvr->thv", o_lat, mla.w_uv).reshape(1, -1)
+    assert torch.equal(c1, c3)
+    assert (o_abs - o_un[6:]).abs().max() < 1e-12
+
+
+def test_attn_res_source_counts():
+    """§13: attention-side / MLP-side / output source counts for k3-tiny (block 4) and K3 (block 12)."""
+    tiny = load_config("k3-tiny")
+    att = [tiny.bank_rows_before(l) + 1 if tiny.bank_rows_before(l) else 1 for l in range(9)]
+    mlp = [tiny.bank_rows_after(l) + 1 for l in range(9)]
+    assert att == [1, 2, 2, 2, 2, 3, 3, 3, 3]
+    assert mlp == [2, 2, 2, 2, 3, 3, 3, 3, 4]
+    assert tiny.num_bank_rows + 1 == 4
+    k3 = load_config("k3")
+    assert [l for l in range(93) if k3.is_commit(l)] == [0, 12, 24, 36, 48, 60, 72, 84]
+    assert max(k3.bank_rows_after(l) + 1 for l in range(93)) == 9 and k3.num_bank_rows + 1 == 9
+
+
+def test_attn_res_counts_in_the_model(tiny_model, tiny_cfg):
+    """The bank the reference actually builds has the declared number of rows after every layer."""
+    batch = Batch(torch.tensor([0, 3], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
+                  torch.tensor([[1]], dtype=torch.int32), torch.tensor([0], dtype=torch.int32))
+    pools = allocate_pools(tiny_cfg, 2, 2, 16)
+    P = tiny_model.embed(_ids(tiny_cfg, 3))
+    bank = P.new_zeros(3, 0, P.shape[1])
+    for l, layer in enumerate(tiny_model.layers):
+        P, bank, _ = layer(P, bank, batch, pools[l], tiny_model.comm)
+        assert bank.shape[1] == tiny_cfg.bank_rows_after(l)
+
+
+def test_grouped_topk_router():
+    """§7.2 group stage: groups ranked by their top-2 sum; experts of dropped groups never selected; weights are
+    the unbiased scores renormalized and scaled; the bias only selects."""
+    E, G = 8, 4
+    x = torch.eye(E)[:1] * 0  # logits come from gate_w rows below
+    gate_w = torch.zeros(E, E)
+    logits = torch.tensor([[3.0, -3.0, 0.5, 0.4, 2.0, 1.9, -1.0, -2.0]])
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 5.0, 0.0])  # pushes expert 6 (group 3) into selection
+    x = logits
+    gate_w = torch.eye(E)
+    ids, w = moe_ref.route(x, gate_w, bias, top_k=2, num_expert_group=G, topk_group=2, renormalize=True, scaling=2.5)
+    sel = torch.sigmoid(logits) + bias
+    grp = sel.view(G, 2).sum(-1)              # each group has exactly 2 experts: top-2 sum = sum
+    kept = set(grp.topk(2).indices.tolist())
+    assert kept == {3, 2}
+    assert set(ids[0].tolist()) == {6, 4}
+    s = torch.sigmoid(logits[0, [6, 4]])
+    assert torch.allclose(w[0].sort().values, (s / s.sum() * 2.5).sort().values)
+    ids1, _ = moe_ref.route(x, gate_w, bias, top_k=2, num_expert_group=1, topk_group=1)
+    assert set(ids1[0].tolist()) == {6, 0}    # with no group stage, expert 0 (group 0) wins
+
+
+def test_state_spec_matches_model_md_section_9():
+    k3 = load_config("k3")
+    spec = state_spec(k3, tp=1, act_dtype=torch.bfloat16)
+    kda = [l for l in spec if "state" in spec[l]]
+    assert len(kda) == 69
+    assert sum(spec[l]["state"].nbytes() for l in kda) == 434_110_464
+    assert sum(spec[l]["conv"].nbytes() for l in kda) == 15_261_696
+    assert sum(spec[l]["cache"].nbytes() for l in spec if "cache" in spec[l]) == 27_648
+    spec8 = state_spec(k3, tp=8, act_dtype=torch.bfloat16)
+    assert spec8[0]["state"].shape == (12, 128, 128) and spec8[0]["conv"].shape == (4608, 3)
+    assert spec8[0]["state"].nbytes() + spec8[0]["conv"].nbytes() == 814_080
+    with pytest.raises(ValueError, match="tp = 5"):
+        state_spec(k3, tp=5)
+
+
+def test_forward_rejects_bad_input(tiny_model, tiny_cfg):
+    with pytest.raises(ValueError, match="token_ids"):
+        forward(tiny_model, [], SequenceState(tiny_cfg, 8))
+    with pytest.raises(ValueError, match="max_len"):
+        forward(tiny_model, list(range(9)), SequenceState(tiny_cfg, 8))
+    with pytest.raises(ValueError, match="zero-length"):
+        kda_ref.check_cu_seqlens(torch.tensor([0, 3, 3, 5]), 5)

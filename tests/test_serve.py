@@ -1,0 +1,636 @@
+"""Tests for serve/: launcher (real tritonserver from nvidia-pytriton), repository writer, Triton model.
+
+* Launcher tests run a tiny decoupled echo model written here.
+* ``k3`` model tests run serve/model.py inside Triton twice:
+  - ``contract``: against a stand-in ``runtime/api.py`` written here that implements the Runtime API contract of
+    docs/DESIGN.md (scheduler thread, slots, cancel, metrics) with a deterministic token rule. It exercises the
+    Triton side (validation, streaming, batching, cancellation, metrics) while runtime/ is being written.
+  - ``runtime``: against the real ``runtime.api`` and a k3-tiny synthetic checkpoint; skipped (with the
+    reason) until ``runtime/api.py`` and ``model/synthetic.py`` exist.
+
+Servers bind to 127.0.0.1 on free ports and are always stopped. Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient[all] not installed")
+pytest.importorskip("google.protobuf.text_format", reason="protobuf not installed")
+if importlib.util.find_spec("pytriton") is None:
+    pytest.skip("nvidia-pytriton not installed (pip install nvidia-pytriton)", allow_module_level=True)
+
+from serve import repository as repo_mod  # noqa: E402
+from serve.launch import TritonLaunchError, TritonServer, free_ports  # noqa: E402
+
+WAIT_S = 60  # deadline for any single wait on the server
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------------
+def _infer_inputs(fields: dict) -> list:
+    """Build gRPC inputs from ``{name: np.ndarray}``."""
+    dtypes = {np.int32: "INT32", np.float32: "FP32", np.bool_: "BOOL", np.uint64: "UINT64", np.int64: "INT64"}
+    out = []
+    for name, arr in fields.items():
+        inp = grpcclient.InferInput(name, list(arr.shape), dtypes[arr.dtype.type])
+        inp.set_data_from_numpy(arr)
+        out.append(inp)
+    return out
+
+
+class StreamResult:
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.responses = 0
+        self.final = False
+        self.error: str | None = None
+
+
+def grpc_stream(url: str, model: str, fields: dict, *, cancel_after: int | None = None,
+                on_tokens=None) -> StreamResult:
+    """Send one request on a gRPC stream; collect tokens until the FINAL flag or an error.
+
+    With ``cancel_after`` the stream is closed with ``cancel_requests=True`` once that many tokens arrived
+    (``on_tokens`` is called just before cancelling).
+    """
+    res = StreamResult()
+    q: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    try:
+        client.async_stream_infer(model, _infer_inputs(fields), request_id="t", enable_empty_final_response=True)
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            try:
+                result, error = q.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no final response within {WAIT_S}s; got {res.tokens}") from None
+            if error is not None:
+                res.error = str(error)
+                break
+            resp = result.get_response()
+            final = resp.parameters["triton_final_response"].bool_param
+            if resp.outputs:
+                out = result.as_numpy("output_ids")
+                assert out.ndim == 2 and out.shape[0] == 1, out.shape
+                seq = result.as_numpy("sequence_length")
+                if seq is not None:
+                    assert list(seq) == [out.shape[1]]
+                res.tokens += [int(x) for x in out[0]]
+                res.responses += 1
+            if final:
+                res.final = True
+                break
+            if cancel_after is not None and len(res.tokens) >= cancel_after:
+                if on_tokens:
+                    on_tokens(res)
+                client.stop_stream(cancel_requests=True)
+                break
+    finally:
+        client.stop_stream()
+        client.close()
+    return res
+
+
+def http_generate(url: str, model: str, body: dict) -> tuple[int, dict]:
+    """POST ``/v2/models/<model>/generate`` (HTTP, one response) -> (status, json)."""
+    req = urllib.request.Request(f"http://{url}/v2/models/{model}/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=WAIT_S) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def read_metric(server: TritonServer, name: str) -> float | None:
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as r:
+        text = r.read().decode()
+    m = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.eE+-]+)$", text, re.M)
+    return None if m is None else float(m.group(1))
+
+
+def wait_metric(server: TritonServer, name: str, pred) -> float | None:
+    """Poll a metric until ``pred(value)``; return the last value (the caller asserts on it)."""
+    deadline = time.monotonic() + WAIT_S
+    v = read_metric(server, name)
+    while not (v is not None and pred(v)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        v = read_metric(server, name)
+    return v
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# echo repository for the launcher
+# --------------------------------------------------------------------------------------------------
+ECHO_CONFIG = """
+name: "echo"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "input_ids" data_type: TYPE_INT32 dims: [ -1 ] },
+        { name: "streaming" data_type: TYPE_BOOL dims: [ 1 ] optional: true } ]
+output [ { name: "output_ids" data_type: TYPE_INT32 dims: [ -1, -1 ] },
+         { name: "sequence_length" data_type: TYPE_INT32 dims: [ -1 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+"""
+
+ECHO_MODEL = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+def _resp(toks):
+    return pb_utils.InferenceResponse([
+        pb_utils.Tensor("output_ids", np.asarray(toks, np.int32).reshape(1, -1)),
+        pb_utils.Tensor("sequence_length", np.asarray([len(toks)], np.int32))])
+
+class TritonPythonModel:
+    """Echoes input_ids back: one response per token when streaming, else one response."""
+    def execute(self, requests):
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        for r in requests:
+            s = r.get_response_sender()
+            ids = [int(x) for x in pb_utils.get_input_tensor_by_name(r, "input_ids").as_numpy()]
+            st = pb_utils.get_input_tensor_by_name(r, "streaming")
+            if any(x < 0 for x in ids):
+                s.send(pb_utils.InferenceResponse(error=pb_utils.TritonError("echo: negative id")), flags=final)
+            elif st is not None and bool(st.as_numpy()[0]):
+                for t in ids:
+                    s.send(_resp([t]))
+                s.send(flags=final)
+            else:
+                s.send(_resp(ids), flags=final)
+        return None
+'''
+
+
+def _write_model(repo: pathlib.Path, name: str, config: str, model_py: str) -> None:
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "config.pbtxt").write_text(textwrap.dedent(config))
+    (repo / name / "1" / "model.py").write_text(textwrap.dedent(model_py))
+
+
+@pytest.fixture(scope="module")
+def echo_repo(tmp_path_factory) -> pathlib.Path:
+    repo = tmp_path_factory.mktemp("echo_repo")
+    _write_model(repo, "echo", ECHO_CONFIG, ECHO_MODEL)
+    return repo
+
+
+@pytest.fixture(scope="module")
+def echo_server(echo_repo):
+    h, g, m = free_ports(3)
+    with TritonServer(echo_repo, h, g, m, exit_timeout=5) as srv:
+        yield srv
+
+
+# --------------------------------------------------------------------------------------------------
+# launcher
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("module", ["serve.launch", "serve.repository"])
+def test_cli_help(module):
+    r = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "usage: python -m " + module in r.stdout
+
+
+def test_grpc_streaming_echo(echo_server):
+    prompt = np.array([5, 6, 7, 8, 9], np.int32)
+    res = grpc_stream(echo_server.grpc_url, "echo", {"input_ids": prompt, "streaming": np.array([True])})
+    assert res.error is None
+    assert res.tokens == [5, 6, 7, 8, 9]
+    assert res.responses == 5 and res.final
+
+
+def test_grpc_non_streaming_and_error(echo_server):
+    res = grpc_stream(echo_server.grpc_url, "echo", {"input_ids": np.array([3, 1, 2], np.int32)})
+    assert (res.tokens, res.responses, res.error) == ([3, 1, 2], 1, None)
+    bad = grpc_stream(echo_server.grpc_url, "echo", {"input_ids": np.array([1, -1], np.int32)})
+    assert bad.error is not None and "negative id" in bad.error
+    assert echo_server.is_ready()
+
+
+def test_http_generate_echo(echo_server):
+    status, body = http_generate(echo_server.http_url, "echo", {"input_ids": [4, 2, 42]})
+    assert status == 200, body
+    assert body["output_ids"] == [4, 2, 42] or body["output_ids"] == [[4, 2, 42]]
+    import tritonclient.http as httpclient
+    c = httpclient.InferenceServerClient(echo_server.http_url)
+    assert c.is_server_live() and c.is_model_ready("echo")
+
+
+def test_endpoints_bind_loopback_only(echo_server):
+    log = echo_server.log_text()
+    for port in (echo_server.http_port, echo_server.grpc_port, echo_server.metrics_port):
+        assert f"127.0.0.1:{port}" in log
+    assert "0.0.0.0" not in log
+
+
+def test_launch_failure_reports_log_tail(tmp_path):
+    _write_model(tmp_path, "broken", ECHO_CONFIG.replace('"echo"', '"broken"'), '''
+        class TritonPythonModel:
+            def initialize(self, args):
+                raise RuntimeError("boom-init-7")
+    ''')
+    h, g = free_ports(2)
+    srv = TritonServer(tmp_path, h, g, startup_timeout=WAIT_S)
+    with pytest.raises(TritonLaunchError, match="boom-init-7"):
+        srv.start()
+    assert not srv.is_alive()
+
+
+def test_launcher_rejects_bad_arguments(tmp_path):
+    with pytest.raises(TritonLaunchError, match="not a directory"):
+        TritonServer(tmp_path / "nope", 1234, 1235)
+    with pytest.raises(TritonLaunchError, match="ports must differ"):
+        TritonServer(tmp_path, 1234, 1234)
+
+
+def test_cli_sigterm_shutdown(echo_repo):
+    h, g = free_ports(2)
+    proc = subprocess.Popen([sys.executable, "-m", "serve.launch", "--repo", str(echo_repo), "--http-port", str(h),
+                             "--grpc-port", str(g), "--timeout", str(WAIT_S), "--exit-timeout", "5"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+    try:
+        seen = []
+        deadline = time.monotonic() + WAIT_S
+        while "ready" not in seen and time.monotonic() < deadline and proc.poll() is None:
+            try:
+                seen.append(lines.get(timeout=0.5).strip())
+            except queue.Empty:
+                pass
+        assert "ready" in seen, (seen, proc.poll())
+        assert f"http    http://127.0.0.1:{h}" in seen and f"grpc    127.0.0.1:{g}" in seen
+        res = grpc_stream(f"127.0.0.1:{g}", "echo", {"input_ids": np.array([7], np.int32)})
+        assert res.tokens == [7]
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=WAIT_S)
+        err = proc.stderr.read()
+        assert rc == 0, err
+        assert "tritonserver exited with code 0" in err
+        assert not port_open(h) and not port_open(g)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=WAIT_S)
+
+
+# --------------------------------------------------------------------------------------------------
+# repository writer + config validation
+# --------------------------------------------------------------------------------------------------
+def test_repository_writer_config_validates(tmp_path):
+    engines = tmp_path / "ckpt"
+    engines.mkdir()
+    (engines / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 321}}))
+    cfg_path = repo_mod.write_repository(engines, tmp_path / "repo", "onnxruntime", max_batch=4)
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+    cfg = model_config_pb2.ModelConfig()
+    text_format.Parse(cfg_path.read_text(), cfg)
+    assert cfg.name == "k3" and cfg.backend == "python" and cfg.model_transaction_policy.decoupled
+    ins = {i.name: i for i in cfg.input}
+    assert ins["input_ids"].data_type == model_config_pb2.TYPE_INT32 and list(ins["input_ids"].dims) == [-1]
+    assert not ins["input_ids"].optional and not ins["request_output_len"].optional
+    assert ins["random_seed"].data_type == model_config_pb2.TYPE_UINT64 and ins["random_seed"].optional
+    assert ins["streaming"].data_type == model_config_pb2.TYPE_BOOL
+    assert {"runtime_top_k", "runtime_top_p", "top_k", "top_p", "stop_words", "end_id", "pad_id",
+            "temperature", "input_lengths"} <= set(ins)
+    outs = {o.name: list(o.dims) for o in cfg.output}
+    assert outs == {"output_ids": [-1, -1], "sequence_length": [-1]}
+    params = {k: v.string_value for k, v in cfg.parameters.items()}
+    assert params["backend"] == "onnxruntime" and params["model_path"] == str(engines.resolve())
+    assert params["project_root"] == str(ROOT) and params["vocab_size"] == "321" and params["max_batch"] == "4"
+    assert (cfg_path.parent / "1" / "model.py").read_text() == (ROOT / "serve" / "model.py").read_text()
+    assert repo_mod.validate_repository(tmp_path / "repo") == [cfg_path]
+
+
+def test_repository_backend_precedence(tmp_path):
+    engines = tmp_path / "e"
+    engines.mkdir()
+    assert repo_mod.resolve_backend(engines, None) == "torch"
+    assert repo_mod.resolve_backend(engines, "onnxruntime") == "onnxruntime"
+    (engines / "manifest.json").write_text(json.dumps({"backend": "tensorrt"}))
+    assert repo_mod.resolve_backend(engines, "onnxruntime") == "tensorrt"
+    (engines / "manifest.json").write_text(json.dumps({"backend": "tpu"}))
+    with pytest.raises(repo_mod.RepositoryError, match="'tpu'.*manifest.json"):
+        repo_mod.resolve_backend(engines, None)
+
+
+def test_repository_cli_and_overwrite(tmp_path):
+    engines = tmp_path / "e"
+    engines.mkdir()
+    cmd = [sys.executable, "-m", "serve.repository", "--engines", str(engines), "--out", str(tmp_path / "r")]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert 'string_value: "torch"' in (tmp_path / "r" / "k3" / "config.pbtxt").read_text()
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--force" in r.stderr
+    assert subprocess.run(cmd + ["--force"], cwd=ROOT, capture_output=True, timeout=120).returncode == 0
+    r = subprocess.run([sys.executable, "-m", "serve.repository", "--engines", str(tmp_path / "missing"),
+                        "--out", str(tmp_path / "r2")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--engines" in r.stderr and "not a directory" in r.stderr
+
+
+def test_broken_pbtxt_rejected(tmp_path):
+    good = repo_mod.render_config("k3", {"backend": "torch"})
+    repo_mod.validate_config(good, "k3")
+    with pytest.raises(repo_mod.RepositoryError, match="does not parse"):
+        repo_mod.validate_config(good.replace("dims: [ -1 ] }", "dims: [ -1 ", 1), "k3")
+    with pytest.raises(repo_mod.RepositoryError, match="does not parse"):
+        repo_mod.validate_config(good + "\nno_such_field: 3\n", "k3")
+    with pytest.raises(repo_mod.RepositoryError, match="decoupled"):
+        repo_mod.validate_config(good.replace("decoupled: true", "decoupled: false"), "k3")
+    no_ids = good.replace('name: "input_ids"', 'name: "ids"')
+    with pytest.raises(repo_mod.RepositoryError, match="'input_ids' is missing"):
+        repo_mod.validate_config(no_ids, "k3")
+    with pytest.raises(repo_mod.RepositoryError, match="directory name"):
+        repo_mod.validate_config(good, "other")
+    bad_repo = tmp_path / "repo"
+    (bad_repo / "k3").mkdir(parents=True)
+    (bad_repo / "k3" / "config.pbtxt").write_text(good.replace("input [", "input {", 1))
+    with pytest.raises(repo_mod.RepositoryError, match="does not parse"):
+        repo_mod.validate_repository(bad_repo)
+
+
+# --------------------------------------------------------------------------------------------------
+# k3 model (serve/model.py) inside Triton
+# --------------------------------------------------------------------------------------------------
+CONTRACT_VOCAB = 1000
+
+CONTRACT_RUNTIME = '''
+"""Stand-in for runtime/api.py implementing docs/DESIGN.md "Runtime API" with a deterministic token rule:
+token i of a request = (sum(prompt) + 7 * i + 3) % vocab. One scheduler thread steps all active requests."""
+import dataclasses, json, os, threading, time
+
+@dataclasses.dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: object = None
+    stop_token_ids: tuple = ()
+    ignore_eos: bool = False
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt_ids: list
+    token_ids: list
+    finish_reason: str
+
+def token_rule(prompt, i, vocab):
+    return (sum(prompt) + 7 * i + 3) % vocab
+
+class AsyncEngine:
+    STEP_S = 0.02
+    def __init__(self, llm):
+        self.llm, self.lock, self.active, self.pending = llm, threading.Lock(), {}, []
+        self.free = list(range(1, llm.max_batch + 1))  # slot 0 is the sentinel
+        self.m = dict(kda_slots_in_use=0, latent_blocks_in_use=0, tokens_generated=0, preemptions=0, steps=0,
+                      max_requests_per_step=0)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+    def submit(self, request_id, prompt_ids, params, on_token):
+        if not prompt_ids:
+            raise ValueError("prompt_ids: empty")
+        if any(not 0 <= t < self.llm.vocab_size for t in prompt_ids):
+            raise ValueError("prompt_ids: id out of range")
+        if params.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        with self.lock:
+            self.pending.append([request_id, list(prompt_ids), params, on_token, 0, None])
+    def cancel(self, request_id):
+        cb = None
+        with self.lock:
+            for r in list(self.pending):
+                if r[0] == request_id:
+                    self.pending.remove(r); cb = r[3]
+            r = self.active.pop(request_id, None)
+            if r is not None:
+                self.free.append(r[5]); cb = r[3]
+            self._gauges()
+        if cb is not None:
+            cb(None, True, None)
+    def _gauges(self):
+        self.m["kda_slots_in_use"] = len(self.active)
+        self.m["latent_blocks_in_use"] = sum(1 + (len(r[1]) + r[4]) // 16 for r in self.active.values())
+    def _loop(self):
+        while not self.stop.is_set():
+            time.sleep(self.STEP_S)
+            calls = []
+            with self.lock:
+                while self.pending and self.free:
+                    r = self.pending.pop(0); r[5] = self.free.pop(); self.active[r[0]] = r
+                if not self.active:
+                    continue
+                self.m["steps"] += 1
+                self.m["max_requests_per_step"] = max(self.m["max_requests_per_step"], len(self.active))
+                for rid, r in list(self.active.items()):
+                    tok = token_rule(r[1], r[4], self.llm.vocab_size); r[4] += 1
+                    self.m["tokens_generated"] += 1
+                    done = r[4] >= r[2].max_tokens or tok in r[2].stop_token_ids
+                    calls.append((r[3], tok, done))
+                    if done:
+                        del self.active[rid]; self.free.append(r[5])
+                self._gauges()
+            for cb, tok, done in calls:
+                cb(tok, done, None)
+    def metrics(self):
+        with self.lock:
+            return dict(self.m)
+    def shutdown(self):
+        self.stop.set(); self.thread.join(5)
+
+class LLM:
+    def __init__(self, path, backend="torch", max_batch=8, max_num_tokens=256, max_context=None):
+        cfg = json.load(open(os.path.join(path, "config.json")))
+        self.vocab_size, self.max_batch, self._eng = cfg["vocab_size"], max_batch, None
+    def start(self):
+        if self._eng is None:
+            self._eng = AsyncEngine(self)
+        return self._eng
+'''
+
+
+def _contract_expected(prompt: list[int], n: int) -> list[int]:
+    return [(sum(prompt) + 7 * i + 3) % CONTRACT_VOCAB for i in range(n)]
+
+
+class K3Env:
+    def __init__(self, server: TritonServer, expected, vocab: int | None, kind: str):
+        self.server, self.expected, self.vocab, self.kind = server, expected, vocab, kind
+
+
+def _k3_server(repo: pathlib.Path) -> TritonServer:
+    h, g, m = free_ports(3)
+    return TritonServer(repo, h, g, m, exit_timeout=5, startup_timeout=600)
+
+
+@pytest.fixture(scope="module", params=["contract", "runtime"])
+def k3(request, tmp_path_factory):
+    base = tmp_path_factory.mktemp(f"k3_{request.param}")
+    if request.param == "contract":
+        root = base / "fake_root"
+        (root / "runtime").mkdir(parents=True)
+        (root / "runtime" / "__init__.py").write_text("")
+        (root / "runtime" / "api.py").write_text(CONTRACT_RUNTIME)
+        engines = base / "engines"
+        engines.mkdir()
+        (engines / "config.json").write_text(json.dumps({"vocab_size": CONTRACT_VOCAB}))
+        repo_mod.write_repository(engines, base / "repo", "torch", max_batch=16, project_root=root)
+        expected, vocab = _contract_expected, CONTRACT_VOCAB
+    else:
+        api = pytest.importorskip("runtime.api", reason="runtime/api.py (Runtime API, docs/DESIGN.md) not written yet")
+        if importlib.util.find_spec("model.synthetic") is None:
+            pytest.skip("model/synthetic.py (k3-tiny synthetic checkpoint) not written yet")
+        ckpt = base / "k3-tiny"
+        r = subprocess.run([sys.executable, "-m", "model.synthetic", "--preset", "k3-tiny", "--out", str(ckpt)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, f"model.synthetic failed:\n{r.stderr[-3000:]}"
+        repo_mod.write_repository(ckpt, base / "repo", "torch", max_batch=8)
+        llm = api.LLM(str(ckpt), backend="torch", max_batch=8)
+
+        def expected(prompt, n):
+            return list(llm.generate([prompt], api.SamplingParams(max_tokens=n))[0].token_ids)
+        vocab = repo_mod.discover_vocab_size(ckpt)
+    with _k3_server(base / "repo") as srv:
+        yield K3Env(srv, expected, vocab, request.param)
+
+
+def _req(prompt, n, **extra) -> dict:
+    d = {"input_ids": np.asarray(prompt, np.int32), "request_output_len": np.array([n], np.int32)}
+    d.update(extra)
+    return d
+
+
+def test_k3_grpc_streaming_matches_generate(k3):
+    prompt = [11, 22, 33, 44]
+    res = grpc_stream(k3.server.grpc_url, "k3", _req(prompt, 6, streaming=np.array([True])))
+    assert res.error is None and res.final
+    want = k3.expected(prompt, 6)
+    assert res.tokens == want
+    assert res.responses == len(want)  # one response per token
+
+
+def test_k3_http_non_streaming_matches_generate(k3):
+    prompt = [5, 4, 3, 2, 1]
+    status, body = http_generate(k3.server.http_url, "k3", {"input_ids": prompt, "request_output_len": 5})
+    assert status == 200, body
+    got = np.asarray(body["output_ids"]).reshape(-1).tolist()
+    assert got == k3.expected(prompt, 5)
+    assert np.asarray(body["sequence_length"]).reshape(-1).tolist() == [len(got)]
+
+
+def test_k3_sampling_fields_accepted(k3):
+    prompt = [9, 8, 7]
+    extra = dict(temperature=np.array([0.0], np.float32), runtime_top_k=np.array([0], np.int32),
+                 top_p=np.array([1.0], np.float32), random_seed=np.array([123], np.uint64),
+                 input_lengths=np.array([3], np.int32), pad_id=np.array([0], np.int32))
+    res = grpc_stream(k3.server.grpc_url, "k3", _req(prompt, 3, **extra))
+    assert res.error is None and res.tokens == k3.expected(prompt, 3)
+    bad = grpc_stream(k3.server.grpc_url, "k3", _req(prompt, 3, runtime_top_k=np.array([2], np.int32),
+                                                     top_k=np.array([5], np.int32)))
+    assert bad.error is not None and "disagree" in bad.error
+
+
+def test_k3_concurrent_streams_batched(k3):
+    prompts = [[i + 1, 2 * i + 1, 3] for i in range(16)]
+    n = 8
+    results: dict[int, StreamResult] = {}
+    errors: list[BaseException] = []
+
+    def worker(i):
+        try:
+            results[i] = grpc_stream(k3.server.grpc_url, "k3", _req(prompts[i], n, streaming=np.array([True])))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=WAIT_S * 2)
+    assert not errors, errors
+    assert len(results) == 16
+    for i, res in results.items():
+        assert res.error is None, res.error
+        assert res.tokens == k3.expected(prompts[i], n), i
+    assert wait_metric(k3.server, "k3_max_requests_per_step", lambda v: v > 1) > 1
+    assert wait_metric(k3.server, "k3_tokens_generated", lambda v: v >= 16 * n) >= 16 * n
+
+
+def test_k3_cancel_frees_slot(k3):
+    assert wait_metric(k3.server, "k3_kda_slots_in_use", lambda v: v == 0) == 0
+    in_flight = {}
+
+    def before_cancel(_res):
+        in_flight["slots"] = wait_metric(k3.server, "k3_kda_slots_in_use", lambda v: v >= 1)
+
+    res = grpc_stream(k3.server.grpc_url, "k3", _req([1, 2, 3], 100000 if k3.kind == "contract" else 512,
+                                                     streaming=np.array([True])),
+                      cancel_after=2, on_tokens=before_cancel)
+    assert len(res.tokens) >= 2 and not res.final
+    assert in_flight["slots"] >= 1
+    assert wait_metric(k3.server, "k3_kda_slots_in_use", lambda v: v == 0) == 0
+    assert wait_metric(k3.server, "k3_latent_blocks_in_use", lambda v: v == 0) == 0
+    ok = grpc_stream(k3.server.grpc_url, "k3", _req([4, 4], 2))
+    assert ok.error is None and ok.tokens == k3.expected([4, 4], 2)
+
+
+def _bad_cases(vocab):
+    oob = vocab if vocab else 2 ** 31 - 1
+    return [
+        ("missing input_ids", {"request_output_len": np.array([4], np.int32)}, "input_ids"),
+        ("empty input_ids", _req([], 4), "input_ids"),
+        ("id out of range", _req([1, oob], 4), "input_ids"),
+        ("negative id", _req([-3], 4), "input_ids"),
+        ("request_output_len 0", _req([1, 2], 0), "request_output_len"),
+        ("missing request_output_len", {"input_ids": np.array([1, 2], np.int32)}, "request_output_len"),
+        ("wrong dtype", {"input_ids": np.array([1.0, 2.0], np.float32),
+                         "request_output_len": np.array([4], np.int32)}, "input_ids"),
+        ("top_p out of range", _req([1], 2, runtime_top_p=np.array([1.5], np.float32)), "top_p"),
+    ]
+
+
+def test_k3_bad_inputs_get_error_and_server_keeps_serving(k3):
+    for label, fields, needle in _bad_cases(k3.vocab):
+        res = grpc_stream(k3.server.grpc_url, "k3", fields)
+        assert res.error is not None, f"{label}: no error; tokens {res.tokens}"
+        assert needle in res.error, f"{label}: {res.error}"
+        assert not res.tokens, label
+        assert k3.server.is_ready(), label
+    ok = grpc_stream(k3.server.grpc_url, "k3", _req([7, 7, 7], 3))
+    assert ok.error is None and ok.tokens == k3.expected([7, 7, 7], 3)
+    assert "k3: watcher error" not in k3.server.log_text()
