@@ -279,8 +279,9 @@ def _io(values) -> list[dict]:
     return out
 
 
-def trace_to_onnx(module: GraphModule, ports: list[Port]) -> onnx.ModelProto:
-    """torch.onnx.export(dynamo=True) of a GraphModule, kimi function bodies attached, opset OPSET."""
+def trace_to_onnx(module: GraphModule, ports: list[Port], optimize: bool = True) -> onnx.ModelProto:
+    """torch.onnx.export(dynamo=True) of a GraphModule, kimi function bodies attached, opset OPSET.
+    optimize=False skips onnxscript's graph optimizer (faster export, larger graphs; same results)."""
     dims: dict[str, torch.export.Dim] = {}
 
     def dim(name):
@@ -294,7 +295,7 @@ def trace_to_onnx(module: GraphModule, ports: list[Port]) -> onnx.ModelProto:
         prog = torch.onnx.export(module.eval(), tuple(p.example for p in ports), dynamo=True, opset_version=OPSET,
                                  input_names=[p.name for p in ports], output_names=module.output_names,
                                  dynamic_shapes={"args": dyn}, custom_translation_table=translation_table(),
-                                 optimize=True, verbose=False)
+                                 optimize=optimize, verbose=False)
     model = prog.model_proto
     attach_functions(model)
     return model
@@ -431,7 +432,7 @@ def _existing_hash(path: Path) -> str | None:
     return {p.key: p.value for p in m.metadata_props}.get("k3.input_hash")
 
 
-def export_graph(src: WeightSource, spec: GraphSpec, out: Path, code: str) -> dict:
+def export_graph(src: WeightSource, spec: GraphSpec, out: Path, code: str, optimize: bool = True) -> dict:
     """Export one graph, or skip it when the file at its path already carries the same `k3.input_hash`
     (same exporter code, config, graph spec and weights); returns its index.json entry."""
     cfg = src.cfg
@@ -443,7 +444,7 @@ def export_graph(src: WeightSource, spec: GraphSpec, out: Path, code: str) -> di
         log.info("%s: unchanged (input hash), skipped", rel)
         model = onnx.load(str(path), load_external_data=False)
     else:
-        model = trace_to_onnx(module, ports)
+        model = trace_to_onnx(module, ports, optimize)
         for k, v in _metadata(cfg, spec, ihash).items():
             model.metadata_props.add(key=k, value=v)
         model.producer_name, model.producer_version = "k3deploy.export", EXPORTER_VERSION
@@ -461,7 +462,7 @@ def export_graph(src: WeightSource, spec: GraphSpec, out: Path, code: str) -> di
 
 def export_model(src: "WeightSource | str | Path", out: "str | Path", tp: int = 1, ep: int = 1,
                  layers: list[int] | None = None, graphs: tuple[str, ...] = ("prefill", "decode"),
-                 progress: bool = True) -> dict:
+                 progress: bool = True, optimize: bool = True) -> dict:
     """Export every graph of the model (see module docstring) into `out`; returns the index dict (also written
     to out/index.json). Raises ValueError naming tp/ep/layers/graphs when they are invalid."""
     from model.sharding import check_parallel
@@ -485,7 +486,7 @@ def export_model(src: "WeightSource | str | Path", out: "str | Path", tp: int = 
         from tqdm import tqdm
         it = tqdm(specs, desc="export onnx", unit="graph")
     for spec in it:
-        entries.append(export_graph(src, spec, out, code))
+        entries.append(export_graph(src, spec, out, code, optimize))
     spec_tp = state_spec(cfg, tp)
     index = {
         "format": "k3deploy.onnx", "format_version": FORMAT_VERSION, "config_hash": cfg.config_hash(),

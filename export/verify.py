@@ -47,12 +47,11 @@ from export.onnx import INDEX_NAME, GraphSpec, WeightSource, build_graph
 log = logging.getLogger(__name__)
 
 # fp32 vs fp32 (different summation order, absorbed vs unabsorbed MLA): per-output (atol, rtol); "" = default.
+# Polygraphy's simple check passes an element when |a-b| <= atol OR |a-b| <= rtol·|b|. Per-layer errors observed on
+# k3-tiny are <= 5e-6 abs; through all 9 layers <= 2e-5.
 TOLERANCES: dict[str, tuple[float, float]] = {
-    "": (1e-4, 1e-3),
+    "": (1e-4, 1e-3),          # hidden states, bank, KDA state, conv history, latent cache (observed <= 2e-5 e2e)
     "logits": (2e-4, 1e-3),
-    "state_out": (1e-5, 1e-3),
-    "conv_out": (1e-5, 1e-4),   # raw projections copied into the history
-    "cache_out": (1e-5, 1e-4),
 }
 CLI_ATOL, CLI_RTOL = 1e-4, 1e-3   # the tolerance printed for / used by the polygraphy CLI check
 
@@ -96,6 +95,29 @@ class TorchReferenceRunner(BaseRunner):
         pass
 
 
+def split_pool(name: str, arr: np.ndarray, tp: int) -> list[np.ndarray]:
+    """A tp = 1 pool as the tp ranks hold it: KDA `state` [S, H, V, K] by heads (axis 1); KDA `conv`
+    [S, 3P, W-1] = q‖k‖v by heads of each of q, k, v; MLA `cache` replicated."""
+    arr = np.asarray(arr)
+    if name == "state":
+        return [np.ascontiguousarray(a) for a in np.split(arr, tp, axis=1)]
+    if name == "conv":
+        S, D, W = arr.shape
+        parts = np.split(arr.reshape(S, 3, D // 3, W), tp, axis=2)
+        return [np.ascontiguousarray(a.reshape(S, -1, W)) for a in parts]
+    return [arr] * tp
+
+
+def merge_pool(name: str, parts: list[np.ndarray]) -> np.ndarray:
+    """Inverse of split_pool."""
+    if name == "state":
+        return np.concatenate(parts, 1)
+    if name == "conv":
+        S, _, W = parts[0].shape
+        return np.concatenate([p.reshape(S, 3, -1, W) for p in parts], 2).reshape(S, -1, W)
+    return parts[0]
+
+
 def _np_dtype(s: str):
     return np.dtype(s)
 
@@ -128,7 +150,10 @@ class OrtModel:
 
     def session(self, entry: dict) -> ort.InferenceSession:
         if entry["id"] not in self._sess:
-            self._sess[entry["id"]] = ort.InferenceSession(str(self.dir / entry["path"]), providers=self.providers)
+            so = ort.SessionOptions()
+            # no spin-waiting: the PyTorch reference runs in the same process between ORT calls
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            self._sess[entry["id"]] = ort.InferenceSession(str(self.dir / entry["path"]), so, providers=self.providers)
         return self._sess[entry["id"]]
 
     def run(self, entry: dict, env: dict) -> dict:
@@ -303,15 +328,14 @@ class OrtModelRunner(TorchModelRunner):
         for k, v in feed.items():
             if k.startswith("layer"):
                 l, name = int(k[5:].split(".")[0]), k.split(".")[1]
-                parts = np.split(np.asarray(v), tp, axis=1) if name in ("state", "conv") else [np.asarray(v)] * tp
+                parts = split_pool(name, v, tp)
                 for r in range(tp):
-                    pools[r][l][name] = np.ascontiguousarray(parts[r])
+                    pools[r][l][name] = parts[r]
         logits, new = m.forward(feed["ids"], _batch_from_feed(feed), pools)
         out = OrderedDict(logits=logits)
         for l in range(L):
             for name in new[0][l]:
-                vals = [new[r][l][name] for r in range(tp)]
-                out[f"layer{l}.{name}_out"] = np.concatenate(vals, 1) if name in ("state", "conv") else vals[0]
+                out[f"layer{l}.{name}_out"] = merge_pool(name, [new[r][l][name] for r in range(tp)])
         return out
 
 

@@ -168,15 +168,21 @@ class LLM:
     max_batch + 1); max_num_tokens: tokens per scheduler step; max_context: tokens per request (default: the
     config's max_position_embeddings). block_size / num_blocks / memory_budget size the latent pool (default:
     enough for max_batch requests at max_context; memory_budget in bytes goes through `plan_memory`).
-    decode_pad_multiple pads decode batches with sentinel rows. Raises FileNotFoundError when the backend's
+    decode_pad_multiple pads decode batches with sentinel rows. tp / ep: tensor / expert parallelism of the torch
+    backend (default: the torch.distributed world size; this process is its rank — launch one process per rank with
+    torchrun, runtime/distributed.py); the onnxruntime backend takes tp from the export. Raises FileNotFoundError when the backend's
     files are absent, ImportError when its package is missing, ValueError for bad sizes.
     """
 
     def __init__(self, path: "str | Path", backend: str = "torch", max_batch: int = 8, max_num_tokens: int = 256,
                  max_context: int | None = None, *, block_size: int = 16, num_blocks: int | None = None,
-                 memory_budget: int | None = None, decode_pad_multiple: int | None = None):
+                 memory_budget: int | None = None, decode_pad_multiple: int | None = None,
+                 tp: int | None = None, ep: int = 1):
         self.paths = resolve_model_dir(path)
         self.backend = backend
+        import torch.distributed as dist
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        self.tp, self.ep, self.rank = tp or world, ep, rank
         self.executor = self._make_executor(backend)
         cfg = self.cfg = self.executor.cfg
         max_context = max_context or cfg.max_position_embeddings
@@ -205,12 +211,12 @@ class LLM:
                 raise FileNotFoundError(f"backend 'torch' needs a checkpoint (config.json + model.safetensors.index.json); "
                                         f"found none in {p}")
             from runtime.executor import TorchExecutor
-            return TorchExecutor(p["checkpoint"])
+            return TorchExecutor(p["checkpoint"], tp=self.tp, ep=self.ep, rank=self.rank)
         if backend == "onnxruntime":
             if p["onnx"] is None:
                 raise FileNotFoundError(f"backend 'onnxruntime' needs an ONNX export directory with index.json; found none ({p})")
             from runtime.executor import OnnxRuntimeExecutor
-            return OnnxRuntimeExecutor(p["onnx"])
+            return OnnxRuntimeExecutor(p["onnx"], rank=self.rank)
         if backend == "tensorrt":
             from runtime.executor import TensorRTExecutor
             if p["engines"] is None:

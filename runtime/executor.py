@@ -10,12 +10,10 @@ sentinels); logits_index [M] int64 rows whose logits are wanted. Returns logits 
 pools (new tensors or the same ones updated in place; the caller writes them back either way).
 
 Backends:
-* `TorchExecutor`: `model.reference.K3Model` (fp32 reference ops). TP = 1 here; a TP > 1 executor runs one
-  K3Model per rank (`K3Model.from_checkpoint(path, rank, tp, ep, comm=Comm(rank, tp, gloo_group))`) in rank
-  processes that receive (ids, batch) from rank 0; not written yet (raises NotImplementedError).
+* `TorchExecutor`: `model.reference.K3Model` (fp32 reference ops); TP > 1 as one process per rank (SPMD).
 * `OnnxRuntimeExecutor`: the per-layer graphs of an export directory (docs/EXPORT_FORMAT.md, index.json), one
   `onnxruntime.InferenceSession` per graph; pools are passed in as inputs and the `*_out` outputs taken back.
-  tp == 1 (segment "full") only for now.
+  tp > 1: the rank's segments with the collectives between them (SPMD, one process per rank).
 * `TensorRTExecutor`: the per-layer engines of an engine directory (engines/ `manifest.json`), name-based I/O,
   pool outputs bound to the pool input buffers (in place). Needs full TensorRT, the `kimi` plugins and a CUDA GPU;
   it cannot run on a machine without them and raises ImportError / RuntimeError saying so.
@@ -50,15 +48,24 @@ class Executor:
 
 
 class TorchExecutor(Executor):
-    """fp32 PyTorch reference. `model` is a loaded K3Model or a checkpoint directory. Raises
-    NotImplementedError for tp > 1 (see module docstring), CheckpointError for a bad checkpoint."""
+    """fp32 PyTorch reference. `model` is a loaded K3Model or a checkpoint directory. With tp > 1 this process is
+    TP rank `rank` of an initialized torch.distributed group of tp processes (gloo on CPU, NCCL on GPU; see
+    runtime/distributed.py): it loads its shard and the model's RowLinear / latent reductions all-reduce over the
+    group. Every rank runs the same scheduler on the same requests (SPMD) and gets the same all-gathered logits.
+    Raises ValueError when the group does not match tp, CheckpointError for a bad checkpoint."""
 
-    def __init__(self, model: "K3Model | str | Path", tp: int = 1, ep: int = 1):
-        if tp != 1 or ep != 1:
-            raise NotImplementedError(f"tp = {tp}, ep = {ep}: the torch executor runs TP = EP = 1 only so far "
-                                      "(TP ranks through torch.distributed/gloo are planned)")
-        self.model = model if isinstance(model, K3Model) else K3Model.from_checkpoint(model)
-        self.cfg = self.model.cfg
+    def __init__(self, model: "K3Model | str | Path", tp: int = 1, ep: int = 1, rank: int = 0):
+        if isinstance(model, K3Model):
+            self.model = model
+        else:
+            from model.layers import Comm
+            comm = None
+            if tp > 1:
+                from runtime.distributed import check_group
+                check_group(tp, rank)
+                comm = Comm(rank, tp)
+            self.model = K3Model.from_checkpoint(model, rank=rank, tp=tp, ep=ep, comm=comm)
+        self.cfg, self.tp, self.rank = self.model.cfg, self.model.comm.size, self.model.comm.rank
 
     def forward(self, ids, batch, pools, logits_index):
         with torch.no_grad():
@@ -85,13 +92,16 @@ _NP = {"float32": np.float32, "float16": np.float16, "int32": np.int32, "int64":
 
 
 class OnnxRuntimeExecutor(Executor):
-    """Runs the rank-0 graphs of an export directory with onnxruntime (CPU provider by default).
+    """Runs rank `rank`'s graphs of an export directory with onnxruntime (CPU provider by default).
 
-    Raises FileNotFoundError/ValueError for a missing or foreign index.json, NotImplementedError for tp > 1 exports
-    (segments + collectives not wired yet), ImportError when onnxruntime is not installed.
+    tp == 1 exports hold one graph per layer; tp > 1 exports hold segments whose `collectives` (index.json) this
+    executor performs over the initialized torch.distributed group (sum all-reduce of `*_partial`, all-gather of
+    `logits_shard`), SPMD like the torch executor. Raises FileNotFoundError/ValueError for a missing or foreign
+    index.json or a group that does not match the export's tp, ImportError when onnxruntime is not installed.
     """
 
-    def __init__(self, onnx_dir: "str | Path", providers: list[str] | None = None, threads: int | None = None):
+    def __init__(self, onnx_dir: "str | Path", providers: list[str] | None = None, threads: int | None = None,
+                 rank: int = 0):
         import onnxruntime as ort
         self.dir = Path(onnx_dir)
         self.index = read_index(self.dir)
@@ -99,53 +109,66 @@ class OnnxRuntimeExecutor(Executor):
         if self.index.get("config_hash") not in (None, self.cfg.config_hash()):
             raise ValueError(f"{self.dir}/index.json: config_hash {self.index['config_hash']} does not match its config "
                              f"({self.cfg.config_hash()}); re-export")
-        self.tp = int(self.index.get("tp", 1))
-        if self.tp != 1:
-            raise NotImplementedError(f"{self.dir}: tp = {self.tp} export; the onnxruntime executor runs tp = 1 only so far")
+        self.tp, self.rank = int(self.index.get("tp", 1)), rank
+        self.comm = None
+        if self.tp > 1:
+            from model.layers import Comm
+            from runtime.distributed import check_group
+            check_group(self.tp, rank)
+            self.comm = Comm(rank, self.tp)
         if self.index.get("act_dtype", "float32") != "float32":
             raise NotImplementedError(f"act_dtype {self.index['act_dtype']}: only float32 exports are supported")
         opts = ort.SessionOptions()
         if threads:
             opts.intra_op_num_threads = threads
         providers = providers or ["CPUExecutionProvider"]
-        self.graphs: dict[tuple, dict] = {}
-        self.sessions: dict[tuple, "ort.InferenceSession"] = {}
+        self.segments: dict[tuple, list[dict]] = {}
+        self.sessions: dict[str, "ort.InferenceSession"] = {}
         for g in self.index["graphs"]:
-            if g.get("rank", 0) != 0:
+            if g.get("rank", 0) != rank:
                 continue
             key = ("layer", g["layer"], g["graph"]) if g["kind"] == "layer" else (g["kind"],)
-            self.graphs[key] = g
-            self.sessions[key] = ort.InferenceSession(str(self.dir / g["path"]), opts, providers=providers)
+            self.segments.setdefault(key, []).append(g)
+            self.sessions[g["id"]] = ort.InferenceSession(str(self.dir / g["path"]), opts, providers=providers)
+        for v in self.segments.values():
+            v.sort(key=lambda g: g.get("segment_index", 0))
         missing = [k for k in [("embed",), ("head",)] + [("layer", l, m) for l in range(self.cfg.num_hidden_layers)
-                                                            for m in ("prefill", "decode")] if k not in self.sessions]
+                                                            for m in ("prefill", "decode")] if k not in self.segments]
         if missing:
-            raise ValueError(f"{self.dir}/index.json: graphs {missing[:4]} missing; re-export")
+            raise ValueError(f"{self.dir}/index.json: rank {rank} graphs {missing[:4]} missing; re-export")
 
-    def _run(self, key: tuple, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        sess = self.sessions[key]
-        g = self.graphs[key]
+    def _run(self, g: dict, env: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         inp = {}
         for spec in g["inputs"]:
-            t = feeds[spec["name"]]
+            t = env[spec["name"]]
             inp[spec["name"]] = np.ascontiguousarray(t.detach().cpu().numpy().astype(_NP[spec["dtype"]], copy=False))
         names = [o["name"] for o in g["outputs"]]
-        outs = sess.run(names, inp)
+        outs = self.sessions[g["id"]].run(names, inp)
         return {n: torch.from_numpy(np.asarray(o)) for n, o in zip(names, outs)}
+
+    def _stage(self, key: tuple, env: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run every segment of one graph in order, doing its collectives (tp > 1) between segments."""
+        for g in self.segments[key]:
+            out = self._run(g, env)
+            env.update(out)
+            for c in g.get("collectives", []):
+                t = out[c["output"]]
+                env[c["input"]] = (self.comm.all_reduce(t.clone()) if c["op"] == "all_reduce_sum"
+                                   else self.comm.all_gather_last(t))
+        return env
 
     def forward(self, ids, batch, pools, logits_index):
         meta = {"cu_seqlens": batch.cu_seqlens, "slots": batch.slots, "block_tables": batch.block_tables,
                 "context_lens": batch.context_lens}
-        P = self._run(("embed",), {"ids": ids})["P"]
+        P = self._stage(("embed",), {"ids": ids})["P"]
         bank = P.new_zeros(P.shape[0], 0, P.shape[1])
         kind = "decode" if batch.decode else "prefill"
         new = {}
         for l in range(self.cfg.num_hidden_layers):
-            key = ("layer", l, kind)
-            out = self._run(key, {"P": P, "bank": bank, **meta, **pools[l]})
-            P = out["P_out"]
-            bank = out.get("bank_out", bank)
-            new[l] = {name: out[o] for name, o in self.graphs[key]["state_io"].items()}
-        logits = self._run(("head",), {"P": P, "bank": bank, "logits_index": logits_index})["logits"]
+            env = self._stage(("layer", l, kind), {"P": P, "bank": bank, **meta, **pools[l]})
+            P, bank = env["P_out"], env.get("bank_out", bank)
+            new[l] = {name: env[name + "_out"] for name in pools[l]}
+        logits = self._stage(("head",), {"P": P, "bank": bank, "logits_index": logits_index})["logits"]
         return logits.float(), new
 
     def close(self) -> None:

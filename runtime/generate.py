@@ -2,6 +2,8 @@
 
     python -m runtime.generate --model DIR --backend torch|onnxruntime|tensorrt --prompt-ids 1,2,3 --max-tokens N
     python -m runtime.generate --model DIR --prompt "text"        # needs tiktoken.model in DIR (or the checkpoint)
+    torchrun --nproc-per-node 2 -m runtime.generate --model DIR --backend torch --ep 2 --prompt-ids 1,2,3
+        # tensor parallel: one process per TP rank (gloo on CPU, NCCL on GPU); rank 0 prints
 """
 from __future__ import annotations
 
@@ -10,9 +12,17 @@ import logging
 import sys
 
 from runtime.api import LLM, SamplingParams
+from runtime.distributed import init_from_env, shutdown
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    finally:
+        shutdown()
+
+
+def _main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m runtime.generate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="checkpoint, ONNX export, engine or build output directory")
     ap.add_argument("--backend", default="torch", choices=["torch", "onnxruntime", "tensorrt"])
@@ -26,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--max-context", type=int, default=None)
+    ap.add_argument("--ep", type=int, default=1, help="expert parallelism under torchrun: 1 or the world size (torch backend)")
     ap.add_argument("--text", action="store_true", help="also print the decoded text on a second line")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
@@ -36,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
                 ids = [int(x) for x in a.prompt_ids.replace(" ", "").split(",") if x != ""]
             except ValueError:
                 ap.error(f"--prompt-ids {a.prompt_ids!r}: expected comma-separated integers")
-        llm = LLM(a.model, backend=a.backend, max_batch=1, max_context=a.max_context)
+        rank, _ = init_from_env()
+        llm = LLM(a.model, backend=a.backend, max_batch=1, max_context=a.max_context, ep=a.ep)
         if a.prompt is not None:
             if llm.tokenizer is None:
                 ap.error(f"--prompt: no tokenizer (tiktoken.model) in {a.model}; use --prompt-ids")
@@ -47,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, ImportError, NotImplementedError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if rank != 0:
+        return 0
     print(" ".join(str(t) for t in out.token_ids))
     if a.text and llm.tokenizer is not None:
         print(llm.tokenizer.decode(out.token_ids))

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from model.reference import Batch
-from runtime.cache import CacheFull, HybridCache
+from runtime.cache import HybridCache
 from runtime.sampling import SamplingParams, make_generator, sample, validate_prompt
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from export.onnx import export_model
-from export.verify import CLI_ATOL, CLI_RTOL, OrtModel, verify
+from export.verify import CLI_ATOL, CLI_RTOL, OrtModel, merge_pool, split_pool, verify
 from model.config import load_config
 from model.reference import Batch, K3Model, allocate_pools
 
@@ -69,7 +69,7 @@ def test_index_and_files(export_dir, ckpt):
     assert dims == {"T", "B", "N", "N1", "S", "NB", "BS", "MB", "M"}
 
 
-def test_rerun_skips_unchanged(export_dir, ckpt, caplog):
+def test_rerun_skips_unchanged(export_dir, ckpt):
     before = {p: p.stat().st_mtime_ns for p in export_dir.rglob("*.onnx")}
     export_model(ckpt, export_dir, tp=1, progress=False, layers=[0], graphs=("decode",))
     after = {p: p.stat().st_mtime_ns for p in export_dir.rglob("*.onnx")}
@@ -184,12 +184,12 @@ def test_tp2_segments_equal_tp1(ckpt, export_dir, tmp_path):
                  for k, v in allocate_pools(cfg, 3, 6, 4)[l].items()}
         one = [dict(env, **pools)]
         t1._stage(lambda r: ("layer", "prefill", l, r), one)
-        split = {k: np.split(v, 2, axis=1) if k in ("state", "conv") else [v, v] for k, v in pools.items()}
-        two = [dict(env, **{k: np.ascontiguousarray(v[r]) for k, v in split.items()}) for r in range(2)]
+        split = {k: split_pool(k, v, 2) for k, v in pools.items()}
+        two = [dict(env, **{k: v[r] for k, v in split.items()}) for r in range(2)]
         t2._stage(lambda r: ("layer", "prefill", l, r), two)
         np.testing.assert_allclose(two[0]["P_out"], one[0]["P_out"], atol=1e-4, rtol=1e-3)
         for k in pools:
-            got = np.concatenate([two[r][k + "_out"] for r in range(2)], 1) if k in ("state", "conv") else two[0][k + "_out"]
+            got = merge_pool(k, [two[r][k + "_out"] for r in range(2)])
             np.testing.assert_allclose(got, one[0][k + "_out"], atol=1e-5, rtol=1e-4, err_msg=f"layer {l} {k}")
         if cfg.is_commit(l):
             np.testing.assert_allclose(two[1]["bank_out"], one[0]["bank_out"], atol=1e-6)

@@ -13,6 +13,8 @@ from plugins.kda import kernels as kda_k          # noqa: E402
 from plugins.kda import reference as kda_ref      # noqa: E402
 from plugins.mla import kernels as mla_k          # noqa: E402
 from plugins.moe import kernels as moe_k          # noqa: E402
+from plugins.mla import reference as mla_ref      # noqa: E402  (the lead's oracle)
+from plugins.moe import reference as moe_ref_mod  # noqa: E402
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 gpu_only = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
@@ -154,11 +156,15 @@ def test_mla_decode(H, R, DR, BS, dt):
     lat = torch.randn(B, R + DR, generator=g).to(dt)
     scale = 192 ** -0.5
     ro, rc = mla_decode_ref(q, lat, cache, bt, ctx, H, R, scale)
+    oo, oc = mla_ref.mla_decode(q.float(), lat.float(), cache.float(), bt, ctx, num_heads=H, kv_lora_rank=R, scale=scale)
+    assert relerr(ro, oo) < 1e-5                         # own transcription agrees with the oracle
+    ro = oo
     c = cache.to(DEV)
     o, c2 = mla_k.mla_decode(q.to(DEV), lat.to(DEV), c, bt.to(DEV), ctx.to(DEV), num_heads=H, kv_lora_rank=R, scale=scale,
                              **({} if HAS_CUDA else dict(num_splits=3, block_n=16)))
     assert c2.data_ptr() == c.data_ptr()
-    assert relerr(o, ro) < (1e-5 if dt == torch.float32 else 1e-2)
+    # fp32 on the GPU: tl.dot runs TF32 (~3e-4); the interpreter is exact fp32
+    assert relerr(o, ro) < ((2e-3 if HAS_CUDA else 1e-5) if dt == torch.float32 else 1e-2)
     assert nan_equal(c.float(), rc)
 
 
@@ -198,6 +204,10 @@ def test_mla_prefill(H, R, DR, Dn, Dv, BS):
     kv_b = (torch.randn(H * (Dn + Dv), R, generator=g) * R ** -0.5).to(dt)
     scale = (Dn + DR) ** -0.5
     ro, rc = mla_prefill_ref(q, lat, kv_b, cache, bt, cu, ctx, H, Dn, Dv, R, scale)
+    oo, _ = mla_ref.mla_prefill(q.float(), lat.float(), kv_b.float(), cache.float(), bt, cu, ctx, num_heads=H,
+                                qk_nope_head_dim=Dn, v_head_dim=Dv, kv_lora_rank=R, scale=scale)
+    assert relerr(ro, oo) < 1e-5
+    ro = oo
     c = cache.to(DEV)
     o, c = mla_k.mla_prefill(q.to(DEV), lat.to(DEV), kv_b.to(DEV), c, bt.to(DEV), cu.to(DEV), ctx.to(DEV), num_heads=H,
                              qk_nope_head_dim=Dn, v_head_dim=Dv, kv_lora_rank=R, scale=scale)
@@ -244,6 +254,9 @@ def test_mxfp4_moe(E, RL, I, T, k, bk):
     ids = torch.stack([torch.randperm(E + 4, generator=g)[:k] for _ in range(T)]).int()   # some non-local (EP)
     w = torch.rand(T, k, generator=g)
     r = moe_ref(x, ids, w, w13p, w13s, w2p, w2s, off)
+    ro = moe_ref_mod.mxfp4_moe(x.float(), ids, w, w13p, w13s, w2p, w2s, expert_offset=off)
+    assert relerr(ro, r) < 1e-4
+    r = ro
     y = moe_k.mxfp4_moe(x.to(DEV), ids.to(DEV), w.to(DEV), w13p.to(DEV), w13s.to(DEV), w2p.to(DEV), w2s.to(DEV),
                         expert_offset=off, block_k=bk, block_n13=32 if not HAS_CUDA else 64,
                         block_n2=32 if not HAS_CUDA else 64)

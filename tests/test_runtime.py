@@ -5,7 +5,6 @@ Reference for every token comparison: `model.reference.forward` with a `Sequence
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import importlib.util
 import math
@@ -315,7 +314,6 @@ def test_cancel_mid_generation_frees_everything(tiny_ckpt):
         cols = []
         for i in range(3):
             col = Collector()
-            orig = col.__call__
 
             def cb(tok, fin, err, col=col, ev=got3[i]):
                 Collector.__call__(col, tok, fin, err)

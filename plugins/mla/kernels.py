@@ -36,6 +36,10 @@ def _mla_split_kernel(
     H, NSPLIT, TOK_PER_SPLIT,
     BS: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
 ):
+    """grid (head groups, splits, B). One program: BH heads of one sequence over TOK_PER_SPLIT tokens.
+    BN divides BS and TOK_PER_SPLIT is a multiple of BN, so every [BN, 576] tile lies inside ONE paged block:
+    its block id is one scalar load and the tile is BN*576 contiguous elements (coalesced 16-byte loads that
+    the pipeliner turns into cp.async stages), read once for all BH heads."""
     hg = tl.program_id(0)
     sp = tl.program_id(1)
     b = tl.program_id(2)
@@ -43,6 +47,7 @@ def _mla_split_kernel(
     hmask = hh < H
     dr = tl.arange(0, R)
     dp = tl.arange(0, DR)
+    rn = tl.arange(0, BN)
     DL: tl.constexpr = R + DR
     q_base = q_ptr + b * stride_qb + hh[:, None] * stride_qh
     qn = tl.load(q_base + dr[None, :], mask=hmask[:, None], other=0.0)                  # [BH, R]
@@ -54,13 +59,19 @@ def _mla_split_kernel(
     l_i = tl.zeros([BH], dtype=tl.float32)
     acc = tl.zeros([BH, R], dtype=tl.float32)
     qscale = sm_scale * 1.4426950408889634
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    last = tl.maximum(end - 1, 0)
+    # block id of the next tile is loaded one iteration ahead (loop-carried), so the tile loads do not depend
+    # on a load of the same iteration and the pipeliner gives them num_stages - 1 shared-memory buffers
+    blk_next = tl.load(bt_row + tl.minimum(start, last) // BS).to(tl.int64)
     for n0 in range(start, end, BN):
-        tok = n0 + tl.arange(0, BN)
+        blk = blk_next
+        blk_next = tl.load(bt_row + tl.minimum(n0 + BN, last) // BS).to(tl.int64)
+        tok = n0 + rn
         tmask = tok < end
-        blk = tl.load(bt_ptr + b * stride_bt + tok // BS, mask=tmask, other=0).to(tl.int64)
-        row = cache_ptr + (blk * BS + tok % BS) * DL
-        kn = tl.load(row[:, None] + dr[None, :], mask=tmask[:, None], other=0.0)         # [BN, R]
-        kp = tl.load(row[:, None] + R + dp[None, :], mask=tmask[:, None], other=0.0)     # [BN, DR]
+        tile = cache_ptr + (blk * BS + n0 % BS) * DL + rn[:, None] * DL                 # [BN, 1] row starts
+        kn = tl.load(tile + dr[None, :], mask=tmask[:, None], other=0.0)                # [BN, R]
+        kp = tl.load(tile + R + dp[None, :], mask=tmask[:, None], other=0.0)            # [BN, DR]
         s = tl.dot(qn, tl.trans(kn)) + tl.dot(qp, tl.trans(kp))                          # [BH, BN] fp32
         s = s * qscale
         s = tl.where(tmask[None, :], s, float("-inf"))
@@ -82,19 +93,27 @@ def _mla_split_kernel(
 @triton.jit
 def _mla_combine_kernel(po_ptr, plse_ptr, out_ptr, H, NSPLIT, stride_ob, stride_oh,
                         R: tl.constexpr, BSPLIT: tl.constexpr):
+    """out[b, h] = sum_s w_s po[s], w = softmax over splits of lse (base 2); splits in chunks of BSPLIT."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    s = tl.arange(0, BSPLIT)
-    smask = s < NSPLIT
     base = (b * H + h) * NSPLIT
-    lse = tl.load(plse_ptr + base + s, mask=smask, other=float("-inf"))
-    m = tl.max(lse, axis=0)
-    w = tl.exp2(lse - m)
-    w = tl.where(smask, w, 0.0)
-    w = w / tl.sum(w, axis=0)
+    s = tl.arange(0, BSPLIT)
+    m = tl.full([BSPLIT], float("-inf"), tl.float32)
+    for s0 in range(0, NSPLIT, BSPLIT):
+        m = tl.maximum(m, tl.load(plse_ptr + base + s0 + s, mask=(s0 + s) < NSPLIT, other=float("-inf")))
+    mx = tl.max(m, axis=0)
     dr = tl.arange(0, R)
-    po = tl.load(po_ptr + (base + s)[:, None].to(tl.int64) * R + dr[None, :], mask=smask[:, None] & (w > 0)[:, None], other=0.0)
-    o = tl.sum(po * w[:, None], axis=0)
+    o = tl.zeros([R], dtype=tl.float32)
+    den = tl.zeros([BSPLIT], dtype=tl.float32)
+    for s0 in range(0, NSPLIT, BSPLIT):
+        smask = (s0 + s) < NSPLIT
+        lse = tl.load(plse_ptr + base + s0 + s, mask=smask, other=float("-inf"))
+        w = tl.where(lse > float("-inf"), tl.exp2(lse - mx), 0.0)
+        den += w
+        po = tl.load(po_ptr + (base + s0 + s)[:, None].to(tl.int64) * R + dr[None, :],
+                     mask=(smask & (w > 0))[:, None], other=0.0)
+        o += tl.sum(po * w[:, None], axis=0)
+    o = o / tl.sum(den, axis=0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + dr, o.to(out_ptr.dtype.element_ty))
 
 
@@ -110,20 +129,27 @@ def _num_sms(device) -> int:
     return _SM_COUNT[idx]
 
 
-def _launch_cfg(B, H, capacity, device, BN, BH=None):
+def _launch_cfg(B, H, capacity, device, BN, BH=None, programs_per_sm=8):
+    """Split-K along the sequence: enough (head group, split, sequence) programs for `programs_per_sm` per SM
+    (several resident CTAs per SM and a short tail), each split at least 256 tokens. Fixed from the cache
+    capacity (no host sync; CUDA-graph safe)."""
     if BH is None:
-        BH = 16 if H <= 16 else (32 if H <= 32 else 64)
+        BH = 16 if H <= 16 else 32
     ngroups = triton.cdiv(H, BH)
-    target = 2 * _num_sms(device)
+    target = programs_per_sm * _num_sms(device)
     nsplit = max(1, min(triton.cdiv(target, B * ngroups), triton.cdiv(capacity, 256)))
     tok = triton.cdiv(triton.cdiv(capacity, nsplit), BN) * BN
     nsplit = triton.cdiv(capacity, tok)
     return BH, ngroups, nsplit, tok
 
 
+def _pow2_divisor(n: int) -> int:
+    return n & -n
+
+
 def mla_decode(q_abs, latent, cache, block_tables, context_lens, *, num_heads: int, kv_lora_rank: int, scale: float,
                out=None, num_splits: int | None = None, block_h: int | None = None, block_n: int | None = None,
-               num_stages: int = 2, num_warps: int | None = None):
+               num_stages: int | None = None, num_warps: int | None = None, programs_per_sm: int = 8):
     """MlaDecode: writes latent[b] at context_lens[b], attends over context_lens[b]+1 latents.
     Returns (out_latent [B, H, R] in q_abs dtype, cache)."""
     B, H, DL = q_abs.shape
@@ -146,8 +172,9 @@ def mla_decode(q_abs, latent, cache, block_tables, context_lens, *, num_heads: i
     _write_latent_kernel[(B,)](latent, cache, bt, ctx, latent.stride(0), bt.stride(0),
                                BS=BS, DL=DL, BDL=triton.next_power_of_2(DL), num_warps=4)
     capacity = bt.shape[1] * BS
-    BN = block_n or (64 if H <= 16 else 32)
-    BH, ngroups, nsplit, tok = _launch_cfg(B, H, capacity, dev, BN, block_h)
+    # a tile never straddles two paged blocks: BN is a power of two dividing BS
+    BN = min(block_n or 32, _pow2_divisor(BS))
+    BH, ngroups, nsplit, tok = _launch_cfg(B, H, capacity, dev, BN, block_h, programs_per_sm)
     if num_splits is not None:
         nsplit = num_splits
         tok = triton.cdiv(triton.cdiv(capacity, nsplit), BN) * BN
@@ -156,9 +183,9 @@ def mla_decode(q_abs, latent, cache, block_tables, context_lens, *, num_heads: i
     _mla_split_kernel[(ngroups, nsplit, B)](
         q_abs, cache, bt, ctx, po, plse, q_abs.stride(0), q_abs.stride(1), bt.stride(0), float(scale),
         H, nsplit, tok, BS=BS, R=R, DR=DR, BH=BH, BN=BN,
-        num_warps=num_warps or (4 if BH <= 16 else 8), num_stages=num_stages)
+        num_warps=num_warps or (4 if BH <= 16 else 8), num_stages=num_stages or 3)
     _mla_combine_kernel[(B, H)](po, plse, out, H, nsplit, out.stride(0), out.stride(1),
-                                R=R, BSPLIT=max(2, triton.next_power_of_2(nsplit)), num_warps=4)
+                                R=R, BSPLIT=min(16, max(2, triton.next_power_of_2(nsplit))), num_warps=4)
     return out, cache
 
 

@@ -198,6 +198,89 @@ def _moe_w2_kernel(
         tl.store(y_ptr + pair[:, None] * stride_y + nn[None, :], acc * wt[:, None], mask=mmask[:, None] & nmask[None, :])
 
 
+@triton.jit
+def _moe_w13_ds_kernel(
+    x_ptr, tok_ptr, offs_ptr, w_ptr, s_ptr, h_ptr,
+    stride_x, stride_we, stride_w, stride_se, stride_s, stride_h,
+    I, RL, beta, lbeta,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """Swapped grouped GEMM hᵀ = W13 · xᵀ for one (I-tile, expert): the MXFP4 weights are the LHS of
+    tl.dot_scaled (e2m1 codes packed along K exactly as stored, E8M0 scales [BN, BK/32] exactly as stored), so on
+    Hopper they are upcast in registers straight into the wgmma A-operand layout (no shared-memory round trip
+    of the dequantized tile); the few tokens of the expert are the N side (BM >= 16). Gate and up rows of the
+    same columns in one program; SiTU fused; h written in bf16."""
+    pid_n = tl.program_id(0)
+    e = tl.program_id(1)
+    lo_off = tl.load(offs_ptr + e)
+    hi_off = tl.load(offs_ptr + e + 1)
+    if hi_off <= lo_off:
+        return
+    nn = pid_n * BN + tl.arange(0, BN)
+    nmask = nn < I
+    kh = tl.arange(0, BK // 2)
+    ks = tl.arange(0, BK // 32)
+    kk = tl.arange(0, BK)
+    wg = w_ptr + e.to(tl.int64) * stride_we + nn[:, None].to(tl.int64) * stride_w
+    wu = wg + I * stride_w
+    sg = s_ptr + e.to(tl.int64) * stride_se + nn[:, None].to(tl.int64) * stride_s
+    su = sg + I * stride_s
+    for m0 in range(lo_off, hi_off, BM):
+        mm = m0 + tl.arange(0, BM)
+        mmask = mm < hi_off
+        tok = tl.load(tok_ptr + mm, mask=mmask, other=0).to(tl.int64)
+        acc_g = tl.zeros([BN, BM], dtype=tl.float32)
+        acc_u = tl.zeros([BN, BM], dtype=tl.float32)
+        for k0 in range(0, RL, BK):
+            xt = tl.load(x_ptr + tok[None, :] * stride_x + (k0 + kk)[:, None], mask=mmask[None, :], other=0.0)
+            xt = xt.to(tl.bfloat16)
+            pg = tl.load(wg + (k0 // 2 + kh)[None, :], mask=nmask[:, None], other=0)
+            qg = tl.load(sg + (k0 // 32 + ks)[None, :], mask=nmask[:, None], other=127)
+            acc_g = tl.dot_scaled(pg, qg, "e2m1", xt, None, "bf16", acc_g, fast_math=True)
+            pu = tl.load(wu + (k0 // 2 + kh)[None, :], mask=nmask[:, None], other=0)
+            qu = tl.load(su + (k0 // 32 + ks)[None, :], mask=nmask[:, None], other=127)
+            acc_u = tl.dot_scaled(pu, qu, "e2m1", xt, None, "bf16", acc_u, fast_math=True)
+        hval = _situ(acc_g, acc_u, beta, lbeta)                                           # [BN, BM]
+        tl.store(h_ptr + mm[None, :].to(tl.int64) * stride_h + nn[:, None], hval.to(h_ptr.dtype.element_ty),
+                 mask=mmask[None, :] & nmask[:, None])
+
+
+@triton.jit
+def _moe_w2_ds_kernel(
+    h_ptr, pair_ptr, wts_ptr, offs_ptr, w_ptr, s_ptr, y_ptr,
+    stride_h, stride_we, stride_w, stride_se, stride_s, stride_y,
+    I, RL,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """Swapped yᵀ = W2 · hᵀ for one (Rl-tile, expert) through tl.dot_scaled (as above), times the pair's
+    routing weight, written per pair."""
+    pid_n = tl.program_id(0)
+    e = tl.program_id(1)
+    lo_off = tl.load(offs_ptr + e)
+    hi_off = tl.load(offs_ptr + e + 1)
+    if hi_off <= lo_off:
+        return
+    nn = pid_n * BN + tl.arange(0, BN)
+    nmask = nn < RL
+    kh = tl.arange(0, BK // 2)
+    ks = tl.arange(0, BK // 32)
+    kk = tl.arange(0, BK)
+    wb = w_ptr + e.to(tl.int64) * stride_we + nn[:, None].to(tl.int64) * stride_w
+    sb = s_ptr + e.to(tl.int64) * stride_se + nn[:, None].to(tl.int64) * stride_s
+    for m0 in range(lo_off, hi_off, BM):
+        mm = m0 + tl.arange(0, BM)
+        mmask = mm < hi_off
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            ht = tl.load(h_ptr + mm[None, :].to(tl.int64) * stride_h + (k0 + kk)[:, None], mask=mmask[None, :], other=0.0)
+            pw = tl.load(wb + (k0 // 2 + kh)[None, :], mask=nmask[:, None], other=0)
+            qw = tl.load(sb + (k0 // 32 + ks)[None, :], mask=nmask[:, None], other=127)
+            acc = tl.dot_scaled(pw, qw, "e2m1", ht.to(tl.bfloat16), None, "bf16", acc, fast_math=True)
+        pair = tl.load(pair_ptr + mm, mask=mmask, other=0).to(tl.int64)
+        wt = tl.load(wts_ptr + pair, mask=mmask, other=0.0)
+        tl.store(y_ptr + pair[None, :] * stride_y + nn[:, None], acc * wt[None, :], mask=mmask[None, :] & nmask[:, None])
+
+
 def _sort_pairs(topk_ids, E, expert_offset):
     T, k = topk_ids.shape
     flat = topk_ids.reshape(-1).to(torch.int64) - expert_offset
@@ -211,34 +294,62 @@ def _sort_pairs(topk_ids, E, expert_offset):
     return order.to(torch.int32), tok, offs, valid
 
 
+def _pick_block_m(T, k, E):
+    avg = triton.cdiv(T * k, max(E, 1))
+    return 16 if avg <= 12 else (32 if avg <= 24 else 64)
+
+
 def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *, expert_offset: int = 0,
-              situ_beta: float = 4.0, situ_linear_beta: float = 25.0, block_m: int = 16, block_n13: int = 64,
-              block_n2: int = 64, block_k: int = 128, use_asm: bool | None = None):
-    """Mxfp4Moe: y [T, Rl] fp32 = sum over local choices of w * w2_e(SiTU(w1_e x, w3_e x))."""
+              situ_beta: float = 4.0, situ_linear_beta: float = 25.0, block_m: int | None = None,
+              block_n13: int | None = None, block_n2: int | None = None, block_k: int | None = None,
+              impl: str = "dot_scaled", num_warps: int = 4, num_stages: int | None = None,
+              use_asm: bool | None = None):
+    """Mxfp4Moe: y [T, Rl] fp32 = sum over local choices of w * w2_e(SiTU(w1_e x, w3_e x)).
+    impl "dot_scaled" (default): weights as the scaled-dot LHS (see _moe_w13_ds_kernel);
+    impl "legacy": the first version (inline-PTX dequant to a bf16 tile, x as the LHS)."""
     T, RL = x.shape
     k = topk_ids.shape[1]
     E, I2, _ = w13_packed.shape
     I = I2 // 2
     dev = x.device
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    order, tok, offs, valid = _sort_pairs(topk_ids, E, int(expert_offset))
+    wts = topk_w.reshape(-1).to(torch.float32).contiguous()
+    ypair = torch.zeros(T * k, RL, dtype=torch.float32, device=dev)
+    if impl == "dot_scaled":
+        BM = block_m or _pick_block_m(T, k, E)
+        BK = block_k or 128
+        BN13 = block_n13 or 64      # 4 warps = one wgmma warpgroup; no register spills at BM <= 64 (ptxas, sm_90)
+        BN2 = block_n2 or 64
+        ns = num_stages or 4
+        h = torch.empty(T * k, I, dtype=torch.bfloat16, device=dev)
+        _moe_w13_ds_kernel[(triton.cdiv(I, BN13), E)](
+            x, tok, offs, w13_packed, w13_scale, h,
+            x.stride(0), w13_packed.stride(0), w13_packed.stride(1), w13_scale.stride(0), w13_scale.stride(1),
+            h.stride(0), I, RL, float(situ_beta), float(situ_linear_beta),
+            BM=BM, BN=BN13, BK=BK, num_warps=num_warps, num_stages=ns)
+        _moe_w2_ds_kernel[(triton.cdiv(RL, BN2), E)](
+            h, order, wts, offs, w2_packed, w2_scale, ypair,
+            h.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+            ypair.stride(0), I, RL, BM=BM, BN=BN2, BK=BK, num_warps=num_warps, num_stages=ns)
+        return ypair.view(T, k, RL).sum(1)
+    assert impl == "legacy", impl
     if use_asm is None:
         use_asm = dev.type == "cuda" and not _INTERPRET
     cdt = tl.bfloat16 if dev.type == "cuda" else tl.float32   # interpreter: fp32 math (its bf16 dot is unreliable)
     tdt = torch.bfloat16 if cdt == tl.bfloat16 else torch.float32
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    order, tok, offs, valid = _sort_pairs(topk_ids, E, int(expert_offset))
     h = torch.empty(T * k, I, dtype=tdt, device=dev)
-    BM = block_m
+    BM = block_m or 16
+    block_n13, block_n2, block_k = block_n13 or 128, block_n2 or 128, block_k or 128
     _moe_w13_kernel[(triton.cdiv(I, block_n13), E)](
         x, tok, offs, w13_packed, w13_scale, h,
         x.stride(0), w13_packed.stride(0), w13_packed.stride(1), w13_scale.stride(0), w13_scale.stride(1), h.stride(0),
         I, RL, float(situ_beta), float(situ_linear_beta),
-        BM=BM, BN=block_n13, BK=block_k, USE_ASM=use_asm, CDT=cdt, num_warps=4, num_stages=3)
-    ypair = torch.zeros(T * k, RL, dtype=torch.float32, device=dev)
-    wts = topk_w.reshape(-1).to(torch.float32).contiguous()
+        BM=BM, BN=block_n13, BK=block_k, USE_ASM=use_asm, CDT=cdt, num_warps=4, num_stages=num_stages or 3)
     _moe_w2_kernel[(triton.cdiv(RL, block_n2), E)](
         h, order, wts, offs, w2_packed, w2_scale, ypair,
         h.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1), ypair.stride(0),
-        I, RL, BM=BM, BN=block_n2, BK=block_k, USE_ASM=use_asm, CDT=cdt, num_warps=4, num_stages=3)
+        I, RL, BM=BM, BN=block_n2, BK=block_k, USE_ASM=use_asm, CDT=cdt, num_warps=4, num_stages=num_stages or 3)
     return ypair.view(T, k, RL).sum(1)
 
 
