@@ -182,7 +182,7 @@ if "mla" in ONLY:
             res = {}
             variants = ([dict(), dict(block_n=16, num_stages=4), dict(num_stages=4), dict(programs_per_sm=16),
                          dict(programs_per_sm=4), dict(num_warps=8)] if H <= 16 else
-                        [dict(), dict(block_h=16, num_warps=4), dict(block_h=64)])
+                        [dict(), dict(block_h=16, num_warps=4), dict(block_h=32)])
             best, us_default = None, float("nan")
             for vv in variants:
                 if not ok:
@@ -280,8 +280,8 @@ if "moe" in ONLY:
             bf_bytes = touched * 3 * D * I * 2
             res = {}
             best = None
-            cfgs = [dict(), dict(block_n13=128, block_n2=128, num_warps=8), dict(block_m=16), dict(block_m=32),
-                    dict(block_k=256, num_stages=3), dict(impl="legacy", block_n13=128, block_n2=128)]
+            cfgs = [dict(), dict(impl="dot_scaled"), dict(impl="dot_scaled", block_m=16),
+                    dict(impl="dot_scaled", block_n13=128, block_n2=128, num_warps=8)]
             us_default = float("nan")
             for cfg in cfgs:
                 if not ok:

@@ -31,7 +31,7 @@ import torch
 
 from model.config import K3Config
 from model.layers import Comm, attn_res, rms_norm
-from model.reference import Batch, DecoderLayer, LatentMoE, ReferenceOps, state_spec
+from model.reference import Batch, DecoderLayer, LatentMoE, state_spec
 from plugins.onnx_common import DOMAIN, DOMAIN_VERSION, OPSET, attach_functions, translation_table
 from plugins.torch_ops import TorchOps
 

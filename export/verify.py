@@ -28,6 +28,7 @@ import json
 import logging
 import sys
 import time
+import warnings
 from collections import OrderedDict
 from pathlib import Path
 
@@ -65,7 +66,9 @@ def compare_func(names) -> CompareFunc:
     """CompareFunc.simple with the per-output tolerances of TOLERANCES for `names`."""
     atol = {"": TOLERANCES[""][0], **{n: _tol(n)[0] for n in names}}
     rtol = {"": TOLERANCES[""][1], **{n: _tol(n)[1] for n in names}}
-    return CompareFunc.simple(check_shapes=True, atol=atol, rtol=rtol)
+    with warnings.catch_warnings():   # deprecated in favour of SimpleCompareFunc (0.60); same behaviour
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return CompareFunc.simple(check_shapes=True, atol=atol, rtol=rtol)
 
 
 # ---- runners ---------------------------------------------------------------------------------------------------

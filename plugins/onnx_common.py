@@ -91,7 +91,26 @@ def function_proto(body: onnxscript.OnnxFunction) -> onnx.FunctionProto:
     if ver != OPSET:
         raise RuntimeError(f"function {fp.name}: default-domain opset {ver} != {OPSET}; write the body with "
                            f"onnxscript.opset{OPSET}")
+    _explicit_loop_conditions(fp.node)
     return fp
+
+
+def _explicit_loop_conditions(nodes) -> None:
+    """Give every Loop with an omitted `cond` input (onnxscript's `for i in range(n)`) an explicit true constant:
+    TensorRT's Loop importer does not accept the empty optional input. Same semantics (ONNX Loop spec)."""
+    i = 0
+    while i < len(nodes):
+        n = nodes[i]
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                _explicit_loop_conditions(a.g.node)
+        if n.op_type == "Loop" and n.domain in ("", "ai.onnx") and len(n.input) > 1 and n.input[1] == "":
+            name = f"{n.output[0]}__loop_true"
+            const = onnx.helper.make_node("Constant", [], [name], value=onnx.helper.make_tensor(name, onnx.TensorProto.BOOL, [], [True]))
+            n.input[1] = name
+            nodes.insert(i, const)
+            i += 1
+        i += 1
 
 
 def specs() -> dict[str, OnnxOpSpec]:
@@ -148,6 +167,13 @@ def attach_functions(model: onnx.ModelProto) -> onnx.ModelProto:
         todo.extend(n.op_type for n in fp.node if n.domain == DOMAIN and n.op_type not in have)
     if DOMAIN not in ver:
         model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
+    # A body that calls another kimi function (KdaDecode -> KdaPrefill) is made self-contained: TensorRT's parser
+    # does not resolve function calls nested in a function it inlines. Ops used at the top level stay nodes.
+    nested = {n.op_type for f in model.functions if f.domain == DOMAIN for n in f.node if n.domain == DOMAIN}
+    nested -= used
+    if nested:
+        import onnx.inliner
+        model.CopyFrom(onnx.inliner.inline_selected_functions(model, [(DOMAIN, n) for n in sorted(nested)]))
     return model
 
 

@@ -22,3 +22,27 @@ def tiny_ckpt(tmp_path_factory, tiny_cfg):
 def tiny_model(tiny_ckpt):
     from model.reference import K3Model
     return K3Model.from_checkpoint(tiny_ckpt)
+
+
+def _build(ckpt, out, *extra):
+    """Run the main job (export/build_engines.py) as a user would; returns (out, CompletedProcess)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "export" / "build_engines.py"), "--checkpoint", str(ckpt),
+                        "--out", str(out), "--max-batch", "4", "--max-num-tokens", "64", *map(str, extra)],
+                       capture_output=True, text=True, cwd=root, timeout=1800)
+    return out, r
+
+
+@pytest.fixture(scope="session")
+def tiny_build_tp1(tiny_ckpt, tmp_path_factory):
+    """The main job on k3-tiny at TP=1 (shared by the pipeline, runtime and serving tests)."""
+    return _build(tiny_ckpt, tmp_path_factory.mktemp("build") / "tp1")
+
+
+@pytest.fixture(scope="session")
+def tiny_build_tp2(tiny_ckpt, tmp_path_factory):
+    """The main job on k3-tiny at TP=2 / EP=2."""
+    return _build(tiny_ckpt, tmp_path_factory.mktemp("build") / "tp2", "--tp", 2, "--ep", 2)

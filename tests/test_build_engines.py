@@ -58,15 +58,8 @@ def test_dry_run_of_a_weightful_checkpoint_allocates_nothing(tiny_ckpt, tmp_path
 
 # ---- the default run end to end ----------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def tiny_build(tiny_ckpt, tmp_path_factory):
-    out = tmp_path_factory.mktemp("build") / "tp1"
-    r = run_cli("--checkpoint", tiny_ckpt, "--out", out, "--max-batch", 4, "--max-num-tokens", 64)
-    return out, r
-
-
-def test_default_run_end_to_end_tp1(tiny_build):
-    out, r = tiny_build
+def test_default_run_end_to_end_tp1(tiny_build_tp1):
+    out, r = tiny_build_tp1
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads((out / "verify" / "report.json").read_text())
     assert report["passed"] and report["graphs"] and all(g["passed"] for g in report["graphs"].values())
@@ -81,8 +74,10 @@ def test_default_run_end_to_end_tp1(tiny_build):
         assert len(em["engines"]) == len(json.loads((out / "onnx" / "index.json").read_text())["graphs"])
 
 
-def test_rerun_does_no_work_and_force_redoes(tiny_build, tiny_ckpt):
-    out, r = tiny_build
+def test_rerun_does_no_work_and_force_redoes(tiny_build_tp1, tiny_ckpt, tmp_path):
+    src, r = tiny_build_tp1
+    out = tmp_path / "copy"
+    shutil.copytree(src, out)   # a copy: the shared build stays as it was for other tests
     assert r.returncode == 0
     again = run_cli("--checkpoint", tiny_ckpt, "--out", out, "--max-batch", 4, "--max-num-tokens", 64)
     assert again.returncode == 0, again.stderr
@@ -96,9 +91,8 @@ def test_rerun_does_no_work_and_force_redoes(tiny_build, tiny_ckpt):
     assert json.loads((out / ".steps.json").read_text()).keys() == state.keys()
 
 
-def test_run_tp2_ep2(tiny_ckpt, tmp_path):
-    out = tmp_path / "tp2"
-    r = run_cli("--checkpoint", tiny_ckpt, "--out", out, "--tp", 2, "--ep", 2, "--max-batch", 4, "--max-num-tokens", 64)
+def test_run_tp2_ep2(tiny_build_tp2):
+    out, r = tiny_build_tp2
     assert r.returncode == 0, r.stdout + r.stderr
     index = json.loads((out / "onnx" / "index.json").read_text())
     assert {g["rank"] for g in index["graphs"]} == {0, 1}

@@ -9,7 +9,6 @@ Slow-ish on 2 cores (~2-3 min, dominated by torch.onnx.export of ~40 graphs); mo
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path

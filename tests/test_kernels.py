@@ -242,8 +242,9 @@ def moe_ref(x, ids, w, w13p, w13s, w2p, w2s, off):
     return y
 
 
+@pytest.mark.parametrize("impl", ["legacy", "dot_scaled"])
 @pytest.mark.parametrize("E,RL,I,T,k,bk", [(6, 64, 64, 5, 3, 32)] + ([(16, 512, 256, 9, 6, 128)] if HAS_CUDA else []))
-def test_mxfp4_moe(E, RL, I, T, k, bk):
+def test_mxfp4_moe(E, RL, I, T, k, bk, impl):
     g = torch.Generator().manual_seed(5)
     w13p = torch.randint(0, 256, (E, 2 * I, RL // 2), dtype=torch.uint8, generator=g)
     w13s = torch.randint(121, 127, (E, 2 * I, RL // 32), dtype=torch.uint8, generator=g)
@@ -259,7 +260,7 @@ def test_mxfp4_moe(E, RL, I, T, k, bk):
     r = ro
     y = moe_k.mxfp4_moe(x.to(DEV), ids.to(DEV), w.to(DEV), w13p.to(DEV), w13s.to(DEV), w2p.to(DEV), w2s.to(DEV),
                         expert_offset=off, block_k=bk, block_n13=32 if not HAS_CUDA else 64,
-                        block_n2=32 if not HAS_CUDA else 64)
+                        block_n2=32 if not HAS_CUDA else 64, impl=impl)
     assert y.dtype == torch.float32
     assert relerr(y, r) < 1e-2   # h is rounded to bf16 between the two GEMMs
 

@@ -27,10 +27,10 @@ def test_torch_backend_tp2_equals_tp1(tiny_ckpt, ep):
     assert generate(tiny_ckpt, "torch", 2, "--ep", ep) == generate(tiny_ckpt, "torch")
 
 
-def test_onnxruntime_backend_tp2_export_equals_tp1(tiny_ckpt, tmp_path):
-    from export.onnx import export_model
-    export_model(tiny_ckpt, tmp_path / "onnx", tp=2, ep=2, progress=False)
-    assert generate(tmp_path / "onnx", "onnxruntime", 2) == generate(tiny_ckpt, "torch")
+def test_onnxruntime_backend_tp2_export_equals_tp1(tiny_ckpt, tiny_build_tp2):
+    out, r = tiny_build_tp2
+    assert r.returncode == 0, r.stderr
+    assert generate(out / "onnx", "onnxruntime", 2) == generate(tiny_ckpt, "torch")
 
 
 def test_tp_without_a_process_group_is_a_clear_error(tiny_ckpt):

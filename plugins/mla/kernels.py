@@ -134,7 +134,8 @@ def _launch_cfg(B, H, capacity, device, BN, BH=None, programs_per_sm=8):
     (several resident CTAs per SM and a short tail), each split at least 256 tokens. Fixed from the cache
     capacity (no host sync; CUDA-graph safe)."""
     if BH is None:
-        BH = 16 if H <= 16 else 32
+        # H200 run 3 (benchmarks/RESULTS.md): at 96 heads BH=64 took 2591 us vs 4248 (BH=32) at B=64, L=32768
+        BH = 16 if H <= 16 else 64
     ngroups = triton.cdiv(H, BH)
     target = programs_per_sm * _num_sms(device)
     nsplit = max(1, min(triton.cdiv(target, B * ngroups), triton.cdiv(capacity, 256)))

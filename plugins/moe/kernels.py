@@ -302,11 +302,12 @@ def _pick_block_m(T, k, E):
 def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *, expert_offset: int = 0,
               situ_beta: float = 4.0, situ_linear_beta: float = 25.0, block_m: int | None = None,
               block_n13: int | None = None, block_n2: int | None = None, block_k: int | None = None,
-              impl: str = "dot_scaled", num_warps: int = 4, num_stages: int | None = None,
+              impl: str = "legacy", num_warps: int = 4, num_stages: int | None = None,
               use_asm: bool | None = None):
     """Mxfp4Moe: y [T, Rl] fp32 = sum over local choices of w * w2_e(SiTU(w1_e x, w3_e x)).
-    impl "dot_scaled" (default): weights as the scaled-dot LHS (see _moe_w13_ds_kernel);
-    impl "legacy": the first version (inline-PTX dequant to a bf16 tile, x as the LHS)."""
+    impl "legacy" (default): inline-PTX dequant to a bf16 tile, x as the LHS (block_n 128);
+    impl "dot_scaled": weights as the scaled-dot LHS (see _moe_w13_ds_kernel). On the H200 (run 3,
+    benchmarks/RESULTS.md) dot_scaled was slower (T=64: 2842 us vs 1989 us), so it is opt-in."""
     T, RL = x.shape
     k = topk_ids.shape[1]
     E, I2, _ = w13_packed.shape
