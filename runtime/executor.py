@@ -91,7 +91,29 @@ def read_index(onnx_dir: "str | Path") -> dict:
 _NP = {"float32": np.float32, "float16": np.float16, "int32": np.int32, "int64": np.int64}
 
 
-class OnnxRuntimeExecutor(Executor):
+class GraphExecutor(Executor):
+    """Shared driver of the exported graphs (docs/EXPORT_FORMAT.md): embed -> every layer's prefill or decode graph
+    -> head, threading P, the AttnRes bank and the pools. Subclasses run one graph (all its segments) in `_stage`."""
+
+    def _stage(self, key: tuple, env: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def forward(self, ids, batch, pools, logits_index):
+        meta = {"cu_seqlens": batch.cu_seqlens, "slots": batch.slots, "block_tables": batch.block_tables,
+                "context_lens": batch.context_lens}
+        P = self._stage(("embed",), {"ids": ids})["P"]
+        bank = P.new_zeros(P.shape[0], 0, P.shape[1])
+        kind = "decode" if batch.decode else "prefill"
+        new = {}
+        for l in range(self.cfg.num_hidden_layers):
+            env = self._stage(("layer", l, kind), {"P": P, "bank": bank, **meta, **pools[l]})
+            P, bank = env["P_out"], env.get("bank_out", bank)
+            new[l] = {name: env[name + "_out"] for name in pools[l]}
+        logits = self._stage(("head",), {"P": P, "bank": bank, "logits_index": logits_index})["logits"]
+        return logits.float().cpu(), new
+
+
+class OnnxRuntimeExecutor(GraphExecutor):
     """Runs rank `rank`'s graphs of an export directory with onnxruntime (CPU provider by default).
 
     tp == 1 exports hold one graph per layer; tp > 1 exports hold segments whose `collectives` (index.json) this
@@ -157,27 +179,13 @@ class OnnxRuntimeExecutor(Executor):
                                    else self.comm.all_gather_last(t))
         return env
 
-    def forward(self, ids, batch, pools, logits_index):
-        meta = {"cu_seqlens": batch.cu_seqlens, "slots": batch.slots, "block_tables": batch.block_tables,
-                "context_lens": batch.context_lens}
-        P = self._stage(("embed",), {"ids": ids})["P"]
-        bank = P.new_zeros(P.shape[0], 0, P.shape[1])
-        kind = "decode" if batch.decode else "prefill"
-        new = {}
-        for l in range(self.cfg.num_hidden_layers):
-            env = self._stage(("layer", l, kind), {"P": P, "bank": bank, **meta, **pools[l]})
-            P, bank = env["P_out"], env.get("bank_out", bank)
-            new[l] = {name: env[name + "_out"] for name in pools[l]}
-        logits = self._stage(("head",), {"P": P, "bank": bank, "logits_index": logits_index})["logits"]
-        return logits.float(), new
-
     def close(self) -> None:
         self.sessions.clear()
 
 
 # ---- TensorRT ---------------------------------------------------------------------------------------------
 
-class TensorRTExecutor(Executor):
+class TensorRTExecutor(GraphExecutor):
     """Per-layer TensorRT engines (engines/ `manifest.json`, entries `rank0/<graph>.plan` with `onnx` naming the
     graph of index.json) run on one CUDA GPU with name-based I/O.
 
@@ -256,21 +264,9 @@ class TensorRTExecutor(Executor):
         self.stream.synchronize()
         return outs
 
-    def forward(self, ids, batch, pools, logits_index):
-        meta = {"cu_seqlens": batch.cu_seqlens, "slots": batch.slots, "block_tables": batch.block_tables,
-                "context_lens": batch.context_lens}
-        P = self._run(("embed",), {"ids": ids})["P"]
-        bank = P.new_zeros(P.shape[0], 0, P.shape[1])
-        kind = "decode" if batch.decode else "prefill"
-        new = {}
-        for l in range(self.cfg.num_hidden_layers):
-            key = ("layer", l, kind)
-            feeds = {"P": P, "bank": bank, **meta, **pools[l]}
-            out = self._run(key, feeds)
-            P, bank = out["P_out"], out.get("bank_out", bank)
-            new[l] = {name: out[o] for name, o in self.engines[key][2]["state_io"].items()}
-        logits = self._run(("head",), {"P": P, "bank": bank, "logits_index": logits_index})["logits"]
-        return logits.float().cpu(), new
+    def _stage(self, key: tuple, env: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        env.update(self._run(key, env))
+        return env
 
     def close(self) -> None:
         self.engines.clear()

@@ -142,7 +142,7 @@ def _mla_setup(B, H, R, DR, BS, MB, ctx, dt, seed):
     return cache, bt, g
 
 
-MLA_CASES = [(12, 64, 16, 4, torch.float32)] + ([(12, 512, 64, 64, torch.bfloat16), (24, 512, 64, 64, torch.bfloat16),
+MLA_CASES = [(12, 64, 16, 16 if HAS_CUDA else 4, torch.float32)] + ([(12, 512, 64, 64, torch.bfloat16), (24, 512, 64, 64, torch.bfloat16),
                                                  (48, 512, 64, 16, torch.bfloat16), (96, 512, 64, 64, torch.bfloat16)]
                                                 if HAS_CUDA else [])
 

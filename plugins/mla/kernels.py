@@ -175,6 +175,9 @@ def mla_decode(q_abs, latent, cache, block_tables, context_lens, *, num_heads: i
     capacity = bt.shape[1] * BS
     # a tile never straddles two paged blocks: BN is a power of two dividing BS
     BN = min(block_n or 32, _pow2_divisor(BS))
+    if BN < 16 and dev.type == "cuda":
+        raise ValueError(f"cache block_size = {BS}: the GPU decode kernel needs blocks of a multiple of 16 tokens "
+                         "(tl.dot tiles); allocate the latent pool with block_size 16, 32 or 64")
     BH, ngroups, nsplit, tok = _launch_cfg(B, H, capacity, dev, BN, block_h, programs_per_sm)
     if num_splits is not None:
         nsplit = num_splits
