@@ -81,6 +81,7 @@ def checkpoint_fingerprint(path: Path) -> str:
 
 
 def write_json_atomic(obj, path: Path) -> None:
+    """Write JSON to a temporary sibling, then rename: a reader never sees a partial file."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(obj, indent=2, default=str))
     os.replace(tmp, path)
@@ -96,6 +97,15 @@ class Pipeline:
         self.ran: list[str] = []
         self.skipped: list[str] = []
 
+    def invalidate_from(self, name: str) -> None:
+        """A step is about to run: forget it and every later step, and remove the deployment marker
+        (manifest.json) and smoke result, so a failure leaves nothing that looks complete."""
+        for later in STEPS[STEPS.index(name):]:
+            self.state.pop(later, None)
+        write_json_atomic(self.state, self.state_path)
+        for p in (self.out / "manifest.json", self.out / "smoke.json"):
+            p.unlink(missing_ok=True)
+
     def run(self, i: int, name: str, inputs, outputs: list[Path], fn):
         """Run step `name` unless its input hash matches the last run and all `outputs` exist. fn() returns
         (summary line, result); the result is stored in the state and returned."""
@@ -107,6 +117,7 @@ class Pipeline:
             log.info("[%d/%d] %-10s skipped (inputs unchanged): %s", i, len(STEPS), name, prev.get("summary", ""))
             return prev.get("result")
         log.info("[%d/%d] %-10s ...", i, len(STEPS), name)
+        self.invalidate_from(name)
         summary, result = fn()
         self.state[name] = {"hash": key, "summary": summary, "result": result}
         write_json_atomic(self.state, self.state_path)
@@ -141,9 +152,21 @@ def engine_dims(cfg, max_batch: int, max_num_tokens: int, max_context: int, bloc
             "M": (1, max_batch, max_num_tokens)}
 
 
-def smoke(out: Path, ckpt: Path, backend: str, steps: int = 8) -> dict:
-    """Greedy-generate `steps` tokens for two prompts with the runtime on `backend` and with the reference
-    (model.reference.forward); returns both token lists and whether they match."""
+def _generate_tp(out: Path, backend: str, tp: int, prompt: list[int], steps: int) -> list[int]:
+    """Greedy tokens from `tp` runtime processes (torchrun, one per TP rank, gloo on CPU / NCCL on GPU)."""
+    import subprocess
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}", "-m",
+           "runtime.generate", "--model", str(out), "--backend", backend, "--prompt-ids", ",".join(map(str, prompt)),
+           "--max-tokens", str(steps), "--ignore-eos"]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    if r.returncode != 0:
+        raise RuntimeError(f"smoke generation on {tp} ranks failed: {r.stderr.strip().splitlines()[-1:]}")
+    return [int(t) for t in r.stdout.split()]
+
+
+def smoke(out: Path, ckpt: Path, backend: str, steps: int = 8, tp: int = 1) -> dict:
+    """Greedy-generate `steps` tokens for two prompts with the runtime on `backend` (tp > 1: one process per rank
+    under torchrun) and with the unsharded reference (model.reference.forward); returns both and whether they match."""
     import torch
 
     from model.reference import K3Model, SequenceState, forward
@@ -161,12 +184,17 @@ def smoke(out: Path, ckpt: Path, backend: str, steps: int = 8) -> dict:
             toks.append(t)
             logits, _ = forward(ref_model, [t], st)
         want.append(toks)
-    llm = LLM(str(out), backend=backend)
-    got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=steps, ignore_eos=True))]
-    return {"backend": backend, "prompts": prompts, "runtime": got, "reference": want, "match": got == want}
+    if tp > 1:
+        got = [_generate_tp(out, backend, tp, p, steps) for p in prompts]
+    else:
+        llm = LLM(str(out), backend=backend)
+        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=steps, ignore_eos=True))]
+    return {"backend": backend, "tp": tp, "prompts": prompts, "runtime": got, "reference": want, "match": got == want}
 
 
 def build(args) -> int:
+    """Run the pipeline for parsed CLI `args`; returns the exit status (0 ok, 1 verification/smoke mismatch).
+    Raises BuildError / CheckpointError / ConfigError / ValueError / OSError with one message for the user."""
     ckpt = Path(args.checkpoint) if args.checkpoint else default_checkpoint()
     if not ckpt.is_dir() or not (ckpt / "config.json").is_file():
         raise BuildError(f"--checkpoint {ckpt}: no config.json there; point it at a K3 checkpoint directory")
@@ -272,18 +300,15 @@ def build(args) -> int:
     pipe.run(6, "repository", exp_inputs + [backend, serve_backend, args.max_batch, args.max_num_tokens, max_context],
              [out / "manifest.json", out / "triton"], step_repository)
 
-    if args.tp > 1:
-        log.info("[7/7] smoke      skipped: the runtime's onnxruntime backend runs one rank per process; "
-                 "multi-rank generation is `torchrun ... -m runtime.generate` (README)")
-        return 0
-
     def step_smoke():
-        res = smoke(out, ckpt, serve_backend)
+        res = smoke(out, ckpt, serve_backend, tp=args.tp)
         write_json_atomic(res, out / "smoke.json")
         verdict = "equal to the reference" if res["match"] else "DIFFER from the reference"
-        return f"{serve_backend} greedy tokens for {len(res['prompts'])} prompts {verdict}", {"match": res["match"]}
+        return (f"{serve_backend} greedy tokens on {args.tp} rank(s) for {len(res['prompts'])} prompts {verdict}",
+                {"match": res["match"]})
 
-    sm = pipe.run(7, "smoke", exp_inputs + [serve_backend], [out / "smoke.json"], step_smoke)
+    sm = pipe.run(7, "smoke", exp_inputs + [serve_backend, args.max_batch, args.max_num_tokens, max_context],
+                  [out / "smoke.json"], step_smoke)
     if not sm["match"]:
         log.error("smoke generation differs from the reference; see %s", out / "smoke.json")
         return 1
@@ -292,6 +317,7 @@ def build(args) -> int:
 
 
 def parse_args(argv=None):
+    """The CLI's arguments; exits 2 with a message naming the flag for a value < 1."""
     ap = argparse.ArgumentParser(prog="python export/build_engines.py", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", help="K3 checkpoint directory (config.json, index, shards). Default: the embedded "
@@ -311,13 +337,14 @@ def parse_args(argv=None):
     ap.add_argument("--force", action="store_true", help="redo every step even when its inputs are unchanged")
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     a = ap.parse_args(argv)
-    for name in ("tp", "max_batch", "max_num_tokens"):
-        if getattr(a, name) < 1:
+    for name in ("tp", "max_batch", "max_num_tokens", "max_context", "ep"):
+        if getattr(a, name) is not None and getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     return a
 
 
 def main(argv=None) -> int:
+    """CLI entry: every failure becomes one `error: ...` line and exit status 2 (1 for a mismatch)."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
     try:
@@ -331,6 +358,10 @@ def main(argv=None) -> int:
                       "written under temporary names and are not used)", e.filename or "the output")
         else:
             log.error("error: %s", e)
+        return 2
+    except Exception as e:  # noqa: BLE001 - one message, never a bare traceback; -v shows it
+        log.debug("traceback", exc_info=True)
+        log.error("error: %s: %s (rerun with -v for the traceback)", type(e).__name__, e)
         return 2
 
 

@@ -460,6 +460,22 @@ def export_graph(src: WeightSource, spec: GraphSpec, out: Path, code: str, optim
             "collectives": collectives(spec, onames), "input_hash": ihash}
 
 
+def _untouched_entries(out: Path, entries: list[dict], cfg: K3Config, tp: int, ep: int) -> list[dict]:
+    """For a partial export (--layers / --graphs): the previous index's entries of graphs this run did not
+    export (same config, tp and ep, file present), so index.json never shrinks to the subset."""
+    p = out / INDEX_NAME
+    if not p.is_file():
+        return []
+    try:
+        prev = json.loads(p.read_text())
+    except json.JSONDecodeError:
+        return []
+    if (prev.get("config_hash"), prev.get("tp"), prev.get("ep")) != (cfg.config_hash(), tp, ep):
+        return []
+    done = {e["path"] for e in entries}
+    return [e for e in prev.get("graphs", []) if e["path"] not in done and (out / e["path"]).is_file()]
+
+
 def export_model(src: "WeightSource | str | Path", out: "str | Path", tp: int = 1, ep: int = 1,
                  layers: list[int] | None = None, graphs: tuple[str, ...] = ("prefill", "decode"),
                  progress: bool = True, optimize: bool = True) -> dict:
@@ -487,6 +503,8 @@ def export_model(src: "WeightSource | str | Path", out: "str | Path", tp: int = 
         it = tqdm(specs, desc="export onnx", unit="graph")
     for spec in it:
         entries.append(export_graph(src, spec, out, code, optimize))
+    if layers is not None or set(graphs) != {"prefill", "decode"}:
+        entries += _untouched_entries(out, entries, cfg, tp, ep)
     spec_tp = state_spec(cfg, tp)
     index = {
         "format": "k3deploy.onnx", "format_version": FORMAT_VERSION, "config_hash": cfg.config_hash(),

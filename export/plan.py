@@ -129,7 +129,8 @@ class DeploymentPlan:
                 n, sw = self.smallest
                 lines.append(f"  smallest fit at {self.gpu_bytes / GB:.0f} GB per GPU: {n} GPUs (TP={n}, EP={n}: "
                              f"{sw.total / GB:.2f} GB = {sw.total / GiB:.1f} GiB per rank), or {self.tp} GPUs with "
-                             f">= {math.ceil(w.total / GB / 0.9)} GB each")
+                             f">= {math.ceil(w.total / GB / 0.9)} GB each (weights + 10% for activations; "
+                             "i.e. 256 GB-class GPUs), before KV/state")
         lines.append("-- per-rank shapes")
         lines += [f"  {k:<26} {v}" for k, v in rank_shapes(c, self.tp, self.ep)]
         lines.append("-- decode state per request")

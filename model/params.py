@@ -71,6 +71,61 @@ def param_report(cfg: K3Config, specs: list[TensorSpec] | None = None) -> dict[s
     return out
 
 
+def meta_weights(cfg: K3Config):
+    """(model-level weights, layer l -> weights) as meta-device tensors in the checkpoint's shapes and dtypes,
+    A_log trimmed to num_heads as the loader does (§8.4): a K3Model built from them allocates no memory."""
+    import torch
+    dt = {"BF16": torch.bfloat16, "F32": torch.float32, "U8": torch.uint8}
+
+    def t(spec: TensorSpec):
+        shape = (cfg.kda_num_heads,) if spec.name.endswith("A_log") else spec.shape
+        return torch.empty(shape, dtype=dt[spec.dtype], device="meta")
+
+    from model.weights import layer_tensors, model_tensors
+    model_w = {s.name.rsplit(".", 2)[-2] + ".weight" if "lm_head" in s.name or "embed_tokens" in s.name
+               else s.name[len(PREFIX + "model."):]: t(s) for s in model_tensors(cfg)}
+
+    def layer_w(l: int):
+        pre = f"{PREFIX}model.layers.{l}."
+        return {s.name[len(pre):]: t(s) for s in layer_tensors(cfg, l)}
+    return model_w, layer_w
+
+
+def module_params(cfg: K3Config) -> int:
+    """Parameters held by the reference model (model.reference.K3Model) built on the meta device (no memory):
+    every distinct tensor the modules keep (views such as MLA's W_UK/W_UV count once), MXFP4 codes as 2 logical
+    weights per byte, scales as 0. Equals `param_report(cfg)["total_params"]` minus the A_log padding the
+    loader trims (69 x 32 for K3), which is what the release's count includes (§11)."""
+    import torch
+
+    from model.reference import K3Model
+    from plugins.common import compute_dtype
+    model_w, layer_w = meta_weights(cfg)
+    with compute_dtype(torch.float32):
+        model = K3Model(cfg, model_w, layer_w)
+    seen: dict[int, int] = {}
+    keep: list = []   # holds every base tensor so no id() is reused while counting
+
+    def count(key, t: torch.Tensor) -> None:
+        base = t._base if t._base is not None else t
+        keep.append(base)
+        if id(base) not in seen:
+            seen[id(base)] = (2 * t.numel() if "packed" in str(key) else 0) if t.dtype == torch.uint8 else base.numel()
+
+    def visit(obj, depth=0):
+        if depth > 8 or isinstance(obj, (int, float, str, bool, type(None), type)):
+            return
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) \
+            else vars(obj).items() if hasattr(obj, "__dict__") else ()
+        for k, v in items:
+            if isinstance(v, torch.Tensor):
+                count(k, v)
+            else:
+                visit(v, depth + 1)
+    visit(model)
+    return sum(seen.values())
+
+
 def report_for(source: str) -> dict[str, int]:
     """Report for a preset name or a checkpoint directory. For a directory holding an index, the expert
     format is taken from the files (Q13) and two measured values are added: `file_data_bytes` (sum of all
@@ -89,13 +144,22 @@ def report_for(source: str) -> dict[str, int]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    modules = "--modules" in argv
+    argv = [a for a in argv if a != "--modules"]
     if len(argv) != 1 or argv[0] in ("-h", "--help"):
-        print("usage: python -m model.params PRESET|DIR\n"
+        print("usage: python -m model.params PRESET|DIR [--modules]\n"
               "Print parameter and byte counts (MODEL.md §11) of a preset (k3, k3-tiny, k3-slice), a config.json\n"
-              "or a checkpoint directory, one 'name: value' line each.")
+              "or a checkpoint directory, one 'name: value' line each. --modules also builds the reference model on\n"
+              "the meta device (no memory; ~30 s for K3) and prints the parameters its modules hold.")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    for k, v in report_for(argv[0]).items():
+    rep = report_for(argv[0])
+    for k, v in rep.items():
         print(f"{k}: {v}")
+    if modules:
+        cfg = load_config(argv[0])
+        m = module_params(cfg)
+        print(f"reference_module_params: {m}")
+        print(f"a_log_padding_params: {rep['total_params'] - m}")
     return 0
 
 

@@ -322,7 +322,11 @@ class K3Model:
         return self.comm.all_gather_last(rms_norm(h, self.norm_w, self.cfg.rms_norm_eps) @ self.lm_head.t())
 
     def forward(self, ids: torch.Tensor, batch: Batch, pools: dict, logits_index: torch.Tensor | None = None):
-        """ids [T] packed tokens -> (logits [T or len(logits_index), vocab] fp32, new pools)."""
+        """ids [T] packed tokens -> (logits [T or len(logits_index), vocab] fp32, new pools).
+        Raises ValueError for a token id outside [0, vocab_size)."""
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
+            raise ValueError(f"token ids: {[int(t) for t in ids if not 0 <= int(t) < self.cfg.vocab_size][:4]} outside "
+                             f"[0, vocab_size={self.cfg.vocab_size}); pass ids produced by the model's tokenizer")
         P = self.embed(ids)
         bank = P.new_zeros(P.shape[0], 0, P.shape[1])
         new = {}

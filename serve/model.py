@@ -10,9 +10,11 @@ thread. Responses are sent from that thread through each request's response send
 * otherwise one response with all generated tokens (``output_ids [1, n]``, ``sequence_length [n]``) + FINAL.
 
 ``output_ids`` holds generated tokens only (like TensorRT-LLM with ``exclude_input_in_output=true``).
-``end_id`` is added to the stop tokens, ``pad_id`` is accepted and unused (no padding: one sequence per
-response), ``stop_words`` is a flat list of single-token stop ids, ``top_k``/``top_p`` alias
-``runtime_top_k``/``runtime_top_p``.
+``end_id`` is the end-of-sequence id as in TensorRT-LLM: it replaces the checkpoint's EOS (``end_id = -1``: no
+EOS, generate ``request_output_len`` tokens); ``pad_id`` is accepted and unused (no padding: one sequence per
+response); ``stop_words`` is TensorRT-LLM's stop-words list ``[2, N]`` (or ``[1, 2, N]``): row 0 the concatenated
+word ids, row 1 the exclusive end offsets padded with -1; each word must be one token (the scheduler stops on
+single tokens; a longer word is an error response). ``top_k``/``top_p`` alias ``runtime_top_k``/``runtime_top_p``.
 
 Cancellation: a cancelled request (``sender.is_cancelled()``, seen in the token callback or by a watcher
 thread polling active requests) is cancelled in the engine (``eng.cancel``), which frees its KDA slot and
@@ -142,17 +144,42 @@ def parse_request(request, vocab_size: Optional[int]) -> dict:
     stops: list[int] = []
     sw = _input(request, "stop_words")
     if sw is not None:
-        if sw.dtype.kind not in "iu":
-            raise RequestError(f"stop_words: dtype {sw.dtype} not accepted; send INT32 token ids")
-        stops += [int(x) for x in sw.reshape(-1) if int(x) >= 0]  # negative = padding (TRT-LLM style)
+        stops += parse_stop_words(sw)
     end_id = _scalar(request, "end_id")
-    if end_id is not None and end_id >= 0:
-        stops.append(int(end_id))
+    if end_id is not None:
+        params["ignore_eos"] = True           # end_id replaces the checkpoint's EOS (TensorRT-LLM semantics)
+        if end_id >= 0:
+            stops.append(int(end_id))
     if stops:
         params["stop_token_ids"] = tuple(dict.fromkeys(stops))
     _scalar(request, "pad_id")  # type-checked, otherwise unused
     streaming = bool(_scalar(request, "streaming") or False)
     return {"prompt": [int(x) for x in ids], "streaming": streaming, "params": params}
+
+
+def parse_stop_words(sw) -> list[int]:
+    """TensorRT-LLM stop_words_list [2, N] / [1, 2, N] (ids row, end-offsets row padded with -1) -> stop token ids.
+    Raises RequestError for another shape or dtype, bad offsets, or a word longer than one token."""
+    import numpy as np
+    if sw.dtype.kind not in "iu":
+        raise RequestError(f"stop_words: dtype {sw.dtype} not accepted; send INT32 [2, N] (ids, end offsets)")
+    a = np.asarray(sw).astype(np.int64)
+    if a.ndim == 3 and a.shape[0] == 1:
+        a = a[0]
+    if a.ndim != 2 or a.shape[0] != 2:
+        raise RequestError(f"stop_words: shape {list(sw.shape)}; send TensorRT-LLM's [2, N] list: row 0 the word "
+                           "ids, row 1 the end offsets (-1 padded)")
+    ids, offs = a[0], [int(o) for o in a[1] if o >= 0]
+    words, start = [], 0
+    for end in offs:
+        if not start < end <= len(ids):
+            raise RequestError(f"stop_words: offsets {offs} must increase within 1..{len(ids)}")
+        words.append([int(t) for t in ids[start:end]])
+        start = end
+    long = [w for w in words if len(w) != 1]
+    if long:
+        raise RequestError(f"stop_words: {long[:3]} have more than one token; only single-token stop words are supported")
+    return [w[0] for w in words]
 
 
 def _error_response(msg: str, code=None):

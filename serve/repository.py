@@ -50,7 +50,7 @@ INPUTS: tuple[tuple[str, str, tuple[int, ...], bool], ...] = (
     ("top_k", "TYPE_INT32", (1,), True),  # alias of runtime_top_k (text-level name)
     ("top_p", "TYPE_FP32", (1,), True),  # alias of runtime_top_p
     ("random_seed", "TYPE_UINT64", (1,), True),
-    ("stop_words", "TYPE_INT32", (-1,), True),
+    ("stop_words", "TYPE_INT32", (2, -1), True),  # TensorRT-LLM stop_words_list: ids row, end-offsets row
 )
 OUTPUTS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
     ("output_ids", "TYPE_INT32", (-1, -1)),

@@ -69,9 +69,26 @@ def test_default_run_end_to_end_tp1(tiny_build_tp1):
     assert smoke["match"] and smoke["runtime"] == smoke["reference"] and len(smoke["runtime"][0]) == 8
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["onnx"] == "onnx" and (out / "triton" / "k3" / "config.pbtxt").is_file()
-    if manifest["engine_flavor"] == "tensorrt-rtx":
-        em = json.loads((out / "engines" / "manifest.json").read_text())
-        assert len(em["engines"]) == len(json.loads((out / "onnx" / "index.json").read_text())["graphs"])
+    check_engines(out)
+
+
+def check_engines(out: Path) -> None:
+    """Every graph of the export has an engine whose recorded I/O equals the graph's and which has the prefill
+    and decode profiles (TensorRT-RTX is in the test extra, so the engines step must have built them)."""
+    pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX (the rtx extra) builds the engines")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["engine_flavor"] == "tensorrt-rtx"
+    index = json.loads((out / "onnx" / "index.json").read_text())
+    em = json.loads((out / "engines" / "manifest.json").read_text())
+    by_onnx = {e["onnx"]: e for e in em["engines"].values()}
+    assert len(by_onnx) == len(index["graphs"])
+    for g in index["graphs"]:
+        e = by_onnx[g["path"]]
+        assert [i["name"] for i in e["inputs"]] == [i["name"] for i in g["inputs"]], g["id"]
+        assert {o["name"] for o in e["outputs"]} == {o["name"] for o in g["outputs"]}, g["id"]
+        assert len(e["options"]["profiles"]) == 2, g["id"]               # prefill and decode
+        assert e["compute_capability"] == ["sm86"]
+        assert (out / "engines" / e.get("plan", g["path"].replace(".onnx", ".plan"))).is_file()
 
 
 def test_rerun_does_no_work_and_force_redoes(tiny_build_tp1, tiny_ckpt, tmp_path):
@@ -85,6 +102,15 @@ def test_rerun_does_no_work_and_force_redoes(tiny_build_tp1, tiny_ckpt, tmp_path
     for step in ("checkpoint", "plan", "export", "verify", "engines", "repository", "smoke"):
         assert f"{step:<10} skipped" in log, (step, log)
     state = json.loads((out / ".steps.json").read_text())
+    onnx_mtime = (out / "onnx" / "index.json").stat().st_mtime_ns
+    # one changed input reruns exactly the steps that depend on it
+    changed = run_cli("--checkpoint", tiny_ckpt, "--out", out, "--max-batch", 3, "--max-num-tokens", 64)
+    assert changed.returncode == 0, changed.stderr
+    for step in ("checkpoint", "export", "verify"):
+        assert f"{step:<10} skipped" in changed.stderr, step
+    for step in ("plan", "engines", "repository", "smoke"):
+        assert f"{step:<10} done" in changed.stderr, step
+    assert (out / "onnx" / "index.json").stat().st_mtime_ns == onnx_mtime
     forced = run_cli("--checkpoint", tiny_ckpt, "--out", out, "--max-batch", 4, "--max-num-tokens", 64, "--force")
     assert forced.returncode == 0, forced.stderr
     assert "skipped (inputs unchanged)" not in forced.stderr
@@ -98,6 +124,9 @@ def test_run_tp2_ep2(tiny_build_tp2):
     assert {g["rank"] for g in index["graphs"]} == {0, 1}
     report = json.loads((out / "verify" / "report.json").read_text())
     assert report["passed"] and report["end_to_end"]["passed"]
+    smoke = json.loads((out / "smoke.json").read_text())
+    assert smoke["tp"] == 2 and smoke["match"] and smoke["runtime"] == smoke["reference"]
+    check_engines(out)
 
 
 # ---- errors: one clear message, non-zero exit, nothing partial looking complete ------------------------------
@@ -133,6 +162,28 @@ def test_error_paths(case, tiny_ckpt, tmp_path):
     assert want in r.stderr
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_failed_rerun_leaves_nothing_looking_complete(tiny_build_tp1, tiny_ckpt, tmp_path):
+    """A rerun whose export fails (a shard went missing after the first build) removes manifest.json: the old
+    deployment no longer looks complete over a half-redone output."""
+    src, r = tiny_build_tp1
+    assert r.returncode == 0
+    out = tmp_path / "copy"
+    shutil.copytree(src, out)
+    ck = _copy_ckpt(tiny_ckpt, tmp_path / "ck")      # same bytes and mtimes: every step would be skipped ...
+    sorted(ck.glob("model-*.safetensors"))[1].unlink()   # ... but a shard is gone: the checkpoint step reruns and fails
+    r2 = run_cli("--checkpoint", ck, "--out", out, "--max-batch", 4, "--max-num-tokens", 64)
+    assert r2.returncode == 2 and "model-00002" in r2.stderr
+    assert not (out / "manifest.json").exists() and not (out / "smoke.json").exists()
+
+
+def test_bad_arguments():
+    for args, field in ((["--max-context", "0"], "--max-context"), (["--tp", "0"], "--tp"), (["--ep", "0"], "--ep")):
+        r = run_cli(*args)
+        assert r.returncode == 2 and field in r.stderr, (args, r.stderr)
+    h = run_cli("--help")
+    assert h.returncode == 0 and "--dry-run" in h.stdout and "--target-cc" in h.stdout
 
 
 def test_unwritable_out(tiny_ckpt, tmp_path):

@@ -7,7 +7,7 @@ import pytest
 
 from model.config import K3_CONFIG_PATH, ConfigError, load_config, parse_config, preset_json
 
-SHARED_K3 = Path("/work/shared/k3/config.json")
+SHARED_K3 = Path(__file__).resolve().parents[2] / "shared" / "k3" / "config.json"  # ../shared beside the checkout
 
 
 def test_presets_parse():

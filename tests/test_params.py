@@ -79,3 +79,16 @@ def test_cli_prints_name_value_lines(capsys, tiny_dir):
     kv = dict(line.split(": ") for line in capsys.readouterr().out.strip().splitlines())
     assert int(kv["file_data_bytes"]) == int(kv["checkpoint_bytes"])
     assert main([]) == 2
+
+
+@pytest.mark.parametrize("preset", ["k3-tiny", "k3"])
+def test_reference_model_on_meta_device_holds_the_inventory(preset):
+    """The fp32 reference modules, built on the meta device (no memory), hold exactly the checkpoint's parameters
+    minus the A_log padding the loader trims (32 per KDA layer for K3: 2,208) — §11's total is reproduced."""
+    from model.params import module_params
+    cfg = load_config(preset)
+    pad = len(cfg.kda_layers) * (max(cfg.kda_num_heads, cfg.kda_head_dim) - cfg.kda_num_heads)
+    held = module_params(cfg)
+    assert held + pad == param_report(cfg)["total_params"]
+    if preset == "k3":
+        assert pad == 2_208 and held + pad == 2_779_484_478_208

@@ -305,7 +305,8 @@ def _hashes(c: HybridCache) -> dict:
 
 
 def test_cancel_mid_generation_frees_everything(tiny_ckpt):
-    with LLM(tiny_ckpt, max_batch=3, max_num_tokens=32, max_context=256) as llm:
+    # 4000 tokens per request: they are still running when the test cancels them, however slow the machine
+    with LLM(tiny_ckpt, max_batch=3, max_num_tokens=32, max_context=4096) as llm:
         eng = llm.start()
         assert llm.start() is eng
         m0 = eng.metrics()
@@ -320,7 +321,7 @@ def test_cancel_mid_generation_frees_everything(tiny_ckpt):
                 if len(col.tokens) >= 3:
                     ev.set()
             cols.append(col)
-            eng.submit(f"c{i}", prompt(5 + i, 30 + i), SamplingParams(max_tokens=200, ignore_eos=True), cb)
+            eng.submit(f"c{i}", prompt(5 + i, 30 + i), SamplingParams(max_tokens=4000, ignore_eos=True), cb)
         for ev in got3:
             assert ev.wait(WAIT)
         for i in range(3):

@@ -1,12 +1,10 @@
 """Tests for serve/: launcher (real tritonserver from nvidia-pytriton), repository writer, Triton model.
 
 * Launcher tests run a tiny decoupled echo model written here.
-* ``k3`` model tests run serve/model.py inside Triton twice:
-  - ``contract``: against a stand-in ``runtime/api.py`` written here that implements the Runtime API contract of
-    docs/DESIGN.md (scheduler thread, slots, cancel, metrics) with a deterministic token rule. It exercises the
-    Triton side (validation, streaming, batching, cancellation, metrics) while runtime/ is being written.
-  - ``runtime``: against the real ``runtime.api`` and a k3-tiny synthetic checkpoint; skipped (with the
-    reason) until ``runtime/api.py`` and ``model/synthetic.py`` exist.
+* ``k3`` model tests run serve/model.py inside Triton against the real ``runtime.api`` twice:
+  - ``runtime``: a repository written by ``serve.repository`` for the k3-tiny synthetic checkpoint (torch backend);
+  - ``build``: the repository that the main job (``export/build_engines.py``) wrote, served as it is (the backend
+    comes from the build's manifest: onnxruntime over the exported graphs).
 
 Servers bind to 127.0.0.1 on free ports and are always stopped. Every wait has a deadline.
 """
@@ -385,112 +383,11 @@ def test_broken_pbtxt_rejected(tmp_path):
 # --------------------------------------------------------------------------------------------------
 # k3 model (serve/model.py) inside Triton
 # --------------------------------------------------------------------------------------------------
-CONTRACT_VOCAB = 1000
-
-CONTRACT_RUNTIME = '''
-"""Stand-in for runtime/api.py implementing docs/DESIGN.md "Runtime API" with a deterministic token rule:
-token i of a request = (sum(prompt) + 7 * i + 3) % vocab. One scheduler thread steps all active requests."""
-import dataclasses, json, os, threading, time
-
-@dataclasses.dataclass
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: object = None
-    stop_token_ids: tuple = ()
-    ignore_eos: bool = False
-
-@dataclasses.dataclass
-class RequestOutput:
-    request_id: str
-    prompt_ids: list
-    token_ids: list
-    finish_reason: str
-
-def token_rule(prompt, i, vocab):
-    return (sum(prompt) + 7 * i + 3) % vocab
-
-class AsyncEngine:
-    STEP_S = 0.02
-    def __init__(self, llm):
-        self.llm, self.lock, self.active, self.pending = llm, threading.Lock(), {}, []
-        self.free = list(range(1, llm.max_batch + 1))  # slot 0 is the sentinel
-        self.m = dict(kda_slots_in_use=0, latent_blocks_in_use=0, tokens_generated=0, preemptions=0, steps=0,
-                      max_requests_per_step=0)
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.thread.start()
-    def submit(self, request_id, prompt_ids, params, on_token):
-        if not prompt_ids:
-            raise ValueError("prompt_ids: empty")
-        if any(not 0 <= t < self.llm.vocab_size for t in prompt_ids):
-            raise ValueError("prompt_ids: id out of range")
-        if params.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
-        with self.lock:
-            self.pending.append([request_id, list(prompt_ids), params, on_token, 0, None])
-    def cancel(self, request_id):
-        cb = None
-        with self.lock:
-            for r in list(self.pending):
-                if r[0] == request_id:
-                    self.pending.remove(r); cb = r[3]
-            r = self.active.pop(request_id, None)
-            if r is not None:
-                self.free.append(r[5]); cb = r[3]
-            self._gauges()
-        if cb is not None:
-            cb(None, True, None)
-    def _gauges(self):
-        self.m["kda_slots_in_use"] = len(self.active)
-        self.m["latent_blocks_in_use"] = sum(1 + (len(r[1]) + r[4]) // 16 for r in self.active.values())
-    def _loop(self):
-        while not self.stop.is_set():
-            time.sleep(self.STEP_S)
-            calls = []
-            with self.lock:
-                while self.pending and self.free:
-                    r = self.pending.pop(0); r[5] = self.free.pop(); self.active[r[0]] = r
-                if not self.active:
-                    continue
-                self.m["steps"] += 1
-                self.m["max_requests_per_step"] = max(self.m["max_requests_per_step"], len(self.active))
-                for rid, r in list(self.active.items()):
-                    tok = token_rule(r[1], r[4], self.llm.vocab_size); r[4] += 1
-                    self.m["tokens_generated"] += 1
-                    done = r[4] >= r[2].max_tokens or tok in r[2].stop_token_ids
-                    calls.append((r[3], tok, done))
-                    if done:
-                        del self.active[rid]; self.free.append(r[5])
-                self._gauges()
-            for cb, tok, done in calls:
-                cb(tok, done, None)
-    def metrics(self):
-        with self.lock:
-            return dict(self.m)
-    def shutdown(self):
-        self.stop.set(); self.thread.join(5)
-
-class LLM:
-    def __init__(self, path, backend="torch", max_batch=8, max_num_tokens=256, max_context=None):
-        cfg = json.load(open(os.path.join(path, "config.json")))
-        self.vocab_size, self.max_batch, self._eng = cfg["vocab_size"], max_batch, None
-    def start(self):
-        if self._eng is None:
-            self._eng = AsyncEngine(self)
-        return self._eng
-'''
-
-
-def _contract_expected(prompt: list[int], n: int) -> list[int]:
-    return [(sum(prompt) + 7 * i + 3) % CONTRACT_VOCAB for i in range(n)]
-
 
 class K3Env:
-    def __init__(self, server: TritonServer, expected, vocab: int | None, kind: str):
+    def __init__(self, server: TritonServer, expected, vocab: int | None, kind: str, expected_no_eos=None):
         self.server, self.expected, self.vocab, self.kind = server, expected, vocab, kind
+        self.expected_no_eos = expected_no_eos
 
 
 def _k3_server(repo: pathlib.Path) -> TritonServer:
@@ -498,35 +395,30 @@ def _k3_server(repo: pathlib.Path) -> TritonServer:
     return TritonServer(repo, h, g, m, exit_timeout=5, startup_timeout=600)
 
 
-@pytest.fixture(scope="module", params=["contract", "runtime"])
+@pytest.fixture(scope="module", params=["runtime", "build"])
 def k3(request, tmp_path_factory):
-    base = tmp_path_factory.mktemp(f"k3_{request.param}")
-    if request.param == "contract":
-        root = base / "fake_root"
-        (root / "runtime").mkdir(parents=True)
-        (root / "runtime" / "__init__.py").write_text("")
-        (root / "runtime" / "api.py").write_text(CONTRACT_RUNTIME)
-        engines = base / "engines"
-        engines.mkdir()
-        (engines / "config.json").write_text(json.dumps({"vocab_size": CONTRACT_VOCAB}))
-        repo_mod.write_repository(engines, base / "repo", "torch", max_batch=16, project_root=root)
-        expected, vocab = _contract_expected, CONTRACT_VOCAB
-    else:
-        api = pytest.importorskip("runtime.api", reason="runtime/api.py (Runtime API, docs/DESIGN.md) not written yet")
-        if importlib.util.find_spec("model.synthetic") is None:
-            pytest.skip("model/synthetic.py (k3-tiny synthetic checkpoint) not written yet")
-        ckpt = base / "k3-tiny"
-        r = subprocess.run([sys.executable, "-m", "model.synthetic", "--preset", "k3-tiny", "--out", str(ckpt)],
-                           cwd=ROOT, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, f"model.synthetic failed:\n{r.stderr[-3000:]}"
-        repo_mod.write_repository(ckpt, base / "repo", "torch", max_batch=8)
+    from runtime import api
+    if request.param == "runtime":
+        ckpt = request.getfixturevalue("tiny_ckpt")
+        repo = tmp_path_factory.mktemp("k3_runtime") / "repo"
+        repo_mod.write_repository(ckpt, repo, "torch", max_batch=8)
         llm = api.LLM(str(ckpt), backend="torch", max_batch=8)
-
-        def expected(prompt, n):
-            return list(llm.generate([prompt], api.SamplingParams(max_tokens=n))[0].token_ids)
         vocab = repo_mod.discover_vocab_size(ckpt)
-    with _k3_server(base / "repo") as srv:
-        yield K3Env(srv, expected, vocab, request.param)
+    else:
+        out, r = request.getfixturevalue("tiny_build_tp1")
+        assert r.returncode == 0, r.stderr[-3000:]
+        repo = out / "triton"
+        assert json.loads((out / "manifest.json").read_text())["backend"] == "onnxruntime"
+        llm = api.LLM(str(out), backend="onnxruntime", max_batch=8)
+        vocab = llm.cfg.vocab_size
+
+    def expected(prompt, n):
+        return list(llm.generate([prompt], api.SamplingParams(max_tokens=n))[0].token_ids)
+
+    def expected_no_eos(prompt, n):
+        return list(llm.generate([prompt], api.SamplingParams(max_tokens=n, ignore_eos=True))[0].token_ids)
+    with _k3_server(repo) as srv:
+        yield K3Env(srv, expected, vocab, request.param, expected_no_eos)
 
 
 def _req(prompt, n, **extra) -> dict:
@@ -598,8 +490,9 @@ def test_k3_cancel_frees_slot(k3):
     def before_cancel(_res):
         in_flight["slots"] = wait_metric(k3.server, "k3_kda_slots_in_use", lambda v: v >= 1)
 
-    res = grpc_stream(k3.server.grpc_url, "k3", _req([1, 2, 3], 100000 if k3.kind == "contract" else 512,
-                                                     streaming=np.array([True])),
+    # end_id = -1: no EOS (TensorRT-LLM semantics), so the request runs until it is cancelled
+    res = grpc_stream(k3.server.grpc_url, "k3", _req([1, 2, 3], 2000, streaming=np.array([True]),
+                                                     end_id=np.array([-1], np.int32)),
                       cancel_after=2, on_tokens=before_cancel)
     assert len(res.tokens) >= 2 and not res.final
     assert in_flight["slots"] >= 1
@@ -607,6 +500,23 @@ def test_k3_cancel_frees_slot(k3):
     assert wait_metric(k3.server, "k3_latent_blocks_in_use", lambda v: v == 0) == 0
     ok = grpc_stream(k3.server.grpc_url, "k3", _req([4, 4], 2))
     assert ok.error is None and ok.tokens == k3.expected([4, 4], 2)
+
+
+def test_k3_stop_words_and_end_id(k3):
+    """TensorRT-LLM stop_words list [2, N] (ids, end offsets) stops at the word; end_id = -1 disables EOS."""
+    prompt = [9, 8, 7]
+    no_end = np.array([-1], np.int32)
+    want = k3.expected_no_eos(prompt, 6)
+    stop = want[2]
+    first = want.index(stop)
+    sw = np.array([[stop, 17], [1, 2]], np.int32)             # two single-token words
+    res = grpc_stream(k3.server.grpc_url, "k3", _req(prompt, 6, streaming=np.array([True]), stop_words=sw,
+                                                     end_id=no_end))
+    assert res.error is None and res.tokens == want[: first + 1]
+    bad = grpc_stream(k3.server.grpc_url, "k3", _req(prompt, 6, stop_words=np.array([[5, 6], [2, -1]], np.int32)))
+    assert bad.error is not None and "stop_words" in str(bad.error)
+    res = grpc_stream(k3.server.grpc_url, "k3", _req(prompt, 6, end_id=no_end))
+    assert res.error is None and res.tokens == want
 
 
 def _bad_cases(vocab):
