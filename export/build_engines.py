@@ -97,14 +97,16 @@ class Pipeline:
         self.ran: list[str] = []
         self.skipped: list[str] = []
 
+    MARKERS = {"repository": "manifest.json", "smoke": "smoke.json"}
+
     def invalidate_from(self, name: str) -> None:
-        """A step is about to run: forget it and every later step, and remove the deployment marker
-        (manifest.json) and smoke result, so a failure leaves nothing that looks complete."""
+        """A step is about to run: forget it and every later step, and remove the files that mark later steps
+        done (manifest.json of the repository step, smoke.json), so a failure leaves nothing looking complete."""
         for later in STEPS[STEPS.index(name):]:
             self.state.pop(later, None)
+            if later in self.MARKERS:
+                (self.out / self.MARKERS[later]).unlink(missing_ok=True)
         write_json_atomic(self.state, self.state_path)
-        for p in (self.out / "manifest.json", self.out / "smoke.json"):
-            p.unlink(missing_ok=True)
 
     def run(self, i: int, name: str, inputs, outputs: list[Path], fn):
         """Run step `name` unless its input hash matches the last run and all `outputs` exist. fn() returns

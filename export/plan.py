@@ -33,20 +33,32 @@ class WeightBytes:
         return self.replicated + self.sharded + self.experts
 
 
+def _split_totals(cfg: K3Config) -> tuple[int, int, int]:
+    """Checkpoint bytes of the replicated, sharded and routed-expert tensors (summed once per config)."""
+    key = cfg.config_hash()
+    if key not in _TOTALS:
+        rep = sh = ex = 0
+        for t in all_tensors(cfg):
+            if t.split == "rep":
+                rep += t.nbytes
+            elif t.split == "expert":
+                ex += t.nbytes
+            else:
+                sh += t.nbytes
+        _TOTALS[key] = (rep, sh, ex)
+    return _TOTALS[key]
+
+
+_TOTALS: dict[str, tuple[int, int, int]] = {}
+
+
 def weight_bytes_per_rank(cfg: K3Config, tp: int, ep: int) -> WeightBytes:
     """Checkpoint bytes (stored dtypes: bf16/f32, MXFP4 experts 0.53125 B/param) one rank holds at tp/ep.
     Sharded tensors divide exactly (check_parallel); EP ranks hold num_experts/ep whole experts, TP-mode
-    ranks a 1/tp slice of every expert."""
+    ranks a 1/tp slice of every expert. Raises ValueError when tp/ep cannot shard cfg."""
     check_parallel(cfg, tp, ep)
-    rep = sh = ex = 0
-    for t in all_tensors(cfg):
-        if t.split == "rep":
-            rep += t.nbytes
-        elif t.split == "expert":
-            ex += t.nbytes // (ep if ep > 1 else tp)
-        else:
-            sh += t.nbytes // tp
-    return WeightBytes(rep, sh, ex)
+    rep, sh, ex = _split_totals(cfg)
+    return WeightBytes(rep, sh // tp, ex // (ep if ep > 1 else tp))
 
 
 def smallest_fit(cfg: K3Config, gpu_bytes: int, reserve: float = 0.1) -> tuple[int, WeightBytes] | None:

@@ -63,7 +63,11 @@ def _main(argv: list[str] | None = None) -> int:
         return 0
     print(" ".join(str(t) for t in out.token_ids))
     if a.text and llm.tokenizer is not None:
-        print(llm.tokenizer.decode(out.token_ids))
+        try:
+            print(llm.tokenizer.decode(out.token_ids))
+        except KeyError as e:  # a model vocabulary larger than the tokenizer's
+            print(f"error: --text: {e.args[0]}", file=sys.stderr)
+            return 1
     return 0 if out.finish_reason != "error" else 1
 
 
