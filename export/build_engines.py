@@ -100,10 +100,11 @@ class Pipeline:
     MARKERS = {"repository": "manifest.json", "smoke": "smoke.json"}
 
     def invalidate_from(self, name: str) -> None:
-        """A step is about to run: forget it and every later step, and remove the files that mark later steps
-        done (manifest.json of the repository step, smoke.json), so a failure leaves nothing looking complete."""
+        """A step is about to run: forget its record and remove the files that mark this and later steps done
+        (manifest.json of the repository step, smoke.json), so a failure leaves nothing looking complete and
+        those steps run again. Later steps whose own inputs are unchanged are still skipped."""
+        self.state.pop(name, None)
         for later in STEPS[STEPS.index(name):]:
-            self.state.pop(later, None)
             if later in self.MARKERS:
                 (self.out / self.MARKERS[later]).unlink(missing_ok=True)
         write_json_atomic(self.state, self.state_path)

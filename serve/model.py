@@ -265,7 +265,8 @@ class TritonPythonModel:
 
     # -- setup helpers -------------------------------------------------------------------------------
     def _vocab_size(self, params: dict) -> Optional[int]:
-        for obj, attr in ((self.llm, "vocab_size"), (getattr(self.llm, "config", None), "vocab_size"),
+        for obj, attr in ((self.llm, "vocab_size"), (getattr(self.llm, "cfg", None), "vocab_size"),
+                          (getattr(self.llm, "config", None), "vocab_size"),
                           (getattr(getattr(self.llm, "config", None), "text_config", None), "vocab_size")):
             v = getattr(obj, attr, None) if obj is not None else None
             if isinstance(v, int) and v > 0:
