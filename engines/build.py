@@ -477,9 +477,20 @@ def build_all(onnx_dir: str | Path, out_dir: str | Path, *, target_cc: str | Seq
     dropped = set((old or {}).get("engines", {})) - set(manifest["engines"])
     if dropped:
         logger.info("dropped manifest entries whose ONNX is gone (plans left on disk): %s", sorted(dropped))
+    manifest["model_config_hash"] = _export_config_hash(onnx_dir)
     mf.write_manifest(out_dir, manifest)
     logger.info("%d engine(s) built, %d up to date -> %s", built, skipped, out_dir)
     return manifest
+
+
+def _export_config_hash(onnx_dir: Path) -> str | None:
+    """The model's K3Config.config_hash() recorded by the export (onnx_dir/index.json), or None for other ONNX."""
+    import json
+    p = onnx_dir / "index.json"
+    try:
+        return json.loads(p.read_text()).get("config_hash") if p.is_file() else None
+    except (json.JSONDecodeError, AttributeError):
+        return None
 
 
 def _jsonable(x):

@@ -80,6 +80,7 @@ def check_engines(out: Path) -> None:
     assert manifest["engine_flavor"] == "tensorrt-rtx"
     index = json.loads((out / "onnx" / "index.json").read_text())
     em = json.loads((out / "engines" / "manifest.json").read_text())
+    assert em["model_config_hash"] == index["config_hash"] == manifest["config_hash"]
     by_onnx = {e["onnx"]: e for e in em["engines"].values()}
     assert len(by_onnx) == len(index["graphs"])
     for g in index["graphs"]:
