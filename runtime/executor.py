@@ -99,6 +99,12 @@ class GraphExecutor(Executor):
         raise NotImplementedError
 
     def forward(self, ids, batch, pools, logits_index):
+        """ids [T] int64, batch (model.reference.Batch), pools (per layer) -> (logits [M, vocab] fp32 on the CPU,
+        new pools). The graphs' function bodies cannot raise, so the batch is validated here: ValueError for a
+        zero-length sequence or offsets that do not cover the T tokens."""
+        from plugins.kda.reference import check_cu_seqlens
+        if not batch.decode:
+            check_cu_seqlens(batch.cu_seqlens, int(ids.shape[0]))
         meta = {"cu_seqlens": batch.cu_seqlens, "slots": batch.slots, "block_tables": batch.block_tables,
                 "context_lens": batch.context_lens}
         P = self._stage(("embed",), {"ids": ids})["P"]

@@ -474,3 +474,14 @@ def test_tensorrt_backend_says_why_it_cannot_run(tmp_path):
     from runtime.executor import TensorRTExecutor
     with pytest.raises((ImportError, RuntimeError), match="tensorrt|CUDA"):
         TensorRTExecutor(tmp_path)
+
+
+def test_graph_executor_rejects_a_zero_length_sequence():
+    """The ONNX function bodies cannot raise, so the executor validates packed offsets before running graphs."""
+    from model.reference import Batch
+    from runtime.executor import OnnxRuntimeExecutor
+    ex = OnnxRuntimeExecutor.__new__(OnnxRuntimeExecutor)       # forward's validation runs before any graph
+    batch = Batch(torch.tensor([0, 3, 3], dtype=torch.int32), torch.tensor([1, 2], dtype=torch.int32),
+                  torch.zeros(2, 1, dtype=torch.int32), torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="zero-length"):
+        ex.forward(torch.arange(3), batch, {}, torch.tensor([2]))

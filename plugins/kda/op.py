@@ -9,13 +9,13 @@ place, so the wrapper hands them clones (a custom op's outputs must not alias it
 """
 from __future__ import annotations
 
-import logging
 
 import torch
 
+from plugins.op_common import cuda_kernels
+
 from plugins.kda import reference as ref
 
-log = logging.getLogger(__name__)
 
 
 @torch.library.custom_op("kimi::kda_prefill", mutates_args=())
@@ -51,12 +51,8 @@ def _(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slots, num_he
 
 
 def _register_cuda() -> None:
-    if not torch.cuda.is_available():
-        return
-    try:
-        from plugins.kda import kernels
-    except Exception as e:  # triton missing or kernels broken: the CPU reference stays the only impl
-        log.warning("plugins.kda.kernels not importable (%s); kimi::kda_* have no CUDA implementation", e)
+    kernels = cuda_kernels("kda")
+    if kernels is None:
         return
     if hasattr(kernels, "kda_prefill"):
         @kda_prefill.register_kernel("cuda")

@@ -7,13 +7,13 @@ like `cache`. CUDA: `plugins/mla/kernels.py` functions of the same name when imp
 """
 from __future__ import annotations
 
-import logging
 
 import torch
 
+from plugins.op_common import cuda_kernels
+
 from plugins.mla import reference as ref
 
-log = logging.getLogger(__name__)
 
 
 @torch.library.custom_op("kimi::mla_prefill", mutates_args=())
@@ -46,12 +46,8 @@ def _(q_abs, latent, cache, block_tables, context_lens, num_heads, kv_lora_rank,
 
 
 def _register_cuda() -> None:
-    if not torch.cuda.is_available():
-        return
-    try:
-        from plugins.mla import kernels
-    except Exception as e:
-        log.warning("plugins.mla.kernels not importable (%s); kimi::mla_* have no CUDA implementation", e)
+    kernels = cuda_kernels("mla")
+    if kernels is None:
         return
     if hasattr(kernels, "mla_prefill"):
         @mla_prefill.register_kernel("cuda")

@@ -6,13 +6,13 @@ ONNX attributes cannot be None). CUDA: `plugins/moe/kernels.py:mxfp4_moe` when i
 """
 from __future__ import annotations
 
-import logging
 
 import torch
 
+from plugins.op_common import cuda_kernels
+
 from plugins.moe import reference as ref
 
-log = logging.getLogger(__name__)
 
 
 def _lbeta(v: float):
@@ -35,12 +35,8 @@ def _(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, expert_of
 
 
 def _register_cuda() -> None:
-    if not torch.cuda.is_available():
-        return
-    try:
-        from plugins.moe import kernels
-    except Exception as e:
-        log.warning("plugins.moe.kernels not importable (%s); kimi::mxfp4_moe has no CUDA implementation", e)
+    kernels = cuda_kernels("moe")
+    if kernels is None:
         return
     if hasattr(kernels, "mxfp4_moe"):
         @mxfp4_moe.register_kernel("cuda")
