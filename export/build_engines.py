@@ -211,7 +211,7 @@ def build(args) -> int:
     plan = make_plan(cfg, args.tp, ep, max_batch=args.max_batch, max_context=max_context)
     if args.dry_run or config_only:
         if config_only and not args.dry_run:
-            log.info("%s holds only config.json: printing the plan (there are no weights to export)", ckpt)
+            print(f"{ckpt} holds only config.json: printing the plan (there are no weights to export)")
         print(plan.report())
         return 0
 

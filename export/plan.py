@@ -99,9 +99,11 @@ def rank_shapes(cfg: K3Config, tp: int, ep: int) -> list[tuple[str, str]]:
 
 
 def graph_list(cfg: K3Config, tp: int) -> list[str]:
-    """The per-rank graphs/engines the pipeline produces (one per layer index plus embed and head)."""
-    names = ["embed"] + [f"layer{l}:{cfg.layer_kind(l)}+{'moe' if cfg.is_moe(l) else 'dense'}"
-                         for l in range(cfg.num_hidden_layers)] + ["head"]
+    """The per-rank graphs/engines the pipeline produces: embed, each layer's prefill and decode graph (tp > 1:
+    three segments each, attn/mlp/post), head (docs/EXPORT_FORMAT.md)."""
+    segs = [""] if tp == 1 else [".attn", ".mlp", ".post"]
+    names = ["embed"] + [f"layer{l:03d}.{g}{s}" for l in range(cfg.num_hidden_layers) for g in ("prefill", "decode")
+                         for s in segs] + ["head"]
     return [f"rank{r}/{n}" for r in range(tp) for n in names]
 
 

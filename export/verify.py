@@ -384,7 +384,8 @@ def verify(onnx_dir, checkpoint, report_path=None, polygraphy_data=None, end_to_
     report: dict = {"onnx_dir": str(onnx_dir), "config_hash": cfg.config_hash(), "tp": ortm.tp,
                     "tolerances": {k: {"atol": a, "rtol": r} for k, (a, r) in TOLERANCES.items()}, "graphs": {}}
     if ortm.tp == 1:
-        for entry in ortm.index["graphs"]:
+        from tqdm import tqdm
+        for entry in tqdm(ortm.index["graphs"], desc="verify", unit="graph"):
             spec = GraphSpec(entry["kind"], entry["graph"], entry["layer"], entry["segment"], entry["segment_index"],
                              entry["num_segments"], entry["rank"], entry["tp_size"], entry["ep_size"])
             module, _, _ = build_graph(src, spec, ops=ReferenceOps)
