@@ -22,6 +22,12 @@ Plugins written in Python only live in the process that registered them: call :f
 before ``Runtime.deserialize_cuda_engine`` and before parsing ONNX with the plugins (otherwise the parser inlines the
 FunctionProto reference body, see docs/DESIGN.md and STACK.md §1c).
 
+Known gap (CUDA graphs): ``enqueue`` launches the Triton kernels through torch on TensorRT's stream without
+copies, but those kernels still allocate scratch through torch's caching allocator and the KDA/MLA prefill paths
+read ``cu_seqlens`` on the host (a device sync), so an engine with these plugins is not yet CUDA-graph capturable.
+Fix: plan scratch as the plugin workspace (``get_workspace_size``) and pass host-side sequence metadata as plugin
+shape inputs (``tensorrt_plugin_shape_input_indices``).
+
 TODO(aot): an AOT ``tensorrt.plugin`` form (``@trtp.register`` + ``@trtp.aot_impl``) is not offered. AOT embeds exactly
 one precompiled PTX kernel per tactic with launch parameters as shape expressions and does not serialize attributes;
 our ops (``plugins/<op>/kernels.py``) are sequences of several Triton launches plus torch glue (chunked KDA, paged MLA,
