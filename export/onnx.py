@@ -377,6 +377,7 @@ class WeightSource:
         return cls(ck.config, ck.layer_weights, ck.model_weights)
 
     def layer(self, l: int, rank: int, tp: int, ep: int) -> dict[str, torch.Tensor]:
+        """Decoder layer l's weights (names relative to the layer prefix, A_log trimmed) sharded for rank of tp/ep (§10)."""
         from model.sharding import shard_layer
         key = ("layer", l)
         if key not in self._cache:
@@ -384,6 +385,7 @@ class WeightSource:
         return shard_layer(self.cfg, l, self._cache[key], rank, tp, ep)
 
     def model(self, rank: int, tp: int) -> dict[str, torch.Tensor]:
+        """Model-level weights (embedding, norms, output AttnRes, lm_head) with the vocabulary sharded for rank of tp."""
         from model.sharding import shard_model
         return shard_model(self.cfg, self._mw(), rank, tp)
 
@@ -406,6 +408,8 @@ def build_graph(src: WeightSource, spec: GraphSpec, ops=TorchOps) -> tuple[Graph
 
 
 def input_hash(cfg: K3Config, spec: GraphSpec, weights: dict, code: str) -> str:
+    """sha256 (hex) of everything a graph depends on: config, graph spec, the exporter's code hash and the weights'
+    bytes; stored as the file's k3.input_hash so an unchanged graph is not exported again."""
     h = hashlib.sha256(code.encode())
     h.update(cfg.config_hash().encode())
     h.update(json.dumps(dataclasses.asdict(spec), sort_keys=True).encode())

@@ -126,6 +126,7 @@ def _np_dtype(s: str):
 
 
 def meta_from_entry(entry: dict) -> TensorMetadata:
+    """Polygraphy TensorMetadata (name, numpy dtype, shape with dim names) of a graph's inputs from its index entry."""
     m = TensorMetadata()
     for i in entry["inputs"]:
         m.add(i["name"], _np_dtype(i["dtype"]), [d if isinstance(d, int) else -1 for d in i["shape"]])
@@ -160,6 +161,8 @@ class OrtModel:
         return self._sess[entry["id"]]
 
     def run(self, entry: dict, env: dict) -> dict:
+        """Run one graph with the inputs named in its index entry taken from env (numpy arrays); returns {output name:
+        array}. Raises KeyError naming inputs missing from env."""
         names = [i["name"] for i in entry["inputs"]]
         missing = [n for n in names if n not in env]
         if missing:
@@ -168,6 +171,7 @@ class OrtModel:
         return dict(zip([o["name"] for o in entry["outputs"]], outs))
 
     def allocate_pools(self, num_slots: int, num_blocks: int, block_size: int) -> list[dict]:
+        """Zeroed pools per rank as numpy arrays: [rank]{layer: {"state" [S,H/tp,K,K], "conv" [S,3P/tp,W-1]} | {"cache" [NB,BS,576]}}."""
         return [{l: {k: v.numpy() for k, v in d.items()} for l, d in
                  allocate_pools(self.cfg, num_slots, num_blocks, block_size, tp=self.tp).items()} for _ in range(self.tp)]
 
@@ -359,6 +363,8 @@ def _summarize(acc, names) -> dict:
 
 
 def compare(runners, feeds, names) -> dict:
+    """Comparator.run over the feed dicts, then compare_accuracy with the per-output tolerances of `names`; returns
+    {"passed": bool, "outputs": {name: {max_abs, max_rel, passed, atol, rtol}}}."""
     res = Comparator.run(runners, data_loader=feeds)
     acc = Comparator.compare_accuracy(res, compare_func=compare_func(names))
     outs = _summarize(acc, names)

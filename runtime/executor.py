@@ -41,6 +41,8 @@ class Executor:
     act_dtype: torch.dtype = torch.float32
 
     def forward(self, ids: torch.Tensor, batch: Batch, pools: dict, logits_index: torch.Tensor):
+        """ids [T] int64 packed tokens, batch (`model.reference.Batch`), pools {layer: {name: tensor}},
+        logits_index [M] int64 -> (logits [M, vocab] fp32, updated pools). ValueError for an invalid batch."""
         raise NotImplementedError
 
     def close(self) -> None:
