@@ -109,19 +109,21 @@ if "kda_decode" in ONLY:
                 ro, rS = torch_kda_decode(d, st0, cv0, slots, H)
                 ok = fam_ok.get("kda_decode", True)
                 res, best, errs = {}, None, {}
-                for bv in (None, 32, 64, 16, 128):   # None = the kernel's default choice
+                variants = [{}] + [dict(block_v=bv) for bv in (32, 64, 16, 128)]
+                for kw in variants:   # {} = the kernel's default choice
+                    name = json.dumps(kw)
                     state.copy_(st0); conv.copy_(cv0)
-                    o, _, _ = kda_k.kda_decode(**d, state=state, conv=conv, slots=slots, num_heads=H, head_dim=K, block_v=bv)
+                    o, _, _ = kda_k.kda_decode(**d, state=state, conv=conv, slots=slots, num_heads=H, head_dim=K, **kw)
                     e1, e2 = rel(o.float(), ro), rel(state[slots.long()], rS)
-                    errs[bv] = (e1, e2)
+                    errs[name] = (e1, e2)
                     if not (e1 < 2e-2 and e2 < 1e-3):
-                        ok = False; continue
-                    ms_v = bench(lambda: kda_k.kda_decode(**d, state=state, conv=conv, slots=slots, num_heads=H, head_dim=K, block_v=bv))
-                    res[str(bv)] = ms_v * 1e3
+                        ok = ok and bool(kw); res[name] = f"wrong: {e1:.2e} {e2:.2e}"; continue
+                    ms_v = bench(lambda: kda_k.kda_decode(**d, state=state, conv=conv, slots=slots, num_heads=H, head_dim=K, **kw))
+                    res[name] = ms_v * 1e3
                     if best is None or ms_v < best[0]:
-                        best = (ms_v, bv)
+                        best = (ms_v, name)
                 err_o, err_s = max(e[0] for e in errs.values()), max(e[1] for e in errs.values())
-                ms = res["None"] / 1e3 if (ok and "None" in res) else float("nan")   # headline = defaults
+                ms = res["{}"] / 1e3 if (ok and isinstance(res.get("{}"), float)) else float("nan")   # headline = defaults
                 # bytes: state read+write + conv read+write + activations
                 P = H * K
                 nbytes = B * (H * K * K * 4 * 2 + 3 * P * 3 * 2 * 2 + (3 * P + 2 * P + H) * 2 + P * 2)
@@ -134,8 +136,8 @@ if "kda_decode" in ONLY:
                     be = torch.sigmoid(torch.randn(B, 1, H, device=dev)).bfloat16()
                     h0 = torch.randn(B, H, K, K, device=dev) * 0.1
                     peer = bench(lambda: fused_recurrent_kda(q, kk, v, gg, be, initial_state=h0, output_final_state=True))
-                out(what="kda_decode", H=H, B=B, correct=ok, err_o=err_o, err_state=err_s, us=ms * 1e3, variants_block_v=res,
-                    best_block_v=best[1] if best else None, us_best=best[0] * 1e3 if best else None,
+                out(what="kda_decode", H=H, B=B, correct=ok, err_o=err_o, err_state=err_s, us=ms * 1e3, variants=res,
+                    best_variant=best[1] if best else None, us_best=best[0] * 1e3 if best else None,
                     peer="fla fused_recurrent_kda (recurrence only)", peer_us=peer * 1e3, ratio=peer / ms,
                     bytes=nbytes, GBps=nbytes / ms / 1e6, pct_copy=100 * nbytes / ms / 1e6 / COPY)
                 del d, state, conv
@@ -332,8 +334,42 @@ if "kda_prefill" in ONLY and HAVE_FLA:
             be = torch.sigmoid(torch.randn(1, T, H, device=dev)).bfloat16()
             h0 = torch.zeros(1, H, K, K, device=dev)
             peer = bench(lambda: chunk_kda(q, kk, v, gg, be, initial_state=h0, output_final_state=True), rep=100)
+            # where our time goes: chunk_kda alone under each of our flags, on the same inputs
+            fr = torch.randn(1, T, H, K, device=dev).bfloat16(); br = torch.randn(1, T, H, device=dev).bfloat16()
+            alog, dtb = d["A_log"], d["dt_bias"]
+            cu64 = cu.long()
+            stages = {
+                "pregated_safe_gate": lambda: chunk_kda(q, kk, v, gg, be, initial_state=h0, output_final_state=True,
+                                                        safe_gate=True, lower_bound=-5.0),
+                "gate_in_kernel_safe": lambda: chunk_kda(q, kk, v, fr, be, initial_state=h0, output_final_state=True,
+                                                         use_gate_in_kernel=True, A_log=alog, dt_bias=dtb,
+                                                         safe_gate=True, lower_bound=-5.0),
+                "ours_flags": lambda: chunk_kda(q, kk, v, fr, br, initial_state=h0, output_final_state=True,
+                                                use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, A_log=alog,
+                                                dt_bias=dtb, safe_gate=True, lower_bound=-5.0, state_v_first=True,
+                                                cu_seqlens=cu64),
+                "pregated_varlen": lambda: chunk_kda(q, kk, v, gg, be, initial_state=h0, output_final_state=True,
+                                                     cu_seqlens=cu64),
+            }
+            # our own passes alone
+            y = torch.empty(3, T, P, dtype=torch.bfloat16, device=dev)
+            seq = torch.zeros(T, dtype=torch.int32, device=dev)
+            stages["our_conv_pass"] = lambda: kda_k._conv_prefill_kernel[(triton.cdiv(T, 32), triton.cdiv(3 * P, K))](
+                d["qkv"], d["conv_w"], conv, slots, seq, cu, y, T, d["qkv"].stride(0), D=3 * P, P=P, BT=32, BD=K,
+                L2NORM=True, num_warps=4)
+            o_n = torch.randn(T, H, K, device=dev).bfloat16(); out_n = torch.empty(T, P, device=dev).bfloat16()
+            stages["our_norm_pass"] = lambda: kda_k._gated_norm_kernel[(triton.cdiv(T, 16), H)](
+                o_n, d["g"], d["o_norm_w"], out_n, T, d["g"].stride(0), out_n.stride(0), 1e-5, H=H, K=K, BT=16,
+                num_warps=4)
+            breakdown = {}
+            for name, fn_s in stages.items():
+                try:
+                    fn_s()
+                    breakdown[name] = bench(fn_s, rep=100) * 1e3
+                except Exception as e:
+                    breakdown[name] = repr(e)[:200]
             out(what="kda_prefill", H=H, T=T, correct=ok, us=ms * 1e3, peer="fla chunk_kda (recurrence only, pre-gated)",
-                peer_us=peer * 1e3, ratio=peer / ms, Mtok_per_s=T / ms / 1e3)
+                peer_us=peer * 1e3, ratio=peer / ms, Mtok_per_s=T / ms / 1e3, chunk_kda_us_by_flags=breakdown)
             del d, q, kk, v, gg
         except Exception as e:
             out(what="kda_prefill", H=H, error=repr(e)[:400])

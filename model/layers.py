@@ -7,6 +7,7 @@ rows (no communication), `RowLinear` a slice of the input columns (its partial o
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 
@@ -17,18 +18,39 @@ from plugins.common import acc
 class Comm:
     """The tensor/expert-parallel group of one rank. size == 1 means no communication.
 
-    `group` is a torch.distributed process group (gloo on CPU, NCCL on GPU) or None for the default group.
+    `group` is a torch.distributed process group (gloo on CPU, NCCL on GPU; gloo also takes CUDA tensors, staged
+    through host memory) or None for the default group. Tensors may live on any device the group's backend
+    supports; they must be dense.
+
+    Collective timing (opt-in): with `profile = True` every collective is counted and timed per op name
+    ("all_reduce", "all_gather"): CUDA tensors with a pair of CUDA events on the current stream (no host sync; the
+    events are resolved by `stats()`), CPU tensors with `time.perf_counter` around the blocking call. With
+    `profile = False` (the default) a collective costs one attribute test more than the bare torch.distributed
+    call, and nothing is recorded. The time is what the collective takes in the stream, including waiting for
+    the slowest rank to arrive.
     """
 
     rank: int = 0
     size: int = 1
     group: object = None
+    profile: bool = False
+    _calls: dict = dataclasses.field(default_factory=dict, repr=False)
+    _bytes: dict = dataclasses.field(default_factory=dict, repr=False)
+    _seconds: dict = dataclasses.field(default_factory=dict, repr=False)
+    _pending: list = dataclasses.field(default_factory=list, repr=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum x over the ranks (in place for size > 1); returns x."""
+        """Sum x over the ranks (in place for size > 1 when x is contiguous); returns the summed tensor."""
         if self.size > 1:
             import torch.distributed as dist
-            dist.all_reduce(x, group=self.group)
+            if not x.is_contiguous():
+                x = x.contiguous()
+            if self.profile:
+                t = self._start(x)
+                dist.all_reduce(x, group=self.group)
+                self._stop("all_reduce", x, t)
+            else:
+                dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
@@ -37,8 +59,51 @@ class Comm:
             return x
         import torch.distributed as dist
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        x = x.contiguous()
+        if self.profile:
+            t = self._start(x)
+            dist.all_gather(parts, x, group=self.group)
+            self._stop("all_gather", x, t)
+        else:
+            dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=-1)
+
+    # ---- profiling ----
+    def _start(self, x: torch.Tensor):
+        if x.is_cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def _stop(self, op: str, x: torch.Tensor, t0) -> None:
+        self._calls[op] = self._calls.get(op, 0) + 1
+        self._bytes[op] = self._bytes.get(op, 0) + x.numel() * x.element_size()
+        if isinstance(t0, float):
+            self._seconds[op] = self._seconds.get(op, 0.0) + time.perf_counter() - t0
+        else:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._pending.append((op, t0, ev))
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """{op: {"calls", "bytes", "seconds"}} accumulated since the last `reset_stats` (synchronizes the
+        device first when CUDA events are pending). Empty when profiling was off or size == 1. `bytes` counts
+        this rank's input (all_reduce: the reduced tensor; all_gather: the local part)."""
+        if self._pending:
+            torch.cuda.synchronize()
+            for op, a, b in self._pending:
+                self._seconds[op] = self._seconds.get(op, 0.0) + a.elapsed_time(b) / 1e3
+            self._pending.clear()
+        return {op: {"calls": n, "bytes": self._bytes.get(op, 0), "seconds": self._seconds.get(op, 0.0)}
+                for op, n in sorted(self._calls.items())}
+
+    def reset_stats(self) -> None:
+        """Forget the counters (and drop pending CUDA events without waiting for them)."""
+        self._calls.clear()
+        self._bytes.clear()
+        self._seconds.clear()
+        self._pending.clear()
 
 
 class Linear:

@@ -51,6 +51,14 @@ class Batch:
         """Index of each sequence's last token in the packed batch [N]."""
         return (self.cu_seqlens[1:] - 1).long()
 
+    def to(self, device: "str | torch.device") -> "Batch":
+        """The same metadata with every tensor on `device` (self when they already are; None fields stay None)."""
+        device = torch.device(device)
+        ts = (self.cu_seqlens, self.slots, self.block_tables, self.context_lens)
+        if all(t is None or t.device == device for t in ts):
+            return self
+        return Batch(*(None if t is None else t.to(device) for t in ts), decode=self.decode)
+
 
 @dataclasses.dataclass(frozen=True)
 class StateSpec:
@@ -90,6 +98,11 @@ def allocate_pools(cfg: K3Config, num_slots: int, num_blocks: int, block_size: i
             lead = (num_slots,) if s.unit == "slot" else (num_blocks, block_size)
             pools[l][name] = torch.zeros(lead + s.shape, dtype=s.dtype, device=device)
     return pools
+
+
+def _to_device(w: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    """w with every tensor on `device` (dtypes kept: MXFP4 codes and scales stay packed uint8)."""
+    return {k: v.to(device) for k, v in w.items()}
 
 
 # ---- the custom ops the modules call ---------------------------------------------------------------
@@ -284,7 +297,13 @@ class DecoderLayer:
 class K3Model:
     """The whole text model for one TP/EP rank. `layer_weights(l)` and `model_weights` are (sharded) weight
     dicts; see `from_checkpoint`. Vocabulary is split across TP ranks (masked lookup + all-reduce,
-    all-gathered logits)."""
+    all-gathered logits).
+
+    The model runs on the device its weights are on (`device`): dense weights are held in fp32 there, MXFP4
+    experts stay packed uint8. `forward` moves ids and batch metadata to that device; pools must already be there
+    (`allocate_pools(..., device=model.device)`). `ops` picks the five custom ops: `ReferenceOps` (fp32, any
+    device), `plugins.torch_ops.TorchOps` (torch.library ops; Triton kernels on CUDA) or
+    `plugins.torch_ops.KernelOps` (the CUDA kernels called directly, pools updated in place)."""
 
     def __init__(self, cfg: K3Config, model_weights: dict, layer_weights, comm: Comm | None = None, ops=ReferenceOps):
         self.cfg, self.comm, self.ops = cfg, comm or Comm(), ops
@@ -296,17 +315,53 @@ class K3Model:
                           model_weights["output_attn_res_proj.weight"].to(acc()))
         self.layers = [DecoderLayer(cfg, l, layer_weights(l)) for l in range(cfg.num_hidden_layers)]
 
+    @property
+    def device(self) -> torch.device:
+        """The device of the weights (where forward runs)."""
+        return self.embed_w.device
+
     @classmethod
     def from_checkpoint(cls, path, rank: int = 0, tp: int = 1, ep: int = 1, comm: Comm | None = None,
-                        ops=ReferenceOps) -> "K3Model":
-        """Load (and shard for rank/tp/ep, §10) a checkpoint directory. Raises CheckpointError on a bad checkpoint."""
+                        ops=ReferenceOps, device: "str | torch.device" = "cpu") -> "K3Model":
+        """Load (and shard for rank/tp/ep, §10) a checkpoint directory onto `device` (one layer's stored tensors
+        at a time pass through host memory). Raises CheckpointError on a bad checkpoint."""
         from model.checkpoint import Checkpoint
         from model.sharding import shard_layer, shard_model
         ck = Checkpoint(path)
         cfg = ck.config
-        return cls(cfg, shard_model(cfg, ck.model_weights(), rank, tp),
-                   lambda l: shard_layer(cfg, l, ck.layer_weights(l), rank, tp, ep),
+        return cls(cfg, _to_device(shard_model(cfg, ck.model_weights(), rank, tp), device),
+                   lambda l: _to_device(shard_layer(cfg, l, ck.layer_weights(l), rank, tp, ep), device),
                    comm or Comm(rank, tp), ops)
+
+    @classmethod
+    def from_synthetic(cls, cfg: K3Config, seed: int = 0, rank: int = 0, tp: int = 1, ep: int = 1,
+                       comm: Comm | None = None, ops=ReferenceOps, device: "str | torch.device" = "cpu",
+                       keep_full: "dict | None" = None) -> "K3Model":
+        """The model with `model.synthetic` weights drawn directly on `device` (no checkpoint on disk; see
+        `model.synthetic.SyntheticSource` for the recipe and why CUDA draws differ from the CPU checkpoint of the
+        same seed), sharded for rank/tp/ep. Every rank draws the full tensors from the same seeds, so the shards
+        agree; an EP rank draws only its own experts. `keep_full`: a dict that receives CPU copies of the unsharded
+        weights ({"model": {...}, "layers": {l: {...}}}) to build a TP=1 reference from the same values (small
+        configs only). Raises ValueError when tp/ep cannot shard cfg."""
+        from model.sharding import check_parallel, shard_layer, shard_model
+        from model.synthetic import synthetic_layer_weights, synthetic_model_weights
+        check_parallel(cfg, tp, ep)
+        per = cfg.num_experts // ep
+        mine = range(rank * per, (rank + 1) * per) if ep > 1 and keep_full is None else None
+
+        def model_w():
+            w = synthetic_model_weights(cfg, seed, device)
+            if keep_full is not None:
+                keep_full["model"] = {k: v.cpu() for k, v in w.items()}
+            return shard_model(cfg, w, rank, tp)
+
+        def layer_w(l):
+            w = synthetic_layer_weights(cfg, l, seed, device, experts=mine)
+            if keep_full is not None:
+                keep_full.setdefault("layers", {})[l] = {k: v.cpu() for k, v in w.items()}
+            return shard_layer(cfg, l, w, rank, tp, ep)
+
+        return cls(cfg, model_w(), layer_w, comm or Comm(rank, tp), ops)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] int -> P [T, d] fp32 (no scaling, §3)."""
@@ -322,11 +377,16 @@ class K3Model:
         return self.comm.all_gather_last(rms_norm(h, self.norm_w, self.cfg.rms_norm_eps) @ self.lm_head.t())
 
     def forward(self, ids: torch.Tensor, batch: Batch, pools: dict, logits_index: torch.Tensor | None = None):
-        """ids [T] packed tokens -> (logits [T or len(logits_index), vocab] fp32, new pools).
-        Raises ValueError for a token id outside [0, vocab_size)."""
+        """ids [T] packed tokens -> (logits [T or len(logits_index), vocab] fp32 on `device`, new pools).
+        ids, batch and logits_index may be on the host (they are moved; validating host ids costs no device
+        sync); pools must be on `device`. Raises ValueError for a token id outside [0, vocab_size)."""
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
             raise ValueError(f"token ids: {[int(t) for t in ids if not 0 <= int(t) < self.cfg.vocab_size][:4]} outside "
                              f"[0, vocab_size={self.cfg.vocab_size}); pass ids produced by the model's tokenizer")
+        dev = self.device
+        ids, batch = ids.to(dev), batch.to(dev)
+        if logits_index is not None:
+            logits_index = logits_index.to(dev)
         P = self.embed(ids)
         bank = P.new_zeros(P.shape[0], 0, P.shape[1])
         new = {}
@@ -341,9 +401,10 @@ class SequenceState:
     """Decode state of ONE sequence for the convenience forward: slot 1 of a 2-slot KDA pool and enough
     latent blocks for `max_len` tokens. `context_len` counts the tokens already processed."""
 
-    def __init__(self, cfg: K3Config, max_len: int, block_size: int = 16, tp: int = 1):
+    def __init__(self, cfg: K3Config, max_len: int, block_size: int = 16, tp: int = 1, device="cpu"):
         nblk = -(-max_len // block_size)
-        self.pools = allocate_pools(cfg, num_slots=2, num_blocks=nblk + 1, block_size=block_size, tp=tp)
+        self.pools = allocate_pools(cfg, num_slots=2, num_blocks=nblk + 1, block_size=block_size, tp=tp,
+                                    device=device)
         self.block_table = torch.arange(1, nblk + 1, dtype=torch.int32)[None]
         self.context_len = 0
         self.max_len = max_len

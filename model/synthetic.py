@@ -28,7 +28,7 @@ import torch
 
 from model.checkpoint import CheckpointWriter
 from model.config import PRESETS, K3Config, load_config
-from model.weights import TensorSpec, a_log_stored_size, all_tensors, layer_tensors
+from model.weights import PREFIX, TensorSpec, a_log_stored_size, all_tensors, layer_tensors, model_tensors
 from plugins.moe.mxfp4 import pack_mxfp4
 
 log = logging.getLogger(__name__)
@@ -37,19 +37,21 @@ TORCH_DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "U8": torch.uint8,
 _CHUNK = 1 << 24  # elements drawn per randn call for big tensors (bounds the float32 scratch to 64 MB)
 
 
-def tensor_generator(seed: int, name: str) -> torch.Generator:
-    """A CPU generator seeded from sha256(f"{seed}:{name}") (independent of order)."""
+def tensor_generator(seed: int, name: str, device: "str | torch.device" = "cpu") -> torch.Generator:
+    """A generator on `device` seeded from sha256(f"{seed}:{name}") (independent of order). CPU and CUDA
+    generators are different algorithms: the same seed gives different values on each (see SyntheticSource)."""
     h = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
-    return torch.Generator().manual_seed(h)
+    return torch.Generator(device=device).manual_seed(h)
 
 
 def _normal(shape: tuple[int, ...], std: float, mean: float, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
-    """mean + std * N(0,1) of `shape` in `dtype`, drawn in row chunks (deterministic for a given shape)."""
-    out = torch.empty(shape, dtype=dtype)
+    """mean + std * N(0,1) of `shape` in `dtype` on g's device, drawn in row chunks (deterministic for a given
+    shape and generator device)."""
+    out = torch.empty(shape, dtype=dtype, device=g.device)
     flat = out.view(-1)
     for i in range(0, flat.numel(), _CHUNK):
         n = min(_CHUNK, flat.numel() - i)
-        flat[i:i + n] = torch.randn(n, generator=g).mul_(std).add_(mean).to(dtype)
+        flat[i:i + n] = torch.randn(n, generator=g, device=g.device).mul_(std).add_(mean).to(dtype)
     return out
 
 
@@ -66,10 +68,15 @@ class SyntheticSource:
     `get(name)` returns the tensor in its stored dtype/shape. An MXFP4 expert's packed and scale tensors come
     from the same logical draw (seeded by the name without the suffix); the last pair is cached so a writer
     asking for `weight_packed` then `weight_scale` draws and packs once.
+
+    `device` (default "cpu") is where the tensors are drawn and returned: "cuda" builds big models in seconds
+    without a checkpoint on disk (benchmarks/bench_decode.py). The recipe is the same, but a CUDA generator is a
+    different random stream from the CPU one, so the values differ from the CPU (= on-disk) checkpoint of the
+    same seed; they are deterministic for a given (seed, name, device type).
     """
 
-    def __init__(self, cfg: K3Config, seed: int = 0):
-        self.cfg, self.seed = cfg, seed
+    def __init__(self, cfg: K3Config, seed: int = 0, device: "str | torch.device" = "cpu"):
+        self.cfg, self.seed, self.device = cfg, seed, torch.device(device)
         self.specs: dict[str, TensorSpec] = {s.name: s for s in all_tensors(cfg)}
         self._pair: tuple[str, dict[str, torch.Tensor]] | None = None
 
@@ -79,20 +86,20 @@ class SyntheticSource:
         if base is not None:
             if self._pair is None or self._pair[0] != base:
                 o, i = s.logical if s.logical else (s.shape[0], s.shape[1] * 32)
-                w = _normal((o, i), i ** -0.5, 0.0, torch.float32, tensor_generator(self.seed, base))
+                w = _normal((o, i), i ** -0.5, 0.0, torch.float32, tensor_generator(self.seed, base, self.device))
                 packed, scale = pack_mxfp4(w)
                 self._pair = (base, {".weight_packed": packed, ".weight_scale": scale})
             return self._pair[1][name[len(base):]]
         return self._dense(s)
 
     def _dense(self, s: TensorSpec) -> torch.Tensor:
-        g = tensor_generator(self.seed, s.name)
+        g = tensor_generator(self.seed, s.name, self.device)
         dt = TORCH_DTYPES[s.dtype]
         n = s.name
         if n.endswith(".A_log"):
             H = self.cfg.kda_num_heads
-            out = torch.zeros(s.shape, dtype=dt)
-            out[:H] = torch.log(torch.empty(H).uniform_(1.0, 16.0, generator=g)).to(dt)
+            out = torch.zeros(s.shape, dtype=dt, device=self.device)
+            out[:H] = torch.log(torch.empty(H, device=self.device).uniform_(1.0, 16.0, generator=g)).to(dt)
             return out
         if n.endswith(("norm.weight", "layernorm.weight")):
             return _normal(s.shape, 0.02, 1.0, dt, g)
@@ -122,6 +129,34 @@ def synthetic_layer(cfg: K3Config, l: int, seed: int = 0) -> dict[str, torch.Ten
     """The tensors of decoder layer `l` only (same values as in `synthetic_tensors`)."""
     src = SyntheticSource(cfg, seed)
     return {s.name: src.get(s.name) for s in sorted(layer_tensors(cfg, l), key=lambda s: s.name)}
+
+
+def synthetic_model_weights(cfg: K3Config, seed: int = 0, device: "str | torch.device" = "cpu") -> dict[str, torch.Tensor]:
+    """The model-level tensors keyed as `Checkpoint.model_weights` keys them ("embed_tokens.weight", "norm.weight",
+    "output_attn_res_norm.weight", "output_attn_res_proj.weight", "lm_head.weight"), drawn on `device`."""
+    src = SyntheticSource(cfg, seed, device)
+    out = {}
+    for s in model_tensors(cfg):
+        rel = s.name[len(PREFIX):]
+        out[rel[len("model."):] if rel.startswith("model.") else rel] = src.get(s.name)
+    return out
+
+
+def synthetic_layer_weights(cfg: K3Config, l: int, seed: int = 0, device: "str | torch.device" = "cpu",
+                            experts: "range | None" = None) -> dict[str, torch.Tensor]:
+    """Decoder layer `l` keyed as `Checkpoint.layer_weights` keys it (relative to the layer prefix; KDA A_log
+    narrowed to num_heads), drawn on `device` (same values as `synthetic_layer` when device is the CPU).
+    `experts`: draw only these routed experts (an EP rank's range; None = all)."""
+    src = SyntheticSource(cfg, seed, device)
+    prefix = f"{PREFIX}model.layers.{l}."
+    out = {}
+    for s in sorted(layer_tensors(cfg, l), key=lambda s: s.name):
+        if experts is not None and s.expert is not None and s.expert not in experts:
+            continue
+        out[s.name[len(prefix):]] = src.get(s.name)
+    if "self_attn.A_log" in out:
+        out["self_attn.A_log"] = out["self_attn.A_log"][: cfg.kda_num_heads]
+    return out
 
 
 def write_synthetic(cfg: K3Config, out: "str | Path", seed: int = 0, overwrite: bool = False,

@@ -4,6 +4,9 @@
 On CPU the ops run the fp32 references; on CUDA the Triton kernels of plugins/<op>/kernels.py when they import.
 Under `torch.export` / `torch.onnx.export(dynamo=True)` the ops stay opaque (fake impls) and
 `plugins.onnx_common.translation_table()` turns each into one `kimi` ONNX node.
+
+`KernelOps`: the same five methods calling the CUDA kernels directly, pools updated in place (the GPU runtime's
+no-copy option, `LLM(..., device="cuda", ops="kernels")`).
 """
 from __future__ import annotations
 
@@ -48,3 +51,55 @@ class TorchOps:
         lb = 0.0 if situ_linear_beta is None else float(situ_linear_beta)
         return torch.ops.kimi.mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale,
                                         int(expert_offset), float(situ_beta), lb)
+
+
+def _kernels(op: str):
+    import importlib
+    try:
+        return importlib.import_module(f"plugins.{op}.kernels")
+    except ImportError as e:
+        raise ImportError(f"KernelOps needs the Triton kernels of plugins/{op}/kernels.py (pip install .[gpu]): {e}") from e
+
+
+class KernelOps:
+    """Same interface as model.reference.ReferenceOps, calling the Triton kernels of plugins/<op>/kernels.py
+    directly: the pools are updated IN PLACE and returned (the torch.library ops must return fresh tensors, so
+    `TorchOps` clones every pool it is handed — on CUDA that is a full copy of each layer's pool per call).
+    CUDA tensors (or CPU tensors under TRITON_INTERPRET=1). Not traceable by torch.export; the runtime only.
+    Raises ImportError when Triton or a kernel module is missing."""
+
+    @staticmethod
+    def kda_prefill(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, cu_seqlens, slots, *,
+                    num_heads: int, head_dim: int, lower_bound: float = -5.0, norm_eps: float = 1e-5):
+        return _kernels("kda").kda_prefill(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, cu_seqlens,
+                                           slots, num_heads=int(num_heads), head_dim=int(head_dim),
+                                           lower_bound=float(lower_bound), norm_eps=float(norm_eps))
+
+    @staticmethod
+    def kda_decode(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slots, *,
+                   num_heads: int, head_dim: int, lower_bound: float = -5.0, norm_eps: float = 1e-5):
+        return _kernels("kda").kda_decode(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slots,
+                                          num_heads=int(num_heads), head_dim=int(head_dim),
+                                          lower_bound=float(lower_bound), norm_eps=float(norm_eps))
+
+    @staticmethod
+    def mla_prefill(q, latent, kv_b, cache, block_tables, cu_seqlens, context_lens, *, num_heads: int,
+                    qk_nope_head_dim: int, v_head_dim: int, kv_lora_rank: int, scale: float):
+        return tuple(_kernels("mla").mla_prefill(q, latent, kv_b, cache, block_tables, cu_seqlens, context_lens,
+                                                 num_heads=int(num_heads), qk_nope_head_dim=int(qk_nope_head_dim),
+                                                 v_head_dim=int(v_head_dim), kv_lora_rank=int(kv_lora_rank),
+                                                 scale=float(scale)))
+
+    @staticmethod
+    def mla_decode(q_abs, latent, cache, block_tables, context_lens, *, num_heads: int, kv_lora_rank: int,
+                   scale: float):
+        return tuple(_kernels("mla").mla_decode(q_abs, latent, cache, block_tables, context_lens,
+                                                num_heads=int(num_heads), kv_lora_rank=int(kv_lora_rank),
+                                                scale=float(scale)))
+
+    @staticmethod
+    def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *, expert_offset: int = 0,
+                  situ_beta: float = 4.0, situ_linear_beta: float | None = 25.0):
+        return _kernels("moe").mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale,
+                                         expert_offset=int(expert_offset), situ_beta=float(situ_beta),
+                                         situ_linear_beta=situ_linear_beta)

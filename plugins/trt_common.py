@@ -22,18 +22,37 @@ Plugins written in Python only live in the process that registered them: call :f
 before ``Runtime.deserialize_cuda_engine`` and before parsing ONNX with the plugins (otherwise the parser inlines the
 FunctionProto reference body, see docs/DESIGN.md and STACK.md §1c).
 
-Known gap (CUDA graphs): ``enqueue`` launches the Triton kernels through torch on TensorRT's stream without
-copies, but those kernels still allocate scratch through torch's caching allocator and the KDA/MLA prefill paths
-read ``cu_seqlens`` on the host (a device sync), so an engine with these plugins is not yet CUDA-graph capturable.
-Fix: plan scratch as the plugin workspace (``get_workspace_size``) and pass host-side sequence metadata as plugin
-shape inputs (``tensorrt_plugin_shape_input_indices``).
+CUDA graphs (issue 6). ``enqueue`` wraps TensorRT's pointers as torch tensors (:func:`tensor_from_ptr`, no copies), runs
+the op's kernels on TensorRT's stream (``torch.cuda.ExternalStream``) and hands the kernel ``workspace=``: a uint8 view
+of TensorRT's workspace, sized by the spec's workspace rule (:func:`workspace_size`; ``get_workspace_size`` evaluates
+it on the profile's max dims, ``enqueue`` on the actual dims, which needs no more). With it, per op:
 
-TODO(aot): an AOT ``tensorrt.plugin`` form (``@trtp.register`` + ``@trtp.aot_impl``) is not offered. AOT embeds exactly
-one precompiled PTX kernel per tactic with launch parameters as shape expressions and does not serialize attributes;
-our ops (``plugins/<op>/kernels.py``) are sequences of several Triton launches plus torch glue (chunked KDA, paged MLA,
-grouped MXFP4 MoE), so each would first have to become a single kernel with attributes as constexprs. It also cannot
-be built or tested here: TensorRT-RTX has no ``add_plugin_v3``/QDP support and full TensorRT is not installable on
-this machine or the H200 test image (STACK.md §0, §1b). Revisit once a kernel is single-launch.
+* ``KdaDecode``, ``MlaDecode``, ``Mxfp4Moe``, ``MlaPrefill`` (the plugin passes ``graph_safe=True``: the absorbed Triton
+  path, not the eager SDPA one): only Triton launches with grids fixed by the shapes, all scratch carved from the
+  workspace, no host reads of device data, no allocation, no synchronization; aliased pools are updated in place.
+  (Inputs must be dense, int32 metadata, one activation dtype: what the format rules below guarantee; otherwise a
+  kernel converts, which allocates.)
+* ``KdaPrefill`` (``graph_safe=True``): our launches (token map, conv, conv history, state gather/scatter, gated
+  RMSNorm) as above, and fla-core's ``chunk_kda(use_graph=True, max_num_seqs=N)``: chunk indices built on the device
+  with a fixed shape, no host sync. fla still allocates its intermediates (gates, WY factors, chunk states, output,
+  final state, chunk indices) through torch's caching allocator: fine inside ``torch.cuda.graph`` (private pool), but
+  inside a capture that torch does not know about (TensorRT capturing the engine) those blocks return to the
+  allocator after ``enqueue`` while the graph still uses them. So a KdaPrefill engine can only be captured through
+  torch (``torch.cuda.graph`` around ``execute_async_v3`` on the capturing stream, so these allocations land in the
+  graph's pool; not verified with TensorRT), never by a capture torch does not see.
+* First calls are not capture-safe for any op: they JIT-compile the Triton kernels (and fla autotunes, benchmarking
+  with syncs). Run one ``execute_async_v3`` per shape before capturing (STACK.md §7.1). TensorRT's build-time timing
+  enqueues eagerly, which usually does this warm-up.
+* ``enqueue`` itself is Python (GIL, launch-config arithmetic on the host); a captured graph replays without it.
+
+Verified: CPU interpreter tests (tests/test_graph_safe.py: kernels vs references, workspace bounds and guards,
+rules); the ``torch.cuda.CUDAGraph`` capture/replay tests there are for the H200. No TensorRT engine with these
+plugins has run (full TensorRT is not installable here nor on the H200 image).
+
+Ahead of time: ``kimi::KdaDecode`` also exists as a ``tensorrt.plugin`` QDP with ``@trtp.aot_impl`` (TensorRT >= 10.9;
+plugins/kda/trt_aot.py): one Triton kernel compiled to PTX, baked into the engine, no Python at runtime; choose it
+with ``register_tensorrt_plugins(aot=True)``. The other ops stay JIT Python plugins: each is several launches (plus
+fla for KdaPrefill), and an AOT plugin is exactly one precompiled kernel (trt_aot.py says why per op).
 """
 
 from __future__ import annotations
@@ -95,6 +114,12 @@ class OpSpec:
     shape_rule(attrs) -> one entry per output: :class:`Like` or a tuple of dims (``int`` or :class:`In`).
     kernel: ``"module:function"``; called as ``function(*inputs, **attrs)`` returning one tensor or a tuple
     (one per output, pools may be returned updated in place).
+    workspace: ``rule(attrs, input_shapes, input_dtypes) -> bytes`` on concrete dims (the kernel module's
+    ``*_workspace_bytes``; an upper bound for every smaller problem); None = no scratch. Evaluate it through
+    :func:`workspace_size` (symbolic dims too). The plugin asks for it in ``get_workspace_size`` (profile max dims) and
+    hands the kernel ``workspace=`` (a uint8 view of TensorRT's workspace) in ``enqueue``.
+    kernel_options: extra keyword arguments the plugin passes to the kernel (e.g. ``graph_safe=True``), only those
+    the kernel's signature accepts.
     """
 
     name: str
@@ -103,6 +128,8 @@ class OpSpec:
     attrs: tuple[AttrSpec, ...]
     shape_rule: Callable[[Mapping[str, Any]], Sequence[Any]]
     kernel: str
+    workspace: Callable[[Mapping[str, Any], Sequence[Sequence[int]], Sequence[str]], int] | None = None
+    kernel_options: tuple[tuple[str, Any], ...] = ()
 
     @property
     def aliases(self) -> dict[int, int]:
@@ -226,6 +253,66 @@ def supports_combination(spec: OpSpec, pos: int, dtypes: Sequence[str], formats_
     return True
 
 
+# ------------------------------------------------------------------------------------------------- workspace (pure)
+def torch_dtype(name: str):
+    """torch dtype of a dtype name (``"bfloat16"`` -> ``torch.bfloat16``)."""
+    import torch
+
+    return getattr(torch, name)
+
+
+_DEFAULT_DTYPES = {ACT: "bfloat16", F32: "float32", I32: "int32", U8: "uint8"}
+
+
+def _eval_dim(expr: Any, dims: Mapping[str, int] | None, op: str) -> int:
+    """A concrete dim from an int or a symbolic dim: a name or an expression of names (``"N + 1"``; + - * //)."""
+    if isinstance(expr, (int, np.integer)):
+        value = int(expr)
+    else:
+        import ast
+        import operator
+
+        ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
+
+        def ev(node):
+            if isinstance(node, ast.Expression):
+                return ev(node.body)
+            if isinstance(node, ast.Constant) and isinstance(node.value, int):
+                return node.value
+            if isinstance(node, ast.Name):
+                if dims is None or node.id not in dims:
+                    raise ValueError(f"{op}: symbolic dim {node.id!r} has no value; pass dims={{{node.id!r}: max}}")
+                return int(dims[node.id])
+            if isinstance(node, ast.BinOp) and type(node.op) in ops:
+                return ops[type(node.op)](ev(node.left), ev(node.right))
+            raise ValueError(f"{op}: cannot evaluate dim {expr!r} (names, ints, + - * // only)")
+
+        value = ev(ast.parse(str(expr), mode="eval"))
+    if value < 0:
+        raise ValueError(f"{op}: dim {expr!r} = {value} is negative; use the profile's max dims")
+    return value
+
+
+def workspace_size(spec: OpSpec, attrs: Mapping[str, Any], input_shapes: Sequence[Sequence[Any]],
+                   input_dtypes: Sequence[str] | None = None, dims: Mapping[str, int] | None = None) -> int:
+    """Workspace bytes of ``spec`` for the given input shapes (what ``get_workspace_size`` returns for the max dims).
+
+    input_shapes: concrete ints or symbolic dims (names / expressions of names, resolved through ``dims``, e.g. the
+    profile maxima ``{"T": 256, "N": 8}``); input_dtypes: dtype names (default: bf16 activations, the class dtype
+    otherwise). Returns 0 for specs without a workspace rule. Raises ValueError for a wrong input count, an unknown
+    symbolic dim or a negative dim."""
+    if len(input_shapes) != len(spec.inputs):
+        raise ValueError(f"{spec.name}: expected {len(spec.inputs)} inputs, got {len(input_shapes)}")
+    if spec.workspace is None:
+        return 0
+    shapes = [tuple(_eval_dim(d, dims, spec.name) for d in shp) for shp in input_shapes]
+    if input_dtypes is None:
+        input_dtypes = [_DEFAULT_DTYPES[cls] for _, cls in spec.inputs]
+    full = {a.name: a.default for a in spec.attrs}
+    full.update(attrs)
+    return int(spec.workspace(full, shapes, list(input_dtypes)))
+
+
 # ------------------------------------------------------------------------------------------------ torch from pointer
 _TYPESTR = {"float32": "<f4", "float16": "<f2", "bfloat16": "<i2", "int32": "<i4", "uint8": "|u1",
             "int64": "<i8", "int8": "|i1", "bool": "|b1"}
@@ -257,11 +344,12 @@ def tensor_from_ptr(ptr: int, shape: Sequence[int], dtype: str, device: int | No
     return t.view(torch.bfloat16) if dtype == "bfloat16" else t
 
 
-def run_kernel(spec: OpSpec, attrs: Mapping[str, Any], inputs: list, outputs: list) -> None:
+def run_kernel(spec: OpSpec, attrs: Mapping[str, Any], inputs: list, outputs: list, workspace=None) -> None:
     """Call ``spec.kernel`` on torch tensors and leave results in ``outputs`` (device tensors, already on the right
     stream). Aliased pools are updated in the output buffer: when it differs from the input buffer the input is copied
     there first, so the input is never modified. When the kernel takes ``out=``, output 0 is passed so it is written in
-    place. Works on CPU tensors too. Raises RuntimeError when the kernel returns a wrong output count."""
+    place; ``workspace`` (uint8 tensor) is passed as ``workspace=`` and ``spec.kernel_options`` as keywords when the
+    kernel accepts them. Works on CPU tensors too. Raises RuntimeError when the kernel returns a wrong output count."""
     module_name, fn_name = spec.kernel.split(":")
     fn = getattr(importlib.import_module(module_name), fn_name)  # lazy: kernels need triton + CUDA
     args = list(inputs)
@@ -270,8 +358,12 @@ def run_kernel(spec: OpSpec, attrs: Mapping[str, Any], inputs: list, outputs: li
             outputs[o].copy_(inputs[i])
         args[i] = outputs[o]
     kwargs = dict(attrs)
-    if 0 not in spec.aliases and "out" in inspect.signature(fn).parameters:
+    params = inspect.signature(fn).parameters
+    if 0 not in spec.aliases and "out" in params:
         kwargs["out"] = outputs[0]
+    kwargs.update({k: v for k, v in spec.kernel_options if k in params})
+    if workspace is not None and "workspace" in params:
+        kwargs["workspace"] = workspace
     result = fn(*args, **kwargs)
     result = result if isinstance(result, (tuple, list)) else (result,)
     if len(result) != len(outputs):
@@ -352,7 +444,11 @@ def make_plugin_classes(spec: OpSpec, trt) -> tuple[type, type]:
             pass
 
         def get_workspace_size(self, input_desc, output_desc):
-            return 0
+            # profile max dims -> bytes; the kernel carves its scratch out of it (plugins/workspace.py)
+            if spec.workspace is None or len(input_desc) != len(spec.inputs):
+                return 0
+            return workspace_size(spec, self.attrs, [tuple(int(x) for x in d.max) for d in input_desc],
+                                  [to_name.get(d.desc.type, "float32") for d in input_desc])
 
         def get_valid_tactics(self):
             return []
@@ -383,7 +479,13 @@ def make_plugin_classes(spec: OpSpec, trt) -> tuple[type, type]:
             with torch.cuda.stream(torch.cuda.ExternalStream(int(stream))):
                 ins = [wrap(d, p) for d, p in zip(input_desc, inputs)]
                 outs = [wrap(d, p) for d, p in zip(output_desc, outputs)]
-                run_kernel(spec, self.attrs, ins, outs)
+                ws = None
+                if spec.workspace is not None and int(workspace):
+                    # bytes for the actual dims (<= what get_workspace_size gave for the max dims)
+                    n = workspace_size(spec, self.attrs, [tuple(d.dims) for d in input_desc],
+                                       [to_name[d.type] for d in input_desc])
+                    ws = tensor_from_ptr(int(workspace), (n,), "uint8") if n else None
+                run_kernel(spec, self.attrs, ins, outs, workspace=ws)
             return 0
 
     class Creator(trt.IPluginCreatorV3One):
@@ -414,14 +516,19 @@ def all_specs() -> list[OpSpec]:
     return [kda.KDA_PREFILL, kda.KDA_DECODE, mla.MLA_PREFILL, mla.MLA_DECODE, moe.MXFP4_MOE]
 
 
-_REGISTERED: dict[int, list] = {}
+_REGISTERED: dict[int, tuple[bool, list, list[str]]] = {}
 
 
-def register_tensorrt_plugins(trt=None) -> list[str]:
+def register_tensorrt_plugins(trt=None, aot: bool = False) -> list[str]:
     """Register every ``kimi`` plugin creator with TensorRT's plugin registry (idempotent per module).
 
     trt: TensorRT module; default ``import tensorrt`` (full TensorRT). Call before parsing ONNX with plugins and before
-    deserializing engines that contain them. Returns ``["kimi::KdaPrefill", ...]``.
+    deserializing engines that contain them. Returns ``["kimi::KdaPrefill", ...]`` in :func:`all_specs` order.
+    aot: register ``kimi::KdaDecode`` as the ahead-of-time ``tensorrt.plugin`` QDP (plugins/kda/trt_aot.py: one
+    Triton kernel compiled to PTX and baked into the engine, no Python at runtime) instead of the Python IPluginV3;
+    where ``tensorrt.plugin`` (TensorRT >= 10.9) or Triton is missing this logs a warning and registers the IPluginV3.
+    The other ops always stay JIT Python plugins (several launches each, see plugins/kda/trt_aot.py). The choice is
+    made once per process (a second call with the other ``aot`` raises RuntimeError).
     Raises ImportError (with the install hint) when TensorRT is missing. Do not use with ``tensorrt_rtx_bindings`` in
     a process that then parses ONNX: TensorRT-RTX's parser aborts the process on Python creators (STACK.md §1a)."""
     if trt is None:
@@ -429,14 +536,30 @@ def register_tensorrt_plugins(trt=None) -> list[str]:
             import tensorrt as trt
         except ImportError as e:
             raise ImportError("register_tensorrt_plugins needs full TensorRT: pip install tensorrt") from e
+    if id(trt) in _REGISTERED and _REGISTERED[id(trt)][0] != bool(aot):
+        raise RuntimeError(f"kimi plugins are already registered with aot={_REGISTERED[id(trt)][0]} in this process; "
+                           "choose aot once, before the first registration")
     if id(trt) not in _REGISTERED:
+        aot_names: list[str] = []
+        if aot:
+            from plugins.kda import trt_aot
+
+            aot_names = trt_aot.register()
+            if not aot_names:
+                logger.warning("aot=True but tensorrt.plugin (TensorRT >= 10.9) with aot_impl, or Triton, is not "
+                               "importable: kimi::KdaDecode stays a JIT Python plugin")
         registry = trt.get_plugin_registry()
-        creators = []
+        creators, names = [], []
         for spec in all_specs():
+            name = f"{PLUGIN_NAMESPACE}::{spec.name}"
+            names.append(name)
+            if name in aot_names:
+                continue   # registered by tensorrt.plugin (QDP) under the same name/namespace/version
             creator = make_plugin_classes(spec, trt)[1]()
             if not registry.register_creator(creator, PLUGIN_NAMESPACE):
-                raise RuntimeError(f"TensorRT refused to register {PLUGIN_NAMESPACE}::{spec.name}")
+                raise RuntimeError(f"TensorRT refused to register {name}")
             creators.append(creator)  # keep Python objects alive as long as the registry uses them
-        _REGISTERED[id(trt)] = creators
-        logger.info("registered %d kimi TensorRT plugin creators", len(creators))
-    return [f"{PLUGIN_NAMESPACE}::{c.name}" for c in _REGISTERED[id(trt)]]
+        _REGISTERED[id(trt)] = (bool(aot), creators, names)
+        logger.info("registered %d kimi TensorRT plugin creators (%s ahead of time)", len(names),
+                    ", ".join(aot_names) or "none")
+    return list(_REGISTERED[id(trt)][2])

@@ -1,6 +1,7 @@
 """The runtime API that serve/ builds on (docs/DESIGN.md "Runtime API").
 
     llm = LLM(path, backend="torch" | "onnxruntime" | "tensorrt", max_batch=8, max_num_tokens=256, max_context=None)
+    llm = LLM(path, backend="torch", device="cuda")          # the torch backend on a GPU (Triton kernels)
     outs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=8))   # -> list[RequestOutput]
     for tok in llm.stream([1, 2, 3], SamplingParams(max_tokens=8)): ...      # yields token ids
     eng = llm.start()                                       # AsyncEngine, one scheduler thread (idempotent)
@@ -163,30 +164,47 @@ class AsyncEngine:
 class LLM:
     """Load a model on a backend and generate. See the module docstring for `path`.
 
-    backend: "torch" (fp32 reference, needs a checkpoint), "onnxruntime" (needs an ONNX export), "tensorrt"
-    (needs engines + export index; full TensorRT and a GPU). max_batch: requests running at once (KDA slots =
-    max_batch + 1); max_num_tokens: tokens per scheduler step; max_context: tokens per request (default: the
-    config's max_position_embeddings). block_size / num_blocks / memory_budget size the latent pool (default:
+    backend: "torch" (the PyTorch model, needs a checkpoint), "onnxruntime" (needs an ONNX export), "tensorrt"
+    (needs engines + export index; full TensorRT and a GPU). device (torch backend): "cpu" (default; the fp32
+    reference), "cuda" (cuda:LOCAL_RANK under torchrun) or "cuda:N": weights, decode-state pools and batch metadata
+    on that GPU, logits sampled there (runtime.distributed.resolve_device); the tensorrt backend takes "cuda[:N]"
+    and onnxruntime only "cpu". ops (torch backend): "reference" | "torch" | "kernels" (runtime.executor.
+    TorchExecutor; default "reference" on the CPU, "torch" = the Triton kernels on CUDA, which need a block_size
+    multiple of 16). profile_comm: count and time the TP collectives (`llm.executor.comm.stats()`).
+    max_batch: requests running at once (KDA slots = max_batch + 1); max_num_tokens: tokens per scheduler step;
+    max_context: tokens per request (default: the config's max_position_embeddings). block_size / num_blocks / memory_budget size the latent pool (default:
     enough for max_batch requests at max_context; memory_budget in bytes goes through `plan_memory`).
     decode_pad_multiple pads decode batches with sentinel rows. tp / ep: tensor / expert parallelism of the torch
     backend (default: the torch.distributed world size; this process is its rank — launch one process per rank with
     torchrun, runtime/distributed.py); the onnxruntime backend takes tp from the export. Raises FileNotFoundError when the backend's
-    files are absent, ImportError when its package is missing, ValueError for bad sizes.
+    files are absent, ImportError when its package is missing, ValueError for bad sizes or a bad device/ops,
+    RuntimeError when a CUDA device is asked for and torch sees none.
     """
 
     def __init__(self, path: "str | Path", backend: str = "torch", max_batch: int = 8, max_num_tokens: int = 256,
                  max_context: int | None = None, *, block_size: int = 16, num_blocks: int | None = None,
                  memory_budget: int | None = None, decode_pad_multiple: int | None = None,
-                 tp: int | None = None, ep: int = 1):
+                 tp: int | None = None, ep: int = 1, device: "str | torch.device | None" = None,
+                 ops: str | None = None, profile_comm: bool = False):
+        from runtime.distributed import parse_device
         self.paths = resolve_model_dir(path)
         self.backend = backend
+        dev = parse_device(device)                          # ValueError for a malformed string, before any loading
+        if backend != "torch" and ops is not None:
+            raise ValueError(f"ops = {ops!r}: only the torch backend takes ops (backend is {backend!r})")
+        if backend == "onnxruntime" and dev.type != "cpu":
+            raise ValueError(f"device = {str(device)!r}: the onnxruntime backend runs on the CPU provider; "
+                             "use backend 'torch' with device 'cuda' for the GPU")
+        if backend == "tensorrt" and device is not None and dev.type != "cuda":
+            raise ValueError(f"device = {str(device)!r}: the tensorrt backend runs on a CUDA GPU ('cuda' or 'cuda:N')")
         import torch.distributed as dist
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.tp, self.ep, self.rank = tp or world, ep, rank
-        self.executor = self._make_executor(backend)
+        self.executor = self._make_executor(backend, device, ops, profile_comm)
         cfg = self.cfg = self.executor.cfg
         max_context = max_context or cfg.max_position_embeddings
-        device = "cuda" if backend == "tensorrt" else "cpu"
+        self.executor.check_block_size(block_size)
+        device = self.device = self.executor.device
         if memory_budget is not None:
             plan = plan_memory(cfg, self.executor.tp, 1, memory_budget, max_batch, max_context, block_size, torch.float32)
             self.plan = plan
@@ -204,14 +222,15 @@ class LLM:
         self._ids = itertools.count()
         self._tokenizer = None
 
-    def _make_executor(self, backend: str):
+    def _make_executor(self, backend: str, device=None, ops=None, profile_comm: bool = False):
         p = self.paths
         if backend == "torch":
             if p["checkpoint"] is None:
                 raise FileNotFoundError(f"backend 'torch' needs a checkpoint (config.json + model.safetensors.index.json); "
                                         f"found none in {p}")
             from runtime.executor import TorchExecutor
-            return TorchExecutor(p["checkpoint"], tp=self.tp, ep=self.ep, rank=self.rank)
+            return TorchExecutor(p["checkpoint"], tp=self.tp, ep=self.ep, rank=self.rank, device=device, ops=ops,
+                                 profile_comm=profile_comm)
         if backend == "onnxruntime":
             if p["onnx"] is None:
                 raise FileNotFoundError(f"backend 'onnxruntime' needs an ONNX export directory with index.json; found none ({p})")
@@ -221,7 +240,9 @@ class LLM:
             from runtime.executor import TensorRTExecutor
             if p["engines"] is None:
                 raise FileNotFoundError(f"backend 'tensorrt' needs an engine directory with manifest.json; found none ({p})")
-            return TensorRTExecutor(p["engines"], p["onnx"])
+            from runtime.distributed import resolve_device
+            idx = resolve_device(device).index if device is not None else 0
+            return TensorRTExecutor(p["engines"], p["onnx"], device=idx or 0)
         raise ValueError(f"backend = {backend!r}: choose 'torch', 'onnxruntime' or 'tensorrt'")
 
     @property

@@ -10,7 +10,10 @@ sentinels); logits_index [M] int64 rows whose logits are wanted. Returns logits 
 pools (new tensors or the same ones updated in place; the caller writes them back either way).
 
 Backends:
-* `TorchExecutor`: `model.reference.K3Model` (fp32 reference ops); TP > 1 as one process per rank (SPMD).
+* `TorchExecutor`: `model.reference.K3Model` on the CPU (fp32 reference ops) or on a CUDA GPU (fp32 weights and
+  activations, the five custom ops as Triton kernels: `ops="torch"` the torch.library ops, `ops="kernels"` the
+  kernels in place, `ops="reference"` the fp32 references on the GPU for debugging); TP > 1 as one process per rank
+  (SPMD). Logits come back on the executor's device.
 * `OnnxRuntimeExecutor`: the per-layer graphs of an export directory (docs/EXPORT_FORMAT.md, index.json), one
   `onnxruntime.InferenceSession` per graph; pools are passed in as inputs and the `*_out` outputs taken back.
   tp > 1: the rank's segments with the collectives between them (SPMD, one process per rank).
@@ -33,12 +36,55 @@ from model.reference import Batch, K3Model
 log = logging.getLogger(__name__)
 
 
+OPS = ("reference", "torch", "kernels")
+
+
+def resolve_ops(ops, device: torch.device) -> tuple[str, object]:
+    """(name, ops class) for `ops` = None | "reference" | "torch" | "kernels" | an ops class on `device`.
+    None = "reference" on the CPU, "torch" on CUDA. Raises ValueError for an unknown name or "kernels" on the
+    CPU (the Triton kernels run on CPU tensors only under TRITON_INTERPRET=1)."""
+    import os
+    if ops is not None and not isinstance(ops, str):
+        return ops_name(ops), ops
+    name = ops or ("torch" if device.type == "cuda" else "reference")
+    if name not in OPS:
+        raise ValueError(f"ops = {ops!r}: choose {', '.join(map(repr, OPS))}")
+    if name == "reference":
+        from model.reference import ReferenceOps
+        return name, ReferenceOps
+    if name == "kernels" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("ops = 'kernels': the Triton kernels need a CUDA device (or TRITON_INTERPRET=1); "
+                         "use ops 'reference' or 'torch' on the CPU")
+    from plugins.torch_ops import KernelOps, TorchOps
+    return name, TorchOps if name == "torch" else KernelOps
+
+
+def ops_name(ops) -> str:
+    """"reference" / "torch" / "kernels" for ReferenceOps / TorchOps / KernelOps, else the class name."""
+    n = getattr(ops, "__name__", type(ops).__name__)
+    return {"ReferenceOps": "reference", "TorchOps": "torch", "KernelOps": "kernels"}.get(n, n)
+
+
+def check_block_size(block_size: int, device: torch.device, ops_name: str) -> None:
+    """Raise ValueError when the latent block size cannot run on the GPU MLA decode kernel (CUDA with the "torch"
+    or "kernels" ops needs a multiple of 16 tokens: its tl.dot tiles never straddle two paged blocks)."""
+    if device.type == "cuda" and ops_name in ("torch", "kernels") and block_size % 16:
+        raise ValueError(f"block_size = {block_size}: the GPU MLA decode kernel needs latent blocks of a multiple of "
+                         "16 tokens (16, 32, 64, ...); the runtime default is 16")
+
+
 class Executor:
-    """Base class: `cfg` (K3Config), `tp`, `act_dtype` of the pools it expects."""
+    """Base class: `cfg` (K3Config), `tp`, `act_dtype` of the pools it expects, `device` they live on."""
 
     cfg: K3Config
     tp: int = 1
     act_dtype: torch.dtype = torch.float32
+    device: torch.device = torch.device("cpu")
+    ops_name: str = "graph"
+
+    def check_block_size(self, block_size: int) -> None:
+        """Raise ValueError when this executor cannot use latent blocks of `block_size` tokens."""
+        check_block_size(block_size, self.device, self.ops_name)
 
     def forward(self, ids: torch.Tensor, batch: Batch, pools: dict, logits_index: torch.Tensor):
         """ids [T] int64 packed tokens, batch (`model.reference.Batch`), pools {layer: {name: tensor}},
@@ -50,26 +96,59 @@ class Executor:
 
 
 class TorchExecutor(Executor):
-    """fp32 PyTorch reference. `model` is a loaded K3Model or a checkpoint directory. With tp > 1 this process is
-    TP rank `rank` of an initialized torch.distributed group of tp processes (gloo on CPU, NCCL on GPU; see
-    runtime/distributed.py): it loads its shard and the model's RowLinear / latent reductions all-reduce over the
-    group. Every rank runs the same scheduler on the same requests (SPMD) and gets the same all-gathered logits.
-    Raises ValueError when the group does not match tp, CheckpointError for a bad checkpoint."""
+    """The PyTorch model (`model.reference.K3Model`). `model` is a loaded K3Model (used on its own device; `ops`
+    replaces its ops when given) or a checkpoint directory, loaded onto `device`.
 
-    def __init__(self, model: "K3Model | str | Path", tp: int = 1, ep: int = 1, rank: int = 0):
+    device: "cpu" (default), "cuda" (cuda:LOCAL_RANK under torchrun) or "cuda:N" (runtime.distributed.
+    resolve_device). ops: "reference" (fp32 references; the CPU default), "torch" (torch.library ops = Triton
+    kernels on CUDA; the CUDA default), "kernels" (the CUDA kernels called directly, pools updated in place:
+    no per-call pool copy), or an ops class. On CUDA the dense weights are fp32 on the GPU (MXFP4 experts stay
+    packed uint8) and the kernels use bf16/TF32 internally where their tests say so; the pools must be on
+    `self.device` (HybridCache(..., device=executor.device)).
+
+    With tp > 1 this process is TP rank `rank` of an initialized torch.distributed group of tp processes (gloo on
+    CPU, NCCL on GPU; see runtime/distributed.py): it loads its shard and the model's RowLinear / latent
+    reductions all-reduce over the group. Every rank runs the same scheduler on the same requests (SPMD) and gets
+    the same all-gathered logits. profile_comm: count and time the collectives (model.layers.Comm.stats()).
+    Raises ValueError for a bad device or ops name or when the group does not match tp, RuntimeError when CUDA is
+    asked for and absent, CheckpointError for a bad checkpoint."""
+
+    def __init__(self, model: "K3Model | str | Path", tp: int = 1, ep: int = 1, rank: int = 0, *,
+                 device: "str | torch.device | None" = None, ops=None, profile_comm: bool = False):
+        from runtime.distributed import resolve_device
         if isinstance(model, K3Model):
             self.model = model
+            if device is not None and resolve_device(device) != model.device:
+                raise ValueError(f"device = {str(device)!r}: the model passed in lives on {model.device}")
+            self.device = model.device
+            if ops is not None:
+                self.ops_name, self.model.ops = resolve_ops(ops, self.device)
+            else:
+                self.ops_name = ops_name(model.ops)
         else:
             from model.layers import Comm
+            self.device = resolve_device(device)
+            self.ops_name, ops_cls = resolve_ops(ops, self.device)
             comm = None
             if tp > 1:
                 from runtime.distributed import check_group
                 check_group(tp, rank)
                 comm = Comm(rank, tp)
-            self.model = K3Model.from_checkpoint(model, rank=rank, tp=tp, ep=ep, comm=comm)
+            self.model = K3Model.from_checkpoint(model, rank=rank, tp=tp, ep=ep, comm=comm, ops=ops_cls,
+                                                 device=self.device)
+        if profile_comm:
+            self.model.comm.profile = True
         self.cfg, self.tp, self.rank = self.model.cfg, self.model.comm.size, self.model.comm.rank
+        if self.device.type == "cuda":
+            log.info("torch executor on %s, ops %s, tp %d rank %d", self.device, self.ops_name, self.tp, self.rank)
+
+    @property
+    def comm(self):
+        """The model's `model.layers.Comm` (collective counters: `comm.stats()` when profiling)."""
+        return self.model.comm
 
     def forward(self, ids, batch, pools, logits_index):
+        """See `Executor.forward`; logits [M, vocab] fp32 on `self.device`."""
         with torch.no_grad():
             return self.model.forward(ids, batch, pools, logits_index)
 

@@ -4,6 +4,8 @@
     python -m runtime.generate --model DIR --prompt "text"        # needs tiktoken.model in DIR (or the checkpoint)
     torchrun --nproc-per-node 2 -m runtime.generate --model DIR --backend torch --ep 2 --prompt-ids 1,2,3
         # tensor parallel: one process per TP rank (gloo on CPU, NCCL on GPU); rank 0 prints
+    python -m runtime.generate --model DIR --backend torch --device cuda --prompt-ids 1,2,3
+        # the torch backend on a GPU (Triton kernels; --ops kernels: in place, --ops reference: fp32 references)
 """
 from __future__ import annotations
 
@@ -37,6 +39,14 @@ def _main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--max-context", type=int, default=None)
     ap.add_argument("--ep", type=int, default=1, help="expert parallelism under torchrun: 1 or the world size (torch backend)")
+    ap.add_argument("--device", default=None,
+                    help="cpu (default), cuda (= cuda:LOCAL_RANK under torchrun) or cuda:N (torch backend; tensorrt: cuda:N)")
+    ap.add_argument("--ops", default=None, choices=["reference", "torch", "kernels"],
+                    help="custom ops of the torch backend (default: reference on the CPU, torch = Triton kernels on CUDA; "
+                         "kernels = the CUDA kernels in place)")
+    ap.add_argument("--dist-backend", default=None, choices=["gloo", "nccl"],
+                    help="torch.distributed backend under torchrun (default: nccl with a CUDA device, else gloo; "
+                         "gloo with --device cuda:0 runs several ranks on one GPU, for tests)")
     ap.add_argument("--text", action="store_true", help="also print the decoded text on a second line")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
@@ -47,8 +57,9 @@ def _main(argv: list[str] | None = None) -> int:
                 ids = [int(x) for x in a.prompt_ids.replace(" ", "").split(",") if x != ""]
             except ValueError:
                 ap.error(f"--prompt-ids {a.prompt_ids!r}: expected comma-separated integers")
-        rank, _ = init_from_env()
-        llm = LLM(a.model, backend=a.backend, max_batch=1, max_context=a.max_context, ep=a.ep)
+        rank, _ = init_from_env(a.device if a.backend == "torch" else None, a.dist_backend)
+        llm = LLM(a.model, backend=a.backend, max_batch=1, max_context=a.max_context, ep=a.ep, device=a.device,
+                  ops=a.ops)
         if a.prompt is not None:
             if llm.tokenizer is None:
                 ap.error(f"--prompt: no tokenizer (tiktoken.model) in {a.model}; use --prompt-ids")

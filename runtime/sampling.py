@@ -4,6 +4,10 @@ Greedy (temperature 0) is the argmax of the fp32 logits (lowest id on ties). Oth
 top-k, then top-p (smallest set of highest-probability tokens whose mass reaches top_p), then one draw from a
 per-request `torch.Generator` seeded from `seed` and advanced once per sampled token, so a seeded request yields
 the same tokens whatever else shares its batch.
+
+Logits may live on a GPU (`sample_batch`): the greedy rows of a step take one argmax over the batch on the device
+and one copy of the ids to the host; sampled rows are copied to the host and drawn there with their CPU
+generator, so a seeded request gives the same tokens whatever device produced the logits.
 """
 from __future__ import annotations
 
@@ -74,10 +78,13 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token id from logits [vocab] (any float dtype; computed in fp32)."""
+    """One token id from logits [vocab] (any float dtype and device; computed in fp32; sampled rows on the
+    generator's device, the host)."""
     x = logits.float().reshape(-1)
     if params.temperature == 0:
         return int(torch.argmax(x))
+    if generator is not None and x.device != generator.device:
+        x = x.to(generator.device)
     x = x / float(params.temperature)
     if 0 < params.top_k < x.numel():
         kth = torch.topk(x, params.top_k).values[-1]
@@ -89,3 +96,24 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         keep[0] = True
         probs = torch.zeros_like(probs).scatter_(0, idx[keep], p[keep])
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
+                 generators: Sequence[torch.Generator | None]) -> list[int]:
+    """One token id per row of logits [N, vocab] (any float dtype, any device) with row i's params and generator.
+    Same tokens as `sample` row by row; greedy rows cost one batched argmax and one device-to-host copy."""
+    n = logits.shape[0]
+    if len(params) != n or len(generators) != n:
+        raise ValueError(f"sample_batch: {n} logits rows for {len(params)} params and {len(generators)} generators")
+    out = [0] * n
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+    if greedy:
+        rows = logits if len(greedy) == n else logits[torch.tensor(greedy, device=logits.device)]
+        for i, t in zip(greedy, torch.argmax(rows.float(), dim=-1).tolist()):
+            out[i] = int(t)
+    rest = [i for i, p in enumerate(params) if p.temperature != 0]
+    if rest:
+        host = logits[torch.tensor(rest, device=logits.device)].float().cpu()
+        for j, i in enumerate(rest):
+            out[i] = sample(host[j], params[i], generators[i])
+    return out

@@ -25,7 +25,7 @@ import torch
 
 from model.reference import Batch
 from runtime.cache import HybridCache
-from runtime.sampling import SamplingParams, make_generator, sample, validate_prompt
+from runtime.sampling import SamplingParams, make_generator, sample_batch, validate_prompt
 
 log = logging.getLogger(__name__)
 
@@ -219,11 +219,17 @@ class Scheduler:
                 self._finish(req, "error", f"{type(e).__name__}: {e}", notify_token=None)
             return
         self.cache.set_pools(pools)
+        rows = [row for row, (req, n) in enumerate(group) if req.num_computed + n >= len(req.all_ids)]
+        toks = {}
+        if rows:                                       # one batched draw (logits may be on a GPU)
+            sel = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=logits.device)]
+            toks = dict(zip(rows, sample_batch(sel, [group[r][0].params for r in rows],
+                                               [group[r][0].generator for r in rows])))
         for row, (req, n) in enumerate(group):
             req.num_computed += n
             if req.num_computed < len(req.all_ids):
                 continue                               # prefill not done yet: nothing to sample
-            tok = sample(logits[row], req.params, req.generator)
+            tok = toks[row]
             req.output_ids.append(tok)
             self.stats["tokens_generated"] += 1
             p = req.params

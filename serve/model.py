@@ -247,6 +247,9 @@ class TritonPythonModel:
         for key in ("max_batch", "max_num_tokens", "max_context"):
             if params.get(key):
                 kwargs[key] = int(params[key])
+        for key in ("device", "ops"):                     # torch backend on a GPU (python -m serve.repository --device)
+            if params.get(key):
+                kwargs[key] = params[key]
         _log("info", f"k3: loading {model_path} with {kwargs}")
         self.llm = LLM(model_path, **kwargs)
         self.engine = self.llm.start()

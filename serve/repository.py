@@ -13,7 +13,8 @@ writes::
 for ``onnxruntime``/``tensorrt``). The backend comes from ``DIR/manifest.json`` key ``"backend"`` when present,
 else ``--backend``, else ``torch``. The config carries parameters ``project_root`` (prepended to ``sys.path``
 in the stub so ``import runtime`` works), ``model_path``, ``backend``, ``max_batch``, ``max_num_tokens``,
-``max_context`` and, when ``DIR/config.json`` names it, ``vocab_size`` (used to reject out-of-range ids early).
+``max_context``, when given ``device`` / ``ops`` (torch backend on a GPU: ``--device cuda``) and, when
+``DIR/config.json`` names it, ``vocab_size`` (used to reject out-of-range ids early).
 
 Every written ``config.pbtxt`` is parsed back with the ModelConfig protobuf shipped in ``tritonclient``
 (:func:`validate_config`).
@@ -169,8 +170,11 @@ def validate_config(text: str, expect_name: Optional[str] = None, *, where: str 
 def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backend: Optional[str] = None, *,
                      name: str = DEFAULT_MODEL_NAME, max_batch: int = 8, max_num_tokens: int = 256,
                      max_context: Optional[int] = None, instance_count: int = 1,
-                     project_root: str | pathlib.Path = PROJECT_ROOT, overwrite: bool = False) -> pathlib.Path:
+                     project_root: str | pathlib.Path = PROJECT_ROOT, overwrite: bool = False,
+                     device: Optional[str] = None, ops: Optional[str] = None) -> pathlib.Path:
     """Write ``out/<name>/config.pbtxt`` and ``out/<name>/1/model.py``; return the config's path.
+    ``device`` / ``ops`` (torch backend: "cuda", "cuda:N", "cpu" / "torch", "kernels", "reference") become
+    parameters the model passes to ``LLM(device=..., ops=...)``; omitted = the runtime's defaults (CPU).
 
     Raises:
         RepositoryError: ``engines`` is not a directory, the backend is unknown, a limit is < 1, or
@@ -201,6 +205,8 @@ def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backe
         "max_num_tokens": int(max_num_tokens),
         "max_context": None if max_context is None else int(max_context),
         "vocab_size": discover_vocab_size(engines),
+        "device": device,
+        "ops": ops,
     }
     text = render_config(name, params, instance_count)
     validate_config(text, name, where=str(model_dir / "config.pbtxt"))
@@ -244,13 +250,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--max-num-tokens", type=int, default=256, help="LLM(max_num_tokens=...) (default %(default)s)")
     p.add_argument("--max-context", type=int, default=None, help="LLM(max_context=...) (default: runtime's)")
     p.add_argument("--instances", type=int, default=1, help="Python-backend instances (default %(default)s)")
+    p.add_argument("--device", default=None, help="LLM(device=...): cpu, cuda or cuda:N (torch backend; default cpu)")
+    p.add_argument("--ops", choices=["reference", "torch", "kernels"], default=None,
+                   help="LLM(ops=...) of the torch backend (default: reference on the CPU, torch on CUDA)")
     p.add_argument("--force", action="store_true", help="replace an existing OUT/<name>")
     args = p.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
     try:
         path = write_repository(args.engines, args.out, args.backend, name=args.name, max_batch=args.max_batch,
                                 max_num_tokens=args.max_num_tokens, max_context=args.max_context,
-                                instance_count=args.instances, overwrite=args.force)
+                                instance_count=args.instances, overwrite=args.force, device=args.device,
+                                ops=args.ops)
     except RepositoryError as e:
         LOGGER.error("%s", e)
         return 2

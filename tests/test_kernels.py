@@ -54,7 +54,7 @@ KDA_CASES = [(2, 16, torch.float32)] + ([(12, 128, torch.bfloat16), (24, 128, to
                                        [(3, 32, torch.bfloat16)])
 
 
-@pytest.mark.parametrize("bv", [None, "quarter"])
+@pytest.mark.parametrize("bv", [None, "quarter", "quarter+workspace"])
 @pytest.mark.parametrize("H,K,act", KDA_CASES)
 def test_kda_decode(H, K, act, bv):
     slots = torch.tensor([5, 2, 7, 3], dtype=torch.int32)
@@ -64,8 +64,11 @@ def test_kda_decode(H, K, act, bv):
     ro, rs, rc = kda_ref.kda_decode(**d, state=state, conv=conv, slots=slots, num_heads=H, head_dim=K)
     dd = {k: v.to(DEV) for k, v in d.items()}
     st, cv = state.to(DEV), conv.to(DEV)
-    o, st2, cv2 = kda_k.kda_decode(**dd, state=st, conv=cv, slots=slots.to(DEV), num_heads=H, head_dim=K,
-                                   block_v=K // 4 if bv else K)
+    kw = dict(block_v=K // 4 if bv else None)
+    if bv == "quarter+workspace":  # scratch carved from a caller buffer filled with garbage (CUDA graph / TRT)
+        n = kda_k.kda_decode_workspace_bytes(len(slots), H, K, K // 4)
+        kw["workspace"] = torch.full((n,), 0xAB, dtype=torch.uint8, device=DEV)
+    o, st2, cv2 = kda_k.kda_decode(**dd, state=st, conv=cv, slots=slots.to(DEV), num_heads=H, head_dim=K, **kw)
     assert st2.data_ptr() == st.data_ptr() and cv2.data_ptr() == cv.data_ptr()
     tol = 1e-5 if act == torch.float32 else 2e-2
     assert relerr(o, ro) < tol
@@ -243,7 +246,8 @@ def moe_ref(x, ids, w, w13p, w13s, w2p, w2s, off):
 
 
 @pytest.mark.parametrize("impl", ["legacy", "dot_scaled"])
-@pytest.mark.parametrize("E,RL,I,T,k,bk", [(6, 64, 64, 5, 3, 32)] + ([(16, 512, 256, 9, 6, 128)] if HAS_CUDA else []))
+@pytest.mark.parametrize("E,RL,I,T,k,bk", [(6, 64, 64, 5, 3, 32), (6, 128, 64, 5, 3, None)] + (
+    [(16, 512, 256, 9, 6, 128)] if HAS_CUDA else []))   # bk None: the default tile (k3-tiny's I = 64 < 128)
 def test_mxfp4_moe(E, RL, I, T, k, bk, impl):
     g = torch.Generator().manual_seed(5)
     w13p = torch.randint(0, 256, (E, 2 * I, RL // 2), dtype=torch.uint8, generator=g)

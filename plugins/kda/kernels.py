@@ -5,8 +5,11 @@ kda_decode : ONE fused kernel per layer step: conv-history update + SiLU, L2 nor
              head), gated output RMSNorm. One program per (token, head) holds the whole 128x128 state tile.
 kda_prefill: Triton varlen conv (with history from the slot pool) + conv-history update, then fla-core
              `chunk_kda` (in-kernel gate / L2 / beta, safe_gate, state_v_first, cu_seqlens, initial/final
-             state gathered/scattered through slots), then a Triton gated-RMSNorm kernel. Where fla or CUDA is
-             unavailable (CPU CI) the delta rule falls back to a torch token recurrence.
+             state gathered/scattered through slots by Triton copies), then a Triton gated-RMSNorm kernel. Where
+             fla or CUDA is unavailable (CPU CI) the delta rule falls back to a torch token recurrence.
+             `graph_safe=True` (the TensorRT plugin): token->sequence map on the device, scratch from `workspace=`
+             (`kda_prefill_workspace_bytes`), `chunk_kda(use_graph=True, max_num_seqs=N)`; fla's intermediates
+             still come from torch's caching allocator (plugins/trt_common.py says what that means for capture).
 
 Same signatures as plugins.kda.reference; pools are updated in place and returned.
 """
@@ -15,6 +18,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from plugins.workspace import Workspace, plan_bytes
 
 
 @triton.jit
@@ -25,6 +30,24 @@ def _sigmoid(x):
 # --------------------------------------------------------------------------------------------------
 # Decode: fully fused
 # --------------------------------------------------------------------------------------------------
+@triton.jit
+def _conv_silu(x, hist, w, sel3):
+    """Depthwise causal conv of one channel vector + SiLU. x [C] new input, hist [C, 4] (cols 0..2 = history,
+    col 3 ignored), w [C, 4] -> (y [C] fp32, window [C, 4] = [h0, h1, h2, x])."""
+    win = tl.where(sel3, x.to(tl.float32)[:, None], hist.to(tl.float32))
+    y = tl.sum(win * w, axis=1)
+    return y * _sigmoid(y), win
+
+
+@triton.jit
+def _store_hist(conv_base, ch, win, j4):
+    """New conv history of channels ch = window[:, 1:4] (the last three raw inputs)."""
+    cdt = conv_base.dtype.element_ty
+    tl.store(conv_base + ch * 3 + 0, tl.sum(tl.where((j4 == 1)[None, :], win, 0.0), axis=1).to(cdt))
+    tl.store(conv_base + ch * 3 + 1, tl.sum(tl.where((j4 == 2)[None, :], win, 0.0), axis=1).to(cdt))
+    tl.store(conv_base + ch * 3 + 2, tl.sum(tl.where((j4 == 3)[None, :], win, 0.0), axis=1).to(cdt))
+
+
 @triton.jit
 def _kda_decode_kernel(
     qkv_ptr, f_ptr, b_ptr, g_ptr, convw_ptr, alog_ptr, dtb_ptr, onw_ptr,
@@ -57,23 +80,10 @@ def _kda_decode_kernel(
     hq = tl.load(conv_base + cq[:, None] * 3 + j4[None, :], mask=hist_mask, other=0.0)   # [K, 4]
     hk = tl.load(conv_base + ckk[:, None] * 3 + j4[None, :], mask=hist_mask, other=0.0)
     hv = tl.load(conv_base + cv[:, None] * 3 + j4[None, :], mask=hist_mask, other=0.0)
-    wq = tl.load(convw_ptr + cq[:, None] * 4 + j4[None, :])
-    wk = tl.load(convw_ptr + ckk[:, None] * 4 + j4[None, :])
-    wv = tl.load(convw_ptr + cv[:, None] * 4 + j4[None, :])
-    winq = tl.where(sel3, xq.to(tl.float32)[:, None], hq.to(tl.float32))              # window [h0, h1, h2, x]
-    wink = tl.where(sel3, xk.to(tl.float32)[:, None], hk.to(tl.float32))
-    winv = tl.where(sel3, xv.to(tl.float32)[:, None], hv.to(tl.float32))
-    yq = tl.sum(winq * wq, axis=1)
-    yk = tl.sum(wink * wk, axis=1)
-    yv = tl.sum(winv * wv, axis=1)
-    yq = yq * _sigmoid(yq)
-    yk = yk * _sigmoid(yk)
-    yv = yv * _sigmoid(yv)
-    cdt = conv_ptr.dtype.element_ty
-    # v history (channels owned by this program only)
-    tl.store(conv_base + cv * 3 + 0, tl.sum(tl.where((j4 == 1)[None, :], winv, 0.0), axis=1).to(cdt))
-    tl.store(conv_base + cv * 3 + 1, tl.sum(tl.where((j4 == 2)[None, :], winv, 0.0), axis=1).to(cdt))
-    tl.store(conv_base + cv * 3 + 2, xv.to(cdt))
+    yq, winq = _conv_silu(xq, hq, tl.load(convw_ptr + cq[:, None] * 4 + j4[None, :]), sel3)
+    yk, wink = _conv_silu(xk, hk, tl.load(convw_ptr + ckk[:, None] * 4 + j4[None, :]), sel3)
+    yv, winv = _conv_silu(xv, hv, tl.load(convw_ptr + cv[:, None] * 4 + j4[None, :]), sel3)
+    _store_hist(conv_base, cv, winv, j4)              # v history: channels owned by this program only
 
     q = yq * (1.0 / tl.sqrt(tl.sum(yq * yq, axis=0) + 1e-6)) * scale
     k = yk * (1.0 / tl.sqrt(tl.sum(yk * yk, axis=0) + 1e-6))
@@ -90,30 +100,20 @@ def _kda_decode_kernel(
     S = S + (beta * u)[:, None] * k[None, :]
     tl.store(s_ptrs, S)
     o = tl.sum(S * q[None, :], axis=1)                                    # [BV]
-    w = tl.load(onw_ptr + cvv)
-    gv = tl.load(g_ptr + t * stride_g + h * K + cvv).to(tl.float32)
     if NV == 1:
-        cdt2 = conv_ptr.dtype.element_ty
-        tl.store(conv_base + cq * 3 + 0, tl.sum(tl.where((j4 == 1)[None, :], winq, 0.0), axis=1).to(cdt2))
-        tl.store(conv_base + cq * 3 + 1, tl.sum(tl.where((j4 == 2)[None, :], winq, 0.0), axis=1).to(cdt2))
-        tl.store(conv_base + cq * 3 + 2, xq.to(cdt2))
-        tl.store(conv_base + ckk * 3 + 0, tl.sum(tl.where((j4 == 1)[None, :], wink, 0.0), axis=1).to(cdt2))
-        tl.store(conv_base + ckk * 3 + 1, tl.sum(tl.where((j4 == 2)[None, :], wink, 0.0), axis=1).to(cdt2))
-        tl.store(conv_base + ckk * 3 + 2, xk.to(cdt2))
+        _store_hist(conv_base, cq, winq, j4)
+        _store_hist(conv_base, ckk, wink, j4)
         rs = 1.0 / tl.sqrt(tl.sum(o * o, axis=0) / K + norm_eps)
+        w = tl.load(onw_ptr + cvv)
+        gv = tl.load(g_ptr + t * stride_g + h * K + cvv).to(tl.float32)
         tl.store(out_ptr + t * stride_out + h * K + cvv, (o * rs * w * _sigmoid(gv)).to(out_ptr.dtype.element_ty))
     else:
         oa = oacc_ptr + (t * H + h).to(tl.int64) * K
         tl.store(oa + cvv, o)
         prev = tl.atomic_add(cnt_ptr + t * H + h, 1, sem="acq_rel")
         if prev == NV - 1:
-            cdt2 = conv_ptr.dtype.element_ty
-            tl.store(conv_base + cq * 3 + 0, tl.sum(tl.where((j4 == 1)[None, :], winq, 0.0), axis=1).to(cdt2))
-            tl.store(conv_base + cq * 3 + 1, tl.sum(tl.where((j4 == 2)[None, :], winq, 0.0), axis=1).to(cdt2))
-            tl.store(conv_base + cq * 3 + 2, xq.to(cdt2))
-            tl.store(conv_base + ckk * 3 + 0, tl.sum(tl.where((j4 == 1)[None, :], wink, 0.0), axis=1).to(cdt2))
-            tl.store(conv_base + ckk * 3 + 1, tl.sum(tl.where((j4 == 2)[None, :], wink, 0.0), axis=1).to(cdt2))
-            tl.store(conv_base + ckk * 3 + 2, xk.to(cdt2))
+            _store_hist(conv_base, cq, winq, j4)
+            _store_hist(conv_base, ckk, wink, j4)
             of = tl.load(oa + ck, volatile=True)
             wf = tl.load(onw_ptr + ck)
             gf = tl.load(g_ptr + t * stride_g + h * K + ck).to(tl.float32)
@@ -137,10 +137,39 @@ def _check_last_contig(*xs):
     return [x if x.stride(-1) == 1 else x.contiguous() for x in xs]
 
 
+def _decode_block_v(n_items: int, K: int) -> int:
+    """Default V tile of the split kernel (measured on H200, benchmarks/RESULTS.md): few programs -> small
+    tiles; mid -> whole tile; many -> 64."""
+    return K if K < 128 else (32 if n_items <= 16 else 128 if n_items <= 256 else 32 if n_items <= 1024 else 64)
+
+
+def _decode_scratch(batch: int, num_heads: int, head_dim: int, block_v: int | None) -> list:
+    """(shape, dtype) of the split kernel's scratch in carve order: fp32 output accumulator, int32 counters."""
+    bv = block_v or _decode_block_v(batch * num_heads, head_dim)
+    n = batch * num_heads
+    return [] if bv >= head_dim else [((n * head_dim,), torch.float32), ((n,), torch.int32)]
+
+
+def kda_decode_workspace_bytes(batch: int, num_heads: int, head_dim: int, block_v: int | None = None) -> int:
+    """Scratch bytes `kda_decode` needs for `batch` tokens (plugins/workspace.py convention): 0 for the
+    whole-tile V split; else an fp32 [batch*H*K] accumulator + int32 [batch*H]
+    counters. With block_v None the bound covers the default choice for every batch up to `batch`."""
+    if block_v is None:
+        return max(plan_bytes(_decode_scratch(bt, num_heads, head_dim, None)) for bt in
+                   sorted({batch, *(b for b in (16 // num_heads, 256 // num_heads, 1024 // num_heads) if 0 < b < batch)}))
+    return plan_bytes(_decode_scratch(batch, num_heads, head_dim, block_v))
+
+
 def kda_decode(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slots, *,
                num_heads: int, head_dim: int, lower_bound: float = -5.0, norm_eps: float = 1e-5, out=None,
-               block_v: int | None = None, num_warps: int | None = None):
-    """KdaDecode: one token per request; updates `state` and `conv` in place. Returns (out, state, conv)."""
+               block_v: int | None = None, num_warps: int | None = None, workspace: torch.Tensor | None = None):
+    """KdaDecode (MODEL.md §4, DESIGN.md): one token per request; updates `state` and `conv` in place.
+
+    qkv [B, 3P], f [B, P], b [B, H], g [B, P] act; conv_w [3P, 4], A_log [H], dt_bias [P], o_norm_w [K] fp32;
+    state [S, H, K, K] fp32 (Sᵀ per head), conv [S, 3P, 3] act; slots [B] int32. Returns (out [B, P] act, state,
+    conv) — the same pool tensors. `block_v`: V tile (None = the measured default, `_decode_block_v`).
+    `workspace`: optional uint8 device buffer of >= `kda_decode_workspace_bytes(...)` bytes for the split
+    kernel's scratch (CUDA-graph / TensorRT enqueue: nothing is allocated then). AssertionError on bad shapes."""
     B = qkv.shape[0]
     H, K = num_heads, head_dim
     P = H * K
@@ -154,21 +183,23 @@ def kda_decode(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slot
         out = torch.empty(B, P, dtype=qkv.dtype, device=qkv.device)
     if B == 0:
         return out, state, conv
-    if block_v is None:
-        # measured on H200 (benchmarks/RESULTS.md): few programs -> small tiles; mid -> whole tile; many -> 64
-        n = B * H
-        block_v = K if K < 128 else (32 if n <= 16 else 128 if n <= 256 else 32 if n <= 1024 else 64)
-    BV = block_v
+    scalars = (float(lower_bound), float(norm_eps), float(K) ** -0.5)
+    BV = block_v or _decode_block_v(B * H, K)
     NV = K // BV
     if NV > 1:
-        oacc = torch.empty(B * H * K, dtype=torch.float32, device=qkv.device)
-        cnt = _counters(qkv.device, B * H)
+        if workspace is not None:
+            ws = Workspace(workspace, qkv.device, "kda_decode")
+            (oshape, odt), (cshape, cdt) = _decode_scratch(B, H, K, BV)
+            oacc = ws.empty(oshape, odt)
+            cnt = ws.empty(cshape, cdt).zero_()   # the kernel leaves counters at zero; a fresh workspace is garbage
+        else:
+            oacc = torch.empty(B * H * K, dtype=torch.float32, device=qkv.device)
+            cnt = _counters(qkv.device, B * H)
     else:
         oacc = cnt = out
     _kda_decode_kernel[(B, H, NV)](
         qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slots, out, oacc, cnt,
-        qkv.stride(0), f.stride(0), b.stride(0), g.stride(0), out.stride(0),
-        float(lower_bound), float(norm_eps), float(K) ** -0.5,
+        qkv.stride(0), f.stride(0), b.stride(0), g.stride(0), out.stride(0), *scalars,
         H=H, K=K, P=P, BV=BV, num_warps=num_warps or (8 if BV * K >= 16384 else 4),
     )
     return out, state, conv
@@ -287,9 +318,76 @@ def _delta_rule_torch(q, k, v, fraw, braw, A_log, dt_bias, state, cu, slots, H, 
     return o
 
 
+@triton.jit
+def _token_seq_kernel(cu_ptr, seq_ptr, T, N, BT: tl.constexpr, BNS: tl.constexpr):
+    """seq[t] = sequence of packed token t = #{n in 1..N : cu_seqlens[n] <= t} (on the device, fixed grid)."""
+    tt = tl.program_id(0) * BT + tl.arange(0, BT)
+    cnt = tl.zeros([BT], dtype=tl.int32)
+    for s0 in range(0, N, BNS):
+        idx = s0 + tl.arange(0, BNS)
+        c = tl.load(cu_ptr + 1 + idx, mask=idx < N, other=2147483647)
+        cnt += tl.sum((c[None, :] <= tt[:, None]).to(tl.int32), axis=1)
+    tl.store(seq_ptr + tt, cnt, mask=tt < T)
+
+
+@triton.jit
+def _copy_rows_kernel(src_ptr, dst_ptr, idx_ptr, ROW, BLOCK: tl.constexpr, GATHER: tl.constexpr):
+    """grid (N, cdiv(ROW, BLOCK)): GATHER: dst[n] = src[idx[n]], else dst[idx[n]] = src[n] (rows of ROW fp32)."""
+    n = tl.program_id(0)
+    cc = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cc < ROW
+    i = tl.load(idx_ptr + n).to(tl.int64)
+    if GATHER:
+        tl.store(dst_ptr + n.to(tl.int64) * ROW + cc, tl.load(src_ptr + i * ROW + cc, mask=m), mask=m)
+    else:
+        tl.store(dst_ptr + i * ROW + cc, tl.load(src_ptr + n.to(tl.int64) * ROW + cc, mask=m), mask=m)
+
+
+def _copy_rows(src, dst, idx, gather: bool):
+    N = idx.shape[0]
+    row = src[0].numel() if gather else dst[0].numel()
+    if N and row:
+        BLOCK = 4096
+        _copy_rows_kernel[(N, triton.cdiv(row, BLOCK))](src, dst, idx, row, BLOCK=BLOCK, GATHER=gather, num_warps=4)
+
+
+def _prefill_scratch(T: int, N: int, H: int, K: int, act_dtype, use_fla: bool) -> list:
+    """(shape, dtype) of kda_prefill's scratch in carve order: token->sequence map, conv output y (q‖k‖v), and
+    with fla: gathered initial states, int64 cu_seqlens, f/b in y's dtype when it differs from the activations."""
+    P = H * K
+    ydt = torch.bfloat16 if use_fla and act_dtype == torch.float32 else act_dtype
+    items = [((T,), torch.int32), ((3, T, P), ydt)]
+    if use_fla:
+        items += [((N, H, K, K), torch.float32), ((N + 1,), torch.int64)]
+        if ydt != act_dtype:
+            items += [((T, P), ydt), ((T, H), ydt)]
+    return items
+
+
+def kda_prefill_workspace_bytes(num_tokens: int, num_seqs: int, num_heads: int, head_dim: int, *,
+                                act_dtype: torch.dtype = torch.bfloat16, device=None) -> int:
+    """Workspace bytes of :func:`kda_prefill` for up to `num_tokens` packed tokens of up to `num_seqs` sequences
+    (plugins/workspace.py convention). device: where it runs (default CUDA if present); the fla path (CUDA + fla)
+    needs the gathered initial states too. fla's own intermediates (chunk_kda) are not covered: they come from
+    torch's caching allocator."""
+    dev = torch.device(device) if device is not None else (
+        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    if num_tokens <= 0:
+        return 0
+    return plan_bytes(_prefill_scratch(int(num_tokens), int(num_seqs), int(num_heads), int(head_dim), act_dtype,
+                                       _fla_available(dev)))
+
+
 def kda_prefill(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, cu_seqlens, slots, *,
-                num_heads: int, head_dim: int, lower_bound: float = -5.0, norm_eps: float = 1e-5, out=None):
-    """KdaPrefill: varlen packed prefill continuing from the slots' state/conv history; in place."""
+                num_heads: int, head_dim: int, lower_bound: float = -5.0, norm_eps: float = 1e-5, out=None,
+                graph_safe: bool | None = None, workspace: torch.Tensor | None = None):
+    """KdaPrefill: varlen packed prefill continuing from the slots' state/conv history; in place.
+
+    workspace: optional uint8 scratch (size: :func:`kda_prefill_workspace_bytes`) for the token map, the conv
+    output, the gathered initial states and the int64 cu_seqlens. graph_safe: call fla's chunk_kda with
+    `use_graph=True, max_num_seqs=N` (chunk indices built on the device with a fixed shape; no host sync).
+    Default: graph-safe when a workspace is given or the stream is being captured. The TensorRT plugin passes
+    graph_safe=True. fla allocates its intermediates through torch's caching allocator either way."""
     T = qkv.shape[0]
     H, K = num_heads, head_dim
     P = H * K
@@ -298,14 +396,21 @@ def kda_prefill(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, cu_
     assert qkv.shape[1] == D and f.shape == (T, P) and b.shape == (T, H) and g.shape == (T, P)
     assert cu_seqlens.shape[0] == N + 1
     dev = qkv.device
+    if graph_safe is None:
+        graph_safe = workspace is not None or (dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
     qkv, f, b, g = _check_last_contig(qkv, f, b, g)
     conv_w = conv_w.contiguous()
     cu32 = cu_seqlens.to(torch.int32)
-    lens = cu32[1:] - cu32[:-1]
-    seq = torch.repeat_interleave(torch.arange(N, device=dev, dtype=torch.int32), lens.long(), output_size=T)
+    if out is None:
+        out = torch.empty(T, P, dtype=qkv.dtype, device=dev)
+    if T == 0:
+        return out, state, conv
     use_fla = _fla_available(dev)
-    ydtype = torch.bfloat16 if use_fla and qkv.dtype == torch.float32 else qkv.dtype
-    y = torch.empty(3, T, P, dtype=ydtype, device=dev)
+    ws = Workspace(workspace, dev, "kda_prefill")
+    scratch = iter(_prefill_scratch(T, N, H, K, qkv.dtype, use_fla))
+    seq = ws.empty(*next(scratch))
+    y = ws.empty(*next(scratch))
+    _token_seq_kernel[(triton.cdiv(T, 64),)](cu32, seq, T, N, BT=64, BNS=64, num_warps=4)
     BT, BD = 32, K
     _conv_prefill_kernel[(triton.cdiv(T, BT), triton.cdiv(D, BD))](
         qkv, conv_w, conv, slots, seq, cu32, y, T, qkv.stride(0), D=D, P=P, BT=BT, BD=BD, L2NORM=True, num_warps=4)
@@ -313,23 +418,29 @@ def kda_prefill(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, cu_
     q, k, v = y[0], y[1], y[2]
     if use_fla:
         from fla.ops.kda import chunk_kda
-        slots_l = slots.long()
-        h0 = state.index_select(0, slots_l)                           # [N, H, V, K] (state_v_first layout)
-        fa = f if f.dtype == q.dtype else f.to(q.dtype)
-        ba = b if b.dtype == q.dtype else b.to(q.dtype)
+        h0 = ws.empty(*next(scratch))                                 # [N, H, V, K] (state_v_first layout)
+        _copy_rows(state, h0, slots, gather=True)
+        cu64 = ws.empty(*next(scratch))
+        cu64.copy_(cu32)
+        if y.dtype != qkv.dtype:
+            fa = ws.empty(*next(scratch))
+            fa.copy_(f)
+            ba = ws.empty(*next(scratch))
+            ba.copy_(b)
+        else:
+            fa = f if f.dtype == q.dtype else f.to(q.dtype)
+            ba = b if b.dtype == q.dtype else b.to(q.dtype)
         o, ht = chunk_kda(
             q.view(1, T, H, K), k.view(1, T, H, K), v.view(1, T, H, K), fa.view(1, T, H, K), ba.view(1, T, H),
             scale=K ** -0.5, initial_state=h0, output_final_state=True,
             use_qk_l2norm_in_kernel=False, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
             A_log=A_log, dt_bias=dt_bias, safe_gate=True, lower_bound=lower_bound,
-            state_v_first=True, cu_seqlens=cu_seqlens.long())
-        state.index_copy_(0, slots_l, ht.to(state.dtype))
+            state_v_first=True, cu_seqlens=cu64, **(dict(use_graph=True, max_num_seqs=N) if graph_safe else {}))
+        _copy_rows(ht if ht.dtype == state.dtype else ht.to(state.dtype), state, slots, gather=False)
         o = o.view(T, H, K)
     else:
         o = _delta_rule_torch(q, k, v, f, b, A_log, dt_bias, state, cu32, slots, H, K, lower_bound)
-    if out is None:
-        out = torch.empty(T, P, dtype=qkv.dtype, device=dev)
-    o = o.contiguous()
+    o = o if o.is_contiguous() else o.contiguous()
     _gated_norm_kernel[(triton.cdiv(T, 16), H)](o, g, o_norm_w, out, T, g.stride(0), out.stride(0), float(norm_eps),
                                                H=H, K=K, BT=16, num_warps=4)
     return out, state, conv

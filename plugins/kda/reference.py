@@ -103,11 +103,11 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk_size: int = 64):
         G = G.cumsum(1)                                              # cumulative log decay [H, n, K]
         n = Q.shape[1]
         D = torch.exp((G[:, :, None, :] - G[:, None, :, :]).clamp(max=0))  # exp(G_i - G_j) for j <= i
-        strict = torch.tril(torch.ones(n, n, dtype=torch.bool), -1)
-        zero = torch.zeros((), dtype=Q.dtype)
-        incl = torch.tril(torch.ones(n, n, dtype=torch.bool))
+        strict = torch.tril(torch.ones(n, n, dtype=torch.bool, device=Q.device), -1)
+        zero = torch.zeros((), dtype=Q.dtype, device=Q.device)
+        incl = torch.tril(torch.ones(n, n, dtype=torch.bool, device=Q.device))
         Lm = torch.where(strict, B[:, :, None] * torch.einsum("hic,hjc,hijc->hij", Kc, Kc, D), zero)
-        eye = torch.eye(n, dtype=Q.dtype).expand(H, n, n)
+        eye = torch.eye(n, dtype=Q.dtype, device=Q.device).expand(H, n, n)
         Tm = torch.linalg.solve_triangular(eye + Lm, torch.diag_embed(B), upper=False, unitriangular=True)
         W = Tm @ (torch.exp(G) * Kc)
         U = Tm @ V
@@ -145,7 +145,7 @@ def kda_prefill(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, cu_
     if any(not 0 <= s < state.shape[0] for s in sl):
         raise ValueError(f"slots {sl} outside the pool [0, {state.shape[0]})")
     state_out, conv_out = state.clone(), conv.clone()
-    out = torch.empty(T, P, dtype=qkv.dtype)
+    out = torch.empty(T, P, dtype=qkv.dtype, device=qkv.device)
     gate = kda_gate(f, A_log, dt_bias, H, lower_bound)
     beta = torch.sigmoid(b.to(acc()))
     rule = delta_rule_chunked if chunked else delta_rule_recurrent

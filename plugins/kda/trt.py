@@ -5,7 +5,10 @@ Contract: docs/DESIGN.md "kimi::KdaPrefill / kimi::KdaDecode". Inputs (act = fp3
 o_norm_w [K] f32, state [S,H,V,K] f32, conv [S,3P,3] act, (Prefill: cu_seqlens [N+1] i32), slots [N] i32``.
 Outputs: ``out [T,P] act``, ``state_out`` (= input 8, same buffer), ``conv_out`` (= input 9, same buffer).
 Fields (ONNX attributes; INT arrives as INT32): num_heads, head_dim, lower_bound (-5.0), norm_eps (1e-5).
-enqueue calls ``plugins.kda.kernels.kda_prefill`` / ``kda_decode`` (same argument order as the reference).
+enqueue calls ``plugins.kda.kernels.kda_prefill`` (``graph_safe=True``: fla ``chunk_kda(use_graph=True)``) /
+``kda_decode`` (same argument order as the reference) with ``workspace=`` carved from TensorRT's workspace, whose
+size is the ops' workspace rule (``kda_prefill_workspace_bytes`` / ``kda_decode_workspace_bytes`` on the profile's
+max dims). ``kimi::KdaDecode`` also has an ahead-of-time form: plugins/kda/trt_aot.py.
 
 The pure parts (:data:`KDA_PREFILL`, :data:`KDA_DECODE`) import without TensorRT. ``KdaPrefillPlugin``,
 ``KdaPrefillPluginCreator``, ``KdaDecodePlugin``, ``KdaDecodePluginCreator`` are built on first access with full
@@ -14,7 +17,7 @@ TensorRT (``import tensorrt``); accessing them without TensorRT raises ImportErr
 
 from __future__ import annotations
 
-from plugins.trt_common import ACT, F32, I32, AttrSpec, In, Like, OpSpec, make_plugin_classes
+from plugins.trt_common import ACT, F32, I32, AttrSpec, In, Like, OpSpec, make_plugin_classes, torch_dtype
 
 _ATTRS = (AttrSpec("num_heads", "int"), AttrSpec("head_dim", "int"),
           AttrSpec("lower_bound", "float", -5.0), AttrSpec("norm_eps", "float", 1e-5))
@@ -28,10 +31,27 @@ def _shape_rule(attrs):
     return [(In(0, 0), int(attrs["num_heads"]) * int(attrs["head_dim"])), Like(8), Like(9)]
 
 
+def _prefill_workspace(attrs, shapes, dtypes):
+    # qkv [T, 3P], slots [N]; the act dtype sets the conv-output dtype (bf16 for fla when act is fp32)
+    from plugins.kda import kernels
+
+    return kernels.kda_prefill_workspace_bytes(shapes[0][0], shapes[11][0], int(attrs["num_heads"]),
+                                               int(attrs["head_dim"]), act_dtype=torch_dtype(dtypes[0]))
+
+
+def _decode_workspace(attrs, shapes, dtypes):
+    # B = qkv rows; bound over the default kernel choice for every batch <= B (0 when no split scratch is needed)
+    from plugins.kda import kernels
+
+    fn = getattr(kernels, "kda_decode_workspace_bytes", None)
+    return 0 if fn is None else fn(shapes[0][0], int(attrs["num_heads"]), int(attrs["head_dim"]))
+
+
 KDA_PREFILL = OpSpec("KdaPrefill", _COMMON_IN + (("cu_seqlens", I32), ("slots", I32)), _OUT, _ATTRS,
-                     _shape_rule, "plugins.kda.kernels:kda_prefill")
+                     _shape_rule, "plugins.kda.kernels:kda_prefill", workspace=_prefill_workspace,
+                     kernel_options=(("graph_safe", True),))
 KDA_DECODE = OpSpec("KdaDecode", _COMMON_IN + (("slots", I32),), _OUT, _ATTRS,
-                    _shape_rule, "plugins.kda.kernels:kda_decode")
+                    _shape_rule, "plugins.kda.kernels:kda_decode", workspace=_decode_workspace)
 
 _LAZY = {"KdaPrefillPlugin": (KDA_PREFILL, 0), "KdaPrefillPluginCreator": (KDA_PREFILL, 1),
          "KdaDecodePlugin": (KDA_DECODE, 0), "KdaDecodePluginCreator": (KDA_DECODE, 1)}

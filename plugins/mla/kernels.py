@@ -3,19 +3,29 @@
 mla_decode : write the new latent at context_lens[b] (tiny kernel), then absorbed latent attention over the paged
              cache, split-K along the sequence (fixed split count from the cache capacity: no host sync, CUDA-graph
              safe), fp32 online softmax, values = first R=512 latent columns; then a combine kernel (log-sum-exp).
-mla_prefill: write the new latents, then per sequence: gather its latents, up-project with kv_b, torch SDPA
-             (causal with context offset), fp32 softmax inside SDPA.
+mla_prefill: write the new latents, then either (eager default) per sequence: gather its latents, up-project
+             with kv_b, torch SDPA (causal with context offset; reads cu_seqlens on the host), or (graph_safe=True,
+             what the TensorRT plugin runs) the absorbed form: q_nope through W_UK (Triton GEMM), the paged
+             decode kernel generalized to several query tokens per sequence (rows = tokens x heads, per-row
+             causal limit, (sequence, tile) of each program found on the device in a fixed grid
+             cdiv(T*H, BM) + N), W_UV after (Triton GEMM): no host reads, scratch from the workspace.
+
+Workspace convention (plugins/workspace.py): `workspace=` uint8 scratch, sizes from `mla_decode_workspace_bytes`
+and `mla_prefill_workspace_bytes`.
 
 Same signatures as plugins.mla.reference; the cache is updated in place and returned.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from plugins.workspace import WORKSPACE_ALIGN, Workspace, plan_bytes
 
 
 @triton.jit
@@ -133,15 +143,62 @@ def _launch_cfg(B, H, capacity, device, BN, BH=None, programs_per_sm=8):
     """Split-K along the sequence: enough (head group, split, sequence) programs for `programs_per_sm` per SM
     (several resident CTAs per SM and a short tail), each split at least 256 tokens. Fixed from the cache
     capacity (no host sync; CUDA-graph safe)."""
-    if BH is None:
-        # H200 run 3 (benchmarks/RESULTS.md): at 96 heads BH=64 took 2591 us vs 4248 (BH=32) at B=64, L=32768
-        BH = 16 if H <= 16 else 64
+    BH = _block_h(H, BH)
     ngroups = triton.cdiv(H, BH)
     target = programs_per_sm * _num_sms(device)
     nsplit = max(1, min(triton.cdiv(target, B * ngroups), triton.cdiv(capacity, 256)))
-    tok = triton.cdiv(triton.cdiv(capacity, nsplit), BN) * BN
-    nsplit = triton.cdiv(capacity, tok)
+    nsplit, tok = _split_tokens(capacity, nsplit, BN)
     return BH, ngroups, nsplit, tok
+
+
+def _block_h(H, BH=None):
+    # H200 run 3 (benchmarks/RESULTS.md): at 96 heads BH=64 took 2591 us vs 4248 (BH=32) at B=64, L=32768
+    return BH if BH is not None else (16 if H <= 16 else 64)
+
+
+def _split_tokens(capacity, nsplit, BN):
+    """(splits, tokens per split): tokens a multiple of BN, splits = what is needed to cover `capacity`."""
+    tok = triton.cdiv(triton.cdiv(capacity, max(1, nsplit)), BN) * BN
+    return triton.cdiv(capacity, tok), tok
+
+
+def _decode_block_n(BS, block_n=None):
+    # a tile never straddles two paged blocks: BN is a power of two dividing BS
+    return min(block_n or 32, _pow2_divisor(BS))
+
+
+def _default_device():
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def mla_decode_workspace_bytes(batch: int, num_heads: int, kv_lora_rank: int, max_blocks: int, block_size: int, *,
+                               device=None, num_splits: int | None = None, block_h: int | None = None,
+                               block_n: int | None = None, programs_per_sm: int = 8) -> int:
+    """Workspace bytes of :func:`mla_decode` (split partials `po [B*H*S, R]` fp32, `plse [B*H*S]` fp32) for every
+    batch <= `batch` and block-table width <= `max_blocks` (the split count S shrinks as B grows, so the bound is
+    the max over B' <= batch). device: where the kernel runs (its SM count sets S; default: CUDA if present)."""
+    dev = torch.device(device) if device is not None else _default_device()
+    return _decode_ws_bytes(int(batch), int(num_heads), int(kv_lora_rank), int(max_blocks), int(block_size),
+                            _num_sms(dev), num_splits, block_h, block_n, programs_per_sm)
+
+
+@functools.lru_cache(maxsize=256)   # evaluated by every TensorRT enqueue: cache the O(batch) bound
+def _decode_ws_bytes(batch, num_heads, kv_lora_rank, max_blocks, block_size, num_sms, num_splits, block_h, block_n,
+                     programs_per_sm) -> int:
+    capacity = max_blocks * block_size
+    if batch <= 0 or capacity <= 0:
+        return 0
+    BN = _decode_block_n(block_size, block_n)
+    rows = 0
+    if num_splits is not None:
+        rows = batch * num_heads * _split_tokens(capacity, num_splits, BN)[0]
+    else:
+        ngroups = triton.cdiv(num_heads, _block_h(num_heads, block_h))
+        target = programs_per_sm * num_sms
+        cap_splits = triton.cdiv(capacity, 256)
+        for b in range(1, int(batch) + 1):   # nsplit(b) <= this bound, which is monotone in the capacity
+            rows = max(rows, b * num_heads * max(1, min(triton.cdiv(target, b * ngroups), cap_splits)))
+    return plan_bytes([((rows, kv_lora_rank), torch.float32), ((rows,), torch.float32)])
 
 
 def _pow2_divisor(n: int) -> int:
@@ -150,9 +207,14 @@ def _pow2_divisor(n: int) -> int:
 
 def mla_decode(q_abs, latent, cache, block_tables, context_lens, *, num_heads: int, kv_lora_rank: int, scale: float,
                out=None, num_splits: int | None = None, block_h: int | None = None, block_n: int | None = None,
-               num_stages: int | None = None, num_warps: int | None = None, programs_per_sm: int = 8):
+               num_stages: int | None = None, num_warps: int | None = None, programs_per_sm: int = 8,
+               workspace: torch.Tensor | None = None):
     """MlaDecode: writes latent[b] at context_lens[b], attends over context_lens[b]+1 latents.
-    Returns (out_latent [B, H, R] in q_abs dtype, cache)."""
+    Returns (out_latent [B, H, R] in q_abs dtype, cache).
+
+    workspace: optional uint8 scratch (size: :func:`mla_decode_workspace_bytes`); the split partials are carved
+    from it (with a smaller workspace the split count is reduced to fit). Inputs already contiguous, in the cache
+    dtype and with int32 metadata (what the TensorRT plugin hands over) are used without copies."""
     B, H, DL = q_abs.shape
     R = kv_lora_rank
     DR = DL - R
@@ -173,23 +235,239 @@ def mla_decode(q_abs, latent, cache, block_tables, context_lens, *, num_heads: i
     _write_latent_kernel[(B,)](latent, cache, bt, ctx, latent.stride(0), bt.stride(0),
                                BS=BS, DL=DL, BDL=triton.next_power_of_2(DL), num_warps=4)
     capacity = bt.shape[1] * BS
-    # a tile never straddles two paged blocks: BN is a power of two dividing BS
-    BN = min(block_n or 32, _pow2_divisor(BS))
+    BN = _decode_block_n(BS, block_n)
     if BN < 16 and dev.type == "cuda":
         raise ValueError(f"cache block_size = {BS}: the GPU decode kernel needs blocks of a multiple of 16 tokens "
                          "(tl.dot tiles); allocate the latent pool with block_size 16, 32 or 64")
     BH, ngroups, nsplit, tok = _launch_cfg(B, H, capacity, dev, BN, block_h, programs_per_sm)
     if num_splits is not None:
-        nsplit = num_splits
-        tok = triton.cdiv(triton.cdiv(capacity, nsplit), BN) * BN
-    po = torch.empty(B * H * nsplit, R, dtype=torch.float32, device=dev)
-    plse = torch.empty(B * H * nsplit, dtype=torch.float32, device=dev)
+        nsplit, tok = _split_tokens(capacity, num_splits, BN)
+    ws = Workspace(workspace, dev, "mla_decode")
+    if not ws.fits([((B * H * nsplit, R), torch.float32), ((B * H * nsplit,), torch.float32)]):
+        # a workspace sized for another device (SM count) or knobs: fewer, longer splits
+        fit = (ws.remaining() - WORKSPACE_ALIGN) // ((R + 1) * 4 * B * H)
+        nsplit, tok = _split_tokens(capacity, max(1, fit), BN)
+    po = ws.empty((B * H * nsplit, R), torch.float32)
+    plse = ws.empty((B * H * nsplit,), torch.float32)
     _mla_split_kernel[(ngroups, nsplit, B)](
         q_abs, cache, bt, ctx, po, plse, q_abs.stride(0), q_abs.stride(1), bt.stride(0), float(scale),
         H, nsplit, tok, BS=BS, R=R, DR=DR, BH=BH, BN=BN,
         num_warps=num_warps or (4 if BH <= 16 else 8), num_stages=num_stages or 3)
     _mla_combine_kernel[(B, H)](po, plse, out, H, nsplit, out.stride(0), out.stride(1),
                                 R=R, BSPLIT=min(16, max(2, triton.next_power_of_2(nsplit))), num_warps=4)
+    return out, cache
+
+
+# ------------------------------------------------------------------------------------------ prefill, graph-safe path
+@triton.jit
+def _seq_of_token(cu_ptr, N, t, BNS: tl.constexpr):
+    """Sequence index of packed token t: the number of n in 1..N with cu_seqlens[n] <= t (chunked; no host)."""
+    cnt = tl.full((), 0, tl.int32)
+    for s0 in range(0, N, BNS):
+        idx = s0 + tl.arange(0, BNS)
+        c = tl.load(cu_ptr + 1 + idx, mask=idx < N, other=2147483647)
+        cnt += tl.sum((c <= t).to(tl.int32), axis=0)
+    return cnt
+
+
+@triton.jit
+def _find_row_tile(cu_ptr, N, H, pid, BM: tl.constexpr, BNS: tl.constexpr):
+    """(sequence, row tile) of program `pid` when sequence n owns cdiv(len_n * H, BM) consecutive programs;
+    sequence -1 for programs past the last tile (the grid is the upper bound cdiv(T*H, BM) + N)."""
+    seq = tl.full((), -1, tl.int32)
+    tile = tl.full((), 0, tl.int32)
+    base = tl.full((), 0, tl.int32)
+    for s0 in range(0, N, BNS):
+        idx = s0 + tl.arange(0, BNS)
+        m = idx < N
+        a = tl.load(cu_ptr + idx, mask=m, other=0)
+        b = tl.load(cu_ptr + idx + 1, mask=m, other=0)
+        nt = tl.where(m, ((b - a) * H + BM - 1) // BM, 0)
+        end = tl.cumsum(nt, axis=0) + base
+        start = end - nt
+        hit = m & (start <= pid) & (pid < end)
+        seq = tl.maximum(seq, tl.max(tl.where(hit, idx, -1), axis=0))
+        tile += tl.sum(tl.where(hit, pid - start, 0), axis=0)
+        base += tl.sum(nt, axis=0)
+    return seq, tile
+
+
+@triton.jit
+def _write_latents_varlen_kernel(lat_ptr, cache_ptr, bt_ptr, cu_ptr, ctx_ptr, N, stride_lat, stride_bt,
+                                 BS: tl.constexpr, DL: tl.constexpr, BDL: tl.constexpr, BNS: tl.constexpr):
+    """grid (T,): latent row t -> cache position context_lens[n] + (t - cu_seqlens[n]) of its sequence n."""
+    t = tl.program_id(0)
+    n = _seq_of_token(cu_ptr, N, t, BNS)
+    pos = tl.load(ctx_ptr + n) + t - tl.load(cu_ptr + n)
+    blk = tl.load(bt_ptr + n.to(tl.int64) * stride_bt + pos // BS).to(tl.int64)
+    d = tl.arange(0, BDL)
+    x = tl.load(lat_ptr + t.to(tl.int64) * stride_lat + d, mask=d < DL)
+    tl.store(cache_ptr + (blk * BS + pos % BS) * DL + d, x.to(cache_ptr.dtype.element_ty), mask=d < DL)
+
+
+@triton.jit
+def _mla_absorb_q_kernel(q_ptr, w_ptr, qa_ptr, T, H, stride_qt, stride_qh, stride_w,
+                         DN: tl.constexpr, BDN: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, DR: tl.constexpr,
+                         BT: tl.constexpr, BR: tl.constexpr):
+    """grid (cdiv(T, BT), H, R // BR): qa[t, h, r] = sum_d q_nope[t, h, d] W_UK_h[d, r] (W_UK_h = kv_b rows
+    h*(DN+DV) .. h*(DN+DV)+DN-1), fp32 accumulation; the r-tile-0 programs also copy q_pe to qa[t, h, R:]."""
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1)
+    pid_r = tl.program_id(2)
+    tt = pid_t * BT + tl.arange(0, BT)
+    tm = tt < T
+    dn = tl.arange(0, BDN)
+    dm = dn < DN
+    rr = pid_r * BR + tl.arange(0, BR)
+    q_rows = q_ptr + tt[:, None].to(tl.int64) * stride_qt + h * stride_qh
+    qn = tl.load(q_rows + dn[None, :], mask=tm[:, None] & dm[None, :], other=0.0)            # [BT, BDN]
+    w = tl.load(w_ptr + (h * (DN + DV) + dn)[:, None].to(tl.int64) * stride_w + rr[None, :],
+                mask=dm[:, None], other=0.0)                                                  # [BDN, BR]
+    acc = tl.dot(qn.to(w.dtype), w)                                                           # [BT, BR] fp32
+    qa_rows = qa_ptr + (tt[:, None].to(tl.int64) * H + h) * (R + DR)
+    tl.store(qa_rows + rr[None, :], acc.to(qa_ptr.dtype.element_ty), mask=tm[:, None])
+    if pid_r == 0:
+        dp = tl.arange(0, DR)
+        qp = tl.load(q_rows + DN + dp[None, :], mask=tm[:, None], other=0.0)
+        tl.store(qa_rows + R + dp[None, :], qp.to(qa_ptr.dtype.element_ty), mask=tm[:, None])
+
+
+@triton.jit
+def _mla_prefill_attn_kernel(
+    qa_ptr, cache_ptr, bt_ptr, cu_ptr, ctx_ptr, ol_ptr, N, H, stride_bt, sm_scale,
+    BS: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BNS: tl.constexpr,
+):
+    """grid (cdiv(T*H, BM) + N,). The absorbed paged kernel of mla_decode generalized to several query tokens:
+    one program = BM consecutive query rows (token-major, head-minor: row = t*H + h) of ONE sequence n; row r of
+    token t sees cached latents 0 .. context_lens[n] + (t - cu_seqlens[n]) (its causal limit). Each [BN, 576]
+    latent tile lies inside one paged block (BN divides BS) and is read once for all BM rows; fp32 online softmax
+    (base 2); values = first R latent columns; out_latent[r] = softmax-weighted sum (act dtype)."""
+    pid = tl.program_id(0)
+    n, tile = _find_row_tile(cu_ptr, N, H, pid, BM, BNS)
+    if n < 0:
+        return
+    t0 = tl.load(cu_ptr + n)
+    t1 = tl.load(cu_ptr + n + 1)
+    ctx = tl.load(ctx_ptr + n)
+    row0 = t0 * H + tile * BM
+    rows = row0 + tl.arange(0, BM)
+    rmask = rows < t1 * H
+    lim = tl.where(rmask, ctx + rows // H - t0 + 1, 1)                                       # keys < lim visible
+    kv_end = ctx + (tl.minimum(row0 + BM, t1 * H) - 1) // H - t0 + 1
+    dr = tl.arange(0, R)
+    dp = tl.arange(0, DR)
+    rn = tl.arange(0, BN)
+    DL: tl.constexpr = R + DR
+    q_base = qa_ptr + rows[:, None].to(tl.int64) * DL
+    qn = tl.load(q_base + dr[None, :], mask=rmask[:, None], other=0.0)                        # [BM, R]
+    qp = tl.load(q_base + R + dp[None, :], mask=rmask[:, None], other=0.0)                    # [BM, DR]
+    m_i = tl.zeros([BM], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, R], dtype=tl.float32)
+    qscale = sm_scale * 1.4426950408889634
+    bt_row = bt_ptr + n.to(tl.int64) * stride_bt
+    last = kv_end - 1
+    # block id of the next tile loaded one iteration ahead (as in _mla_split_kernel: lets the pipeliner stage tiles)
+    blk_next = tl.load(bt_row).to(tl.int64)
+    for n0 in range(0, kv_end, BN):
+        blk = blk_next
+        blk_next = tl.load(bt_row + tl.minimum(n0 + BN, last) // BS).to(tl.int64)
+        tok = n0 + rn
+        tmask = tok < kv_end
+        tile_ptr = cache_ptr + (blk * BS + n0 % BS) * DL + rn[:, None] * DL
+        kn = tl.load(tile_ptr + dr[None, :], mask=tmask[:, None], other=0.0)                  # [BN, R]
+        kp = tl.load(tile_ptr + R + dp[None, :], mask=tmask[:, None], other=0.0)              # [BN, DR]
+        s = tl.dot(qn, tl.trans(kn)) + tl.dot(qp, tl.trans(kp))                              # [BM, BN] fp32
+        s = s * qscale
+        s = tl.where(tok[None, :] < lim[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kn.dtype), kn)
+        m_i = m_new
+    o = acc / l_i[:, None]
+    tl.store(ol_ptr + rows[:, None].to(tl.int64) * R + dr[None, :], o.to(ol_ptr.dtype.element_ty),
+             mask=rmask[:, None])
+
+
+@triton.jit
+def _mla_up_kernel(ol_ptr, w_ptr, out_ptr, T, H, stride_w, stride_out,
+                   DN: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                   BD: tl.constexpr):
+    """grid (cdiv(T, BT), H, cdiv(DV, BD)): out[t, h*DV + d] = sum_r out_latent[t, h, r] W_UV_h[d, r]
+    (W_UV_h = kv_b rows h*(DN+DV)+DN ..), fp32 accumulation."""
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1)
+    pid_d = tl.program_id(2)
+    tt = pid_t * BT + tl.arange(0, BT)
+    tm = tt < T
+    dd = pid_d * BD + tl.arange(0, BD)
+    dm = dd < DV
+    acc = tl.zeros([BT, BD], dtype=tl.float32)
+    w_rows = w_ptr + (h * (DN + DV) + DN + dd)[None, :].to(tl.int64) * stride_w
+    for k0 in range(0, R, BK):
+        kk = k0 + tl.arange(0, BK)
+        ol = tl.load(ol_ptr + (tt[:, None].to(tl.int64) * H + h) * R + kk[None, :], mask=tm[:, None], other=0.0)
+        w = tl.load(w_rows + kk[:, None], mask=dm[None, :], other=0.0)                      # [BK, BD] = W_UV^T
+        acc += tl.dot(ol.to(w.dtype), w)
+    tl.store(out_ptr + tt[:, None].to(tl.int64) * stride_out + h * DV + dd[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=tm[:, None] & dm[None, :])
+
+
+def _capturing(device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def mla_prefill_workspace_bytes(num_tokens: int, num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int, *,
+                                dtype: torch.dtype = torch.bfloat16) -> int:
+    """Workspace bytes of the graph-safe :func:`mla_prefill` path for up to `num_tokens` packed tokens: absorbed
+    queries `[T*H, R+Dr]` and latent outputs `[T*H, R]`, both in the cache dtype `dtype`."""
+    rows = int(num_tokens) * int(num_heads)
+    if rows <= 0:
+        return 0
+    return plan_bytes([((rows, kv_lora_rank + qk_rope_head_dim), dtype), ((rows, kv_lora_rank), dtype)])
+
+
+def _mla_prefill_graph_safe(q, latent, kv_b, cache, bt, cu, ctx, out, H, Dn, Dv, R, scale, workspace,
+                            block_m, block_n, num_warps, num_stages):
+    T = q.shape[0]
+    N = ctx.shape[0]
+    NB, BS, DL = cache.shape
+    DR = DL - R
+    dev = q.device
+    gpu = dev.type == "cuda"
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    latent = latent if latent.stride(-1) == 1 else latent.contiguous()
+    kv_b = kv_b if kv_b.stride(-1) == 1 else kv_b.contiguous()
+    if T == 0:
+        return out, cache
+    BNS = 64
+    _write_latents_varlen_kernel[(T,)](latent, cache, bt, cu, ctx, N, latent.stride(0), bt.stride(0),
+                                       BS=BS, DL=DL, BDL=triton.next_power_of_2(DL), BNS=BNS, num_warps=4)
+    ws = Workspace(workspace, dev, "mla_prefill")
+    qa = ws.empty((T * H, DL), cache.dtype)
+    ol = ws.empty((T * H, R), cache.dtype)
+    BT = 64 if gpu else 16
+    BR = min(R, 128 if gpu else 64)
+    _mla_absorb_q_kernel[(triton.cdiv(T, BT), H, R // BR)](
+        q, kv_b, qa, T, H, q.stride(0), q.stride(1), kv_b.stride(0),
+        DN=Dn, BDN=max(16, triton.next_power_of_2(Dn)), DV=Dv, R=R, DR=DR, BT=BT, BR=BR,
+        num_warps=8 if gpu else 4)   # sm_90: no spills at 8 warps (4 warps spill at BR=128)
+    # sm_90 (ptxas -v, R=512, BN=32): BM=32 with 8 warps has no register spills, BM=64 spills ~860 bytes
+    BM = block_m or (32 if gpu else 16)
+    BN = min(block_n or 32, _pow2_divisor(BS))
+    if BN < 16 and gpu:
+        raise ValueError(f"cache block_size = {BS}: the GPU prefill kernel needs blocks of a multiple of 16 tokens")
+    _mla_prefill_attn_kernel[(triton.cdiv(T * H, BM) + N,)](
+        qa, cache, bt, cu, ctx, ol, N, H, bt.stride(0), float(scale),
+        BS=BS, R=R, DR=DR, BM=BM, BN=BN, BNS=BNS,
+        num_warps=num_warps or (8 if gpu else 4), num_stages=num_stages or 2)
+    BD = min(64, max(16, triton.next_power_of_2(Dv)))
+    _mla_up_kernel[(triton.cdiv(T, BT), H, triton.cdiv(Dv, BD))](
+        ol, kv_b, out, T, H, kv_b.stride(0), out.stride(0),
+        DN=Dn, DV=Dv, R=R, BT=BT, BK=min(R, 64), BD=BD, num_warps=4)
     return out, cache
 
 
@@ -207,16 +485,34 @@ def _write_latents_prefill(latent, cache, block_tables, cu_seqlens, context_lens
 
 
 def mla_prefill(q, latent, kv_b, cache, block_tables, cu_seqlens, context_lens, *, num_heads: int,
-                qk_nope_head_dim: int, v_head_dim: int, kv_lora_rank: int, scale: float):
-    """MlaPrefill: writes the new latents, then causal unabsorbed attention over context + new tokens.
-    Returns (out [T, H*Dv] in q dtype, cache)."""
+                qk_nope_head_dim: int, v_head_dim: int, kv_lora_rank: int, scale: float, out=None,
+                graph_safe: bool | None = None, workspace: torch.Tensor | None = None, block_m: int | None = None,
+                block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None):
+    """MlaPrefill: writes the new latents, then causal attention over context + new tokens.
+    Returns (out [T, H*Dv] in q dtype, cache).
+
+    graph_safe=False: per sequence, gather + up-project the latents, torch SDPA (reads cu_seqlens/context_lens on
+    the host). graph_safe=True: absorbed Triton path (q_nope through W_UK, paged attention over the latents,
+    W_UV after), four launches with fixed grids, no host reads, scratch from `workspace` (size:
+    :func:`mla_prefill_workspace_bytes`). Default: graph-safe when a workspace is given or the stream is being
+    captured, else SDPA. The TensorRT plugin passes graph_safe=True."""
     T, H, Dqk = q.shape
     Dn, Dv, R = qk_nope_head_dim, v_head_dim, kv_lora_rank
     NB, BS, DL = cache.shape
+    assert H == num_heads and DL > R and cache.is_contiguous()
+    if graph_safe is None:
+        graph_safe = workspace is not None or _capturing(q.device)
+    if out is None:
+        out = torch.empty(T, H * Dv, dtype=q.dtype, device=q.device)
+    if graph_safe:
+        bt = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
+        cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+        ctx = context_lens if context_lens.dtype == torch.int32 else context_lens.to(torch.int32)
+        return _mla_prefill_graph_safe(q, latent, kv_b, cache, bt, cu, ctx, out, H, Dn, Dv, R, scale, workspace,
+                                       block_m, block_n, num_warps, num_stages)
     _write_latents_prefill(latent, cache, block_tables, cu_seqlens, context_lens)
     cu = [int(x) for x in cu_seqlens.tolist()]
     ctxl = [int(x) for x in context_lens.tolist()]
-    out = torch.empty(T, H * Dv, dtype=q.dtype, device=q.device)
     cdt = torch.bfloat16 if q.device.type == "cuda" else torch.float32
     wkv = kv_b.to(cdt).view(H, Dn + Dv, R)
     flat = cache.view(NB * BS, DL)

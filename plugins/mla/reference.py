@@ -32,7 +32,7 @@ from plugins.kda.reference import check_cu_seqlens
 
 def _positions(block_tables: torch.Tensor, block_size: int, n: int, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(block ids, offsets) of positions start..start+count-1 of sequence n. Raises ValueError past the table."""
-    pos = torch.arange(start, start + count)
+    pos = torch.arange(start, start + count, device=block_tables.device)
     if start + count > block_tables.shape[1] * block_size:
         raise ValueError(f"sequence {n}: position {start + count - 1} is past its block table "
                          f"({block_tables.shape[1]} blocks of {block_size})")
@@ -65,7 +65,7 @@ def mla_prefill(q, latent, kv_b, cache, block_tables, cu_seqlens, context_lens, 
     cache = paged_write(cache, latent, block_tables, cu_seqlens, context_lens)
     lens = check_cu_seqlens(cu_seqlens, q.shape[0])
     wkv = kv_b.to(acc()).view(H, Dn + Dv, R)
-    out = torch.empty(q.shape[0], H * Dv, dtype=q.dtype)
+    out = torch.empty(q.shape[0], H * Dv, dtype=q.dtype, device=q.device)
     start = 0
     for n, L in enumerate(lens):
         ctx = int(context_lens[n])
@@ -75,8 +75,8 @@ def mla_prefill(q, latent, kv_b, cache, block_tables, cu_seqlens, context_lens, 
         v = kv[..., Dn:]
         qs = q[start:start + L].to(acc()).transpose(0, 1)                          # [H, L, Dn+Dr]
         s = (qs @ k.transpose(1, 2)) * scale                                     # [H, L, Lk]
-        qpos = torch.arange(ctx, ctx + L)[:, None]
-        s = s.masked_fill(torch.arange(ctx + L)[None, :] > qpos, float("-inf"))
+        qpos = torch.arange(ctx, ctx + L, device=s.device)[:, None]
+        s = s.masked_fill(torch.arange(ctx + L, device=s.device)[None, :] > qpos, float("-inf"))
         o = torch.softmax(s, -1) @ v                                             # [H, L, Dv]
         out[start:start + L] = o.transpose(0, 1).reshape(L, H * Dv).to(q.dtype)
         start += L
@@ -90,7 +90,7 @@ def mla_decode(q_abs, latent, cache, block_tables, context_lens, *, num_heads: i
     cu = torch.arange(B + 1, dtype=torch.int32)
     cache = paged_write(cache, latent, block_tables, cu, context_lens)
     R = kv_lora_rank
-    out = torch.empty(B, num_heads, R, dtype=q_abs.dtype)
+    out = torch.empty(B, num_heads, R, dtype=q_abs.dtype, device=q_abs.device)
     for n in range(B):
         lat = gather_latents(cache, block_tables, n, int(context_lens[n]) + 1).to(acc())   # [Lk, R+Dr]
         p = torch.softmax((q_abs[n].to(acc()) @ lat.t()) * scale, -1)                       # [H, Lk]

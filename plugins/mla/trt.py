@@ -8,14 +8,33 @@ Contract: docs/DESIGN.md. act = fp32/bf16/fp16 (one dtype per node; the latent p
 * MlaDecode inputs ``q_abs [B,H,576], latent [B,576], cache, block_tables [B,MB] i32, context_lens [B] i32``; outputs
   ``out_latent [B,H,R] act`` (R = kv_lora_rank), ``cache_out`` (= input 2). Fields: num_heads, kv_lora_rank, scale.
 
-enqueue calls ``plugins.mla.kernels.mla_prefill`` / ``mla_decode``. Plugin/creator classes (``MlaPrefillPlugin``,
-``MlaPrefillPluginCreator``, ``MlaDecodePlugin``, ``MlaDecodePluginCreator``) are built on first access with full
-TensorRT; the specs import without it.
+enqueue calls ``plugins.mla.kernels.mla_prefill`` (``graph_safe=True``: the absorbed Triton path, no host reads) /
+``mla_decode`` with ``workspace=`` carved from TensorRT's workspace (sizes: ``mla_prefill_workspace_bytes`` /
+``mla_decode_workspace_bytes`` on the profile's max dims). Both stay JIT Python plugins (several launches each).
+Plugin/creator classes (``MlaPrefillPlugin``, ``MlaPrefillPluginCreator``, ``MlaDecodePlugin``,
+``MlaDecodePluginCreator``) are built on first access with full TensorRT; the specs import without it.
 """
 
 from __future__ import annotations
 
-from plugins.trt_common import ACT, I32, AttrSpec, In, Like, OpSpec, make_plugin_classes
+from plugins.trt_common import ACT, I32, AttrSpec, In, Like, OpSpec, make_plugin_classes, torch_dtype
+
+def _prefill_workspace(attrs, shapes, dtypes):
+    # q [T, H, Dn+Dr], cache [NB, BS, R+Dr] (act dtype)
+    from plugins.mla import kernels
+
+    R = int(attrs["kv_lora_rank"])
+    return kernels.mla_prefill_workspace_bytes(shapes[0][0], int(attrs["num_heads"]), R, shapes[3][2] - R,
+                                               dtype=torch_dtype(dtypes[3]))
+
+
+def _decode_workspace(attrs, shapes, dtypes):
+    # q_abs [B, H, 576], cache [NB, BS, 576], block_tables [B, MB]
+    from plugins.mla import kernels
+
+    return kernels.mla_decode_workspace_bytes(shapes[0][0], int(attrs["num_heads"]), int(attrs["kv_lora_rank"]),
+                                              shapes[3][1], shapes[2][1])
+
 
 MLA_PREFILL = OpSpec(
     "MlaPrefill",
@@ -26,6 +45,8 @@ MLA_PREFILL = OpSpec(
      AttrSpec("kv_lora_rank", "int"), AttrSpec("scale", "float")),
     lambda a: [(In(0, 0), int(a["num_heads"]) * int(a["v_head_dim"])), Like(3)],
     "plugins.mla.kernels:mla_prefill",
+    workspace=_prefill_workspace,
+    kernel_options=(("graph_safe", True),),
 )
 MLA_DECODE = OpSpec(
     "MlaDecode",
@@ -34,6 +55,7 @@ MLA_DECODE = OpSpec(
     (AttrSpec("num_heads", "int"), AttrSpec("kv_lora_rank", "int"), AttrSpec("scale", "float")),
     lambda a: [(In(0, 0), In(0, 1), int(a["kv_lora_rank"])), Like(2)],
     "plugins.mla.kernels:mla_decode",
+    workspace=_decode_workspace,
 )
 
 _LAZY = {"MlaPrefillPlugin": (MLA_PREFILL, 0), "MlaPrefillPluginCreator": (MLA_PREFILL, 1),

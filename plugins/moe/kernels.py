@@ -1,12 +1,14 @@
 """MXFP4 routed-expert MoE Triton kernels (GPU; CPU tensors under TRITON_INTERPRET=1). MODEL.md §7.2, §8.3.
 
-mxfp4_moe: tokens' (token, expert) pairs are sorted by local expert in torch (no host sync), then
+mxfp4_moe: tokens' (token, expert) pairs are sorted by local expert (one Triton counting-sort launch, grid E+1:
+  stable, fixed shapes, no host sync), then
   kernel 1: per (expert, I-tile) grouped GEMM x·W13ᵀ with the MXFP4 weights dequantized in registers
             (E2M1 bits placed into bf16 by integer ops, scaled by the E8M0 factor with one bf16x2 multiply per
             two weights through inline PTX on the GPU; plain Triton arithmetic in the interpreter), gate and up
             tiles of the same columns in one program, SiTU fused in fp32, h written in bf16;
   kernel 2: per (expert, Rl-tile) h·W2ᵀ the same way, times the pair's routing weight, written per pair;
-  combine: fp32 sum over the k choices (deterministic; non-local choices contribute 0).
+  combine: fp32 sum over the k choices (one Triton launch; deterministic; non-local choices contribute 0).
+  Scratch (sort buffers, h, per-pair outputs) comes from `workspace=` when given (plugins/workspace.py).
 route: the fp32 router (sigmoid, + correction bias for selection only, optional group stage, top-k, renormalize,
   scale) in torch.
 Hopper has no FP4 MMA: the MMAs are bf16 with fp32 accumulation.
@@ -18,6 +20,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from plugins.workspace import Workspace, plan_bytes
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -281,17 +285,82 @@ def _moe_w2_ds_kernel(
         tl.store(y_ptr + pair[None, :] * stride_y + nn[:, None], acc * wt[None, :], mask=mmask[None, :] & nmask[:, None])
 
 
-def _sort_pairs(topk_ids, E, expert_offset):
+@triton.jit
+def _moe_sort_kernel(ids_ptr, order_ptr, tok_ptr, offs_ptr, M, E, expert_offset,
+                     K: tl.constexpr, BLOCK: tl.constexpr):
+    """grid (E + 1,): counting sort of the M = T*K (token, choice) pairs by local expert, stable, deterministic,
+    fixed shapes, no host sync. Program e writes offs[e] = #pairs with key < e (key = id - expert_offset, or E
+    for a non-local id; offs[E] = #local pairs) and, for e < E, the pair ids (order) and token ids (tok) of its
+    pairs at offs[e] .. in pair order."""
+    e = tl.program_id(0)
+    n_lt = tl.full((), 0, tl.int32)
+    for m0 in range(0, M, BLOCK):
+        mm = m0 + tl.arange(0, BLOCK)
+        mk = mm < M
+        key = tl.load(ids_ptr + mm, mask=mk, other=0) - expert_offset
+        key = tl.where((key >= 0) & (key < E), key, E)
+        n_lt += tl.sum((mk & (key < e)).to(tl.int32), axis=0)
+    tl.store(offs_ptr + e, n_lt)
+    if e < E:
+        run = n_lt
+        for m0 in range(0, M, BLOCK):
+            mm = m0 + tl.arange(0, BLOCK)
+            mk = mm < M
+            key = tl.load(ids_ptr + mm, mask=mk, other=0) - expert_offset
+            hit = mk & (key == e)
+            hi = hit.to(tl.int32)
+            pos = run + tl.cumsum(hi, axis=0) - 1
+            tl.store(order_ptr + pos, mm, mask=hit)
+            tl.store(tok_ptr + pos, mm // K, mask=hit)
+            run += tl.sum(hi, axis=0)
+
+
+@triton.jit
+def _moe_combine_kernel(ypair_ptr, ids_ptr, y_ptr, RL, E, expert_offset, stride_y,
+                        K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
+    """grid (T, cdiv(RL, BR)): y[t] = sum over the token's local choices of ypair[t*K + j] (fp32; the rows of
+    non-local choices are never read, so ypair needs no zeroing)."""
+    t = tl.program_id(0)
+    cc = tl.program_id(1) * BR + tl.arange(0, BR)
+    cm = cc < RL
+    j = tl.arange(0, BK)
+    key = tl.load(ids_ptr + t * K + j, mask=j < K, other=-1) - expert_offset
+    local = (j < K) & (key >= 0) & (key < E)
+    yp = tl.load(ypair_ptr + (t * K + j)[:, None].to(tl.int64) * RL + cc[None, :],
+                 mask=local[:, None] & cm[None, :], other=0.0)
+    tl.store(y_ptr + t.to(tl.int64) * stride_y + cc, tl.sum(yp, axis=0), mask=cm)
+
+
+def _sort_pairs(topk_ids, E, expert_offset, ws):
+    """(order, tok, offs) of the (token, choice) pairs sorted by local expert (see _moe_sort_kernel)."""
     T, k = topk_ids.shape
-    flat = topk_ids.reshape(-1).to(torch.int64) - expert_offset
-    valid = (flat >= 0) & (flat < E)
-    key = torch.where(valid, flat, torch.full_like(flat, E))
-    order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=E + 1)[:E]
-    offs = torch.zeros(E + 1, dtype=torch.int32, device=topk_ids.device)
-    offs[1:] = torch.cumsum(counts, 0).to(torch.int32)
-    tok = (order // k).to(torch.int32)
-    return order.to(torch.int32), tok, offs, valid
+    M = T * k
+    ids = topk_ids if topk_ids.dtype == torch.int32 and topk_ids.is_contiguous() else \
+        topk_ids.to(torch.int32).contiguous()
+    order = ws.empty((M,), torch.int32)
+    tok = ws.empty((M,), torch.int32)
+    offs = ws.empty((E + 1,), torch.int32)
+    _moe_sort_kernel[(E + 1,)](ids, order, tok, offs, M, E, int(expert_offset), K=k, BLOCK=1024, num_warps=4)
+    return order, tok, offs
+
+
+def _h_dtype(device, impl: str = "legacy") -> torch.dtype:
+    # interpreter (CPU): fp32 math (its bf16 dot is unreliable); dot_scaled always writes bf16
+    return torch.bfloat16 if device.type == "cuda" or impl == "dot_scaled" else torch.float32
+
+
+def mxfp4_moe_workspace_bytes(num_tokens: int, top_k: int, num_experts: int, intermediate_size: int,
+                              hidden_size: int, *, device=None, impl: str = "legacy") -> int:
+    """Workspace bytes of :func:`mxfp4_moe` for up to `num_tokens` tokens with `top_k` choices, `num_experts`
+    local experts, intermediate size I and latent size Rl (`hidden_size`): sort buffers (pair order, token ids,
+    expert offsets; int32), h `[T*k, I]` (bf16 on the GPU), per-pair outputs `[T*k, Rl]` fp32."""
+    M = int(num_tokens) * int(top_k)
+    if M <= 0:
+        return 0
+    dev = torch.device(device) if device is not None else (
+        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    return plan_bytes([((M,), torch.int32), ((M,), torch.int32), ((num_experts + 1,), torch.int32),
+                       ((M, intermediate_size), _h_dtype(dev, impl)), ((M, hidden_size), torch.float32)])
 
 
 def _pick_block_m(T, k, E):
@@ -299,31 +368,56 @@ def _pick_block_m(T, k, E):
     return 16 if avg <= 12 else (32 if avg <= 24 else 64)
 
 
+def default_block_k(latent: int, inter: int) -> int:
+    """K tile of `mxfp4_moe`: the largest power of two <= 128 (and >= 32, the MXFP4 group) dividing both the
+    latent width Rl (inner dim of w13) and the expert width I (inner dim of w2). The K loops load whole tiles
+    without a column mask, so a tile that does not divide a row would read past it: k3-tiny (I = 64) and its
+    TP=2 expert slices (I = 32). 128 for K3 (Rl 3584, I 3072). ValueError when no such tile exists."""
+    bk = 128
+    while bk > 32 and (latent % bk or inter % bk):
+        bk //= 2
+    if latent % bk or inter % bk:
+        raise ValueError(f"mxfp4_moe: latent width {latent} and expert width {inter} must be multiples of 32 "
+                         "(the MXFP4 group, MODEL.md §8.3)")
+    return bk
+
+
 def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *, expert_offset: int = 0,
               situ_beta: float = 4.0, situ_linear_beta: float = 25.0, block_m: int | None = None,
               block_n13: int | None = None, block_n2: int | None = None, block_k: int | None = None,
               impl: str = "legacy", num_warps: int = 4, num_stages: int | None = None,
-              use_asm: bool | None = None):
+              use_asm: bool | None = None, out=None, workspace: torch.Tensor | None = None):
     """Mxfp4Moe: y [T, Rl] fp32 = sum over local choices of w * w2_e(SiTU(w1_e x, w3_e x)).
     impl "legacy" (default): inline-PTX dequant to a bf16 tile, x as the LHS (block_n 128);
     impl "dot_scaled": weights as the scaled-dot LHS (see _moe_w13_ds_kernel). On the H200 (run 3,
-    benchmarks/RESULTS.md) dot_scaled was slower (T=64: 2842 us vs 1989 us), so it is opt-in."""
+    benchmarks/RESULTS.md) dot_scaled was slower (T=64: 2842 us vs 1989 us), so it is opt-in.
+    block_k: K tile (None = :func:`default_block_k`, a tile that divides both inner widths);
+    out: optional [T, Rl] fp32 destination; workspace: optional uint8 scratch (size:
+    :func:`mxfp4_moe_workspace_bytes`) holding the sort buffers, h and the per-pair outputs. Every launch has a
+    grid fixed by the shapes (no host reads): CUDA-graph safe."""
     T, RL = x.shape
     k = topk_ids.shape[1]
     E, I2, _ = w13_packed.shape
     I = I2 // 2
     dev = x.device
+    block_k = block_k or default_block_k(RL, I)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    order, tok, offs, valid = _sort_pairs(topk_ids, E, int(expert_offset))
-    wts = topk_w.reshape(-1).to(torch.float32).contiguous()
-    ypair = torch.zeros(T * k, RL, dtype=torch.float32, device=dev)
+    if out is None:
+        out = torch.empty(T, RL, dtype=torch.float32, device=dev)
+    if T == 0:
+        return out
+    ws = Workspace(workspace, dev, "mxfp4_moe")
+    order, tok, offs = _sort_pairs(topk_ids, E, int(expert_offset), ws)
+    wts = topk_w.reshape(-1)
+    wts = wts if wts.dtype == torch.float32 and wts.is_contiguous() else wts.to(torch.float32).contiguous()
+    h = ws.empty((T * k, I), _h_dtype(dev, impl))
+    ypair = ws.empty((T * k, RL), torch.float32)   # rows of local pairs only are written, and only those read
     if impl == "dot_scaled":
         BM = block_m or _pick_block_m(T, k, E)
-        BK = block_k or 128
+        BK = block_k
         BN13 = block_n13 or 64      # 4 warps = one wgmma warpgroup; no register spills at BM <= 64 (ptxas, sm_90)
         BN2 = block_n2 or 64
         ns = num_stages or 4
-        h = torch.empty(T * k, I, dtype=torch.bfloat16, device=dev)
         _moe_w13_ds_kernel[(triton.cdiv(I, BN13), E)](
             x, tok, offs, w13_packed, w13_scale, h,
             x.stride(0), w13_packed.stride(0), w13_packed.stride(1), w13_scale.stride(0), w13_scale.stride(1),
@@ -333,25 +427,29 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
             h, order, wts, offs, w2_packed, w2_scale, ypair,
             h.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
             ypair.stride(0), I, RL, BM=BM, BN=BN2, BK=BK, num_warps=num_warps, num_stages=ns)
-        return ypair.view(T, k, RL).sum(1)
-    assert impl == "legacy", impl
-    if use_asm is None:
-        use_asm = dev.type == "cuda" and not _INTERPRET
-    cdt = tl.bfloat16 if dev.type == "cuda" else tl.float32   # interpreter: fp32 math (its bf16 dot is unreliable)
-    tdt = torch.bfloat16 if cdt == tl.bfloat16 else torch.float32
-    h = torch.empty(T * k, I, dtype=tdt, device=dev)
-    BM = block_m or 16
-    block_n13, block_n2, block_k = block_n13 or 128, block_n2 or 128, block_k or 128
-    _moe_w13_kernel[(triton.cdiv(I, block_n13), E)](
-        x, tok, offs, w13_packed, w13_scale, h,
-        x.stride(0), w13_packed.stride(0), w13_packed.stride(1), w13_scale.stride(0), w13_scale.stride(1), h.stride(0),
-        I, RL, float(situ_beta), float(situ_linear_beta),
-        BM=BM, BN=block_n13, BK=block_k, USE_ASM=use_asm, CDT=cdt, num_warps=4, num_stages=num_stages or 3)
-    _moe_w2_kernel[(triton.cdiv(RL, block_n2), E)](
-        h, order, wts, offs, w2_packed, w2_scale, ypair,
-        h.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1), ypair.stride(0),
-        I, RL, BM=BM, BN=block_n2, BK=block_k, USE_ASM=use_asm, CDT=cdt, num_warps=4, num_stages=num_stages or 3)
-    return ypair.view(T, k, RL).sum(1)
+    else:
+        assert impl == "legacy", impl
+        if use_asm is None:
+            use_asm = dev.type == "cuda" and not _INTERPRET
+        cdt = tl.bfloat16 if dev.type == "cuda" else tl.float32   # interpreter: fp32 math (its bf16 dot is unreliable)
+        BM = block_m or 16
+        block_n13, block_n2 = block_n13 or 128, block_n2 or 128
+        _moe_w13_kernel[(triton.cdiv(I, block_n13), E)](
+            x, tok, offs, w13_packed, w13_scale, h,
+            x.stride(0), w13_packed.stride(0), w13_packed.stride(1), w13_scale.stride(0), w13_scale.stride(1),
+            h.stride(0), I, RL, float(situ_beta), float(situ_linear_beta),
+            BM=BM, BN=block_n13, BK=block_k, USE_ASM=use_asm, CDT=cdt, num_warps=4, num_stages=num_stages or 3)
+        _moe_w2_kernel[(triton.cdiv(RL, block_n2), E)](
+            h, order, wts, offs, w2_packed, w2_scale, ypair,
+            h.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+            ypair.stride(0), I, RL, BM=BM, BN=block_n2, BK=block_k, USE_ASM=use_asm, CDT=cdt, num_warps=4,
+            num_stages=num_stages or 3)
+    ids = topk_ids if topk_ids.dtype == torch.int32 and topk_ids.is_contiguous() else \
+        topk_ids.to(torch.int32).contiguous()
+    BR = min(256, triton.next_power_of_2(RL))
+    _moe_combine_kernel[(T, triton.cdiv(RL, BR))](ypair, ids, out, RL, E, int(expert_offset), out.stride(0),
+                                                 K=k, BK=triton.next_power_of_2(k), BR=BR, num_warps=4)
+    return out
 
 
 def route(x, gate_w, correction_bias, *, top_k: int = 16, num_expert_group: int = 1, topk_group: int = 1,

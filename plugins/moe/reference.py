@@ -61,7 +61,7 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
     E, two_i = w13_packed.shape[:2]
     I = two_i // 2
     xf = x.to(acc())
-    y = torch.zeros(x.shape[0], x.shape[1], dtype=acc())
+    y = torch.zeros(x.shape[0], x.shape[1], dtype=acc(), device=x.device)
     local = topk_ids.long() - expert_offset
     for e in torch.unique(local).tolist():
         if not 0 <= e < E:

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One device call on the H200 (device tool; torch 2.11+cu130, triton 3.6, no network). Usage from the repo root:
+#   bash benchmarks/h200_session.sh tests|bench|decode   (results under $OUT, default /tmp/out)
+# tests : GPU pytest of the kernels, CUDA-graph capture and the GPU runtime -> $OUT/junit.xml, $OUT/pytest.log
+# bench : benchmarks/bench_kernels.py (KDA decode/prefill, graph, MLA, MoE) -> $OUT/bench.jsonl + roofline.png
+# decode: benchmarks/bench_decode.py on k3-slice (synthetic weights on the device) -> $OUT/decode.jsonl
+# fla-core travels as a wheel in .whl/ (not in git): python3 -m pip download fla-core==0.6.0 --no-deps -d .whl
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+case "${1:-tests}" in
+  tests)
+    eval timeout "${PYTEST_TIMEOUT:-420}" python3 -m pytest -q -rs "${PYTEST_ARGS:-tests/test_kernels.py tests/test_graph_safe.py tests/test_runtime_gpu.py}" \
+      --junitxml="$OUT/junit.xml" 2>&1 | tail -60 | tee "$OUT/pytest.log"
+    echo "PYTEST_RC=${PIPESTATUS[0]}" | tee -a "$OUT/pytest.log" ;;
+  bench)
+    J=""; [ -f "${JUNIT:-}" ] && J="--junit $JUNIT"
+    timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/bench_kernels.py --out "$OUT/bench.jsonl" $J ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
+  decode)
+    timeout "${DECODE_TIMEOUT:-540}" python3 benchmarks/bench_decode.py --out "$OUT/decode.jsonl" ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" | tail -40 ;;
+esac

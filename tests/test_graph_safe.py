@@ -1,0 +1,647 @@
+"""CUDA-graph safety of the kernels the TensorRT plugins enqueue (issue 6): caller workspaces, the graph-safe MLA
+prefill, the OpSpec workspace rules, and the ahead-of-time KdaDecode form.
+
+CPU (TRITON_INTERPRET=1, tiny shapes): the absorbed varlen MLA prefill kernel equals plugins/mla/reference.py; every
+op run with a workspace of exactly ``*_workspace_bytes`` (misaligned base, poisoned contents, guard bytes around it)
+equals the run without one and writes nothing outside; workspace rules on symbolic/concrete dims; the AOT module's
+pure helpers, its PTX for sm_90 (Triton compiles without a GPU), its tensorrt.plugin glue against a stand-in module.
+GPU (skipped without CUDA): each op captured in a ``torch.cuda.CUDAGraph`` with a preallocated workspace (warmed up
+eagerly first), replayed on new inputs copied into the captured buffers, equals eager; a capture fails if anything
+synchronizes, and the ops other than KdaPrefill (fla allocates internally) must not allocate while captured; the AOT
+PTX launched through the CUDA driver with TensorRT's argument convention equals the reference."""
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"   # must precede the first triton import
+
+from plugins import workspace as wsm                 # noqa: E402
+from plugins.kda import kernels as kda_k             # noqa: E402
+from plugins.kda import reference as kda_ref         # noqa: E402
+from plugins.kda import trt_aot                      # noqa: E402
+from plugins.kda.trt import KDA_DECODE, KDA_PREFILL  # noqa: E402
+from plugins.mla import kernels as mla_k             # noqa: E402
+from plugins.mla import reference as mla_ref         # noqa: E402
+from plugins.mla.trt import MLA_DECODE, MLA_PREFILL  # noqa: E402
+from plugins.moe import kernels as moe_k             # noqa: E402
+from plugins.moe.trt import MXFP4_MOE                # noqa: E402
+from plugins.trt_common import ACT, F32, Like, OpSpec, run_kernel, workspace_size  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+DEV = "cuda" if HAS_CUDA else "cpu"
+gpu_only = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+
+
+def relerr(a, b):
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    assert torch.isfinite(a).all(), "non-finite values in kernel output"
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def nan_equal(a, b):
+    return torch.equal(torch.nan_to_num(a.cpu().float(), nan=1234.5), torch.nan_to_num(b.cpu().float(), nan=1234.5))
+
+
+# --------------------------------------------------------------------------------------------------- op cases
+class Case:
+    """One op call on fixed-shape inputs. ``inputs``: name -> tensor (pools included, updated in place by the op);
+    ``call(inputs, workspace, out)`` -> tuple of results; ``nbytes``: the op's *_workspace_bytes; ``fresh(seed)``:
+    new contents of the same shapes (new metadata too) for graph replays; ``allocates``: the op allocates inside
+    (fla) even with a workspace."""
+
+    def __init__(self, name, make, call, nbytes, out_shape, out_dtype, allocates=False, exact=True):
+        self.name, self.make, self.call, self.nbytes = name, make, call, nbytes
+        self.out_shape, self.out_dtype, self.allocates, self.exact = out_shape, out_dtype, allocates, exact
+
+    def fresh(self, seed):
+        return {k: v.to(DEV) for k, v in self.make(seed).items()}
+
+    def new_out(self):
+        return torch.empty(self.out_shape, dtype=self.out_dtype, device=DEV)
+
+
+def _bt(g, N, MB, NB):
+    return (torch.randperm(NB - 1, generator=g)[:N * MB].view(N, MB) + 1).int()   # non-contiguous blocks
+
+
+def mla_decode_case(B=4, H=16, R=64, DR=16, BS=4, MB=6, dt=torch.float32, **kw):
+    NB = B * MB + 3
+    scale = 192 ** -0.5
+
+    def make(seed):
+        g = torch.Generator().manual_seed(seed)
+        return dict(q_abs=torch.randn(B, H, R + DR, generator=g).to(dt), latent=torch.randn(B, R + DR, generator=g).to(dt),
+                    cache=torch.randn(NB, BS, R + DR, generator=g).to(dt), block_tables=_bt(g, B, MB, NB),
+                    context_lens=torch.randint(0, MB * BS, (B,), generator=g, dtype=torch.int32))
+
+    def call(x, ws, out):
+        o, c = mla_k.mla_decode(x["q_abs"], x["latent"], x["cache"], x["block_tables"], x["context_lens"],
+                                num_heads=H, kv_lora_rank=R, scale=scale, out=out, workspace=ws, **kw)
+        return o, c
+
+    nbytes = mla_k.mla_decode_workspace_bytes(B, H, R, MB, BS, num_splits=kw.get("num_splits"),
+                                              block_n=kw.get("block_n"))
+    return Case("mla_decode", make, call, nbytes, (B, H, R), dt)
+
+
+def _split(g, T, N):
+    cuts = torch.randperm(T - 1, generator=g)[:N - 1] + 1
+    return torch.tensor([0] + sorted(cuts.tolist()) + [T], dtype=torch.int32)
+
+
+def mla_prefill_case(T=13, N=3, H=2, R=32, DR=16, Dn=16, Dv=16, BS=4, MB=8, dt=torch.float32, **kw):
+    NB = N * MB + 3
+    scale = (Dn + DR) ** -0.5
+
+    def make(seed):
+        g = torch.Generator().manual_seed(seed)
+        cu = _split(g, T, N)
+        lens = (cu[1:] - cu[:-1])
+        ctx = torch.stack([torch.randint(0, MB * BS - int(n) + 1, (1,), generator=g)[0] for n in lens]).int()
+        return dict(q=torch.randn(T, H, Dn + DR, generator=g).to(dt), latent=torch.randn(T, R + DR, generator=g).to(dt),
+                    kv_b=(torch.randn(H * (Dn + Dv), R, generator=g) * R ** -0.5).to(dt),
+                    cache=torch.randn(NB, BS, R + DR, generator=g).to(dt), block_tables=_bt(g, N, MB, NB),
+                    cu_seqlens=cu, context_lens=ctx)
+
+    def call(x, ws, out):
+        return mla_k.mla_prefill(x["q"], x["latent"], x["kv_b"], x["cache"], x["block_tables"], x["cu_seqlens"],
+                                 x["context_lens"], num_heads=H, qk_nope_head_dim=Dn, v_head_dim=Dv, kv_lora_rank=R,
+                                 scale=scale, out=out, graph_safe=True, workspace=ws, **kw)
+
+    return Case("mla_prefill", make, call, mla_k.mla_prefill_workspace_bytes(T, H, R, DR, dtype=dt), (T, H * Dv), dt)
+
+
+def moe_case(E=6, RL=64, I=64, T=5, k=3, off=2, bk=32, bn=32):
+    def make(seed):
+        g = torch.Generator().manual_seed(seed)
+        return dict(x=torch.randn(T, RL, generator=g).to(torch.bfloat16),
+                    topk_ids=torch.stack([torch.randperm(E + 4, generator=g)[:k] for _ in range(T)]).int(),
+                    topk_w=torch.rand(T, k, generator=g),
+                    w13_packed=torch.randint(0, 256, (E, 2 * I, RL // 2), dtype=torch.uint8, generator=g),
+                    w13_scale=torch.randint(121, 127, (E, 2 * I, RL // 32), dtype=torch.uint8, generator=g),
+                    w2_packed=torch.randint(0, 256, (E, RL, I // 2), dtype=torch.uint8, generator=g),
+                    w2_scale=torch.randint(118, 124, (E, RL, I // 32), dtype=torch.uint8, generator=g))
+
+    def call(x, ws, out):
+        return (moe_k.mxfp4_moe(*x.values(), expert_offset=off, block_k=bk, block_n13=bn, block_n2=bn, out=out,
+                                workspace=ws),)
+
+    return Case("mxfp4_moe", make, call, moe_k.mxfp4_moe_workspace_bytes(T, k, E, I, RL), (T, RL), torch.float32)
+
+
+def _kda_make(T, H, K, S, act, slots, cu=None):
+    def make(seed):
+        g = torch.Generator().manual_seed(seed)
+        P = H * K
+        r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+        d = dict(qkv=r(T, 3 * P).to(act), f=r(T, P).to(act), b=r(T, H).to(act), g=r(T, P).to(act),
+                 conv_w=r(3 * P, 4) * 0.5, A_log=r(H) * 0.5, dt_bias=r(P) * 0.3,
+                 o_norm_w=torch.rand(K, generator=g) + 0.5, state=r(S, H, K, K) * 0.1, conv=r(S, 3 * P, 3).to(act))
+        if cu is not None:
+            d["cu_seqlens"] = _split(g, T, cu)
+        d["slots"] = torch.tensor(slots, dtype=torch.int32)
+        return d
+    return make
+
+
+def kda_prefill_case(T=19, N=3, H=2, K=16, act=torch.float32):
+    slots = [5, 1, 3][:N]
+
+    def call(x, ws, out):
+        return kda_k.kda_prefill(*x.values(), num_heads=H, head_dim=K, out=out, graph_safe=True, workspace=ws)
+
+    return Case("kda_prefill", _kda_make(T, H, K, 7, act, slots, cu=N), call,
+                kda_k.kda_prefill_workspace_bytes(T, N, H, K, act_dtype=act), (T, H * K), act,
+                allocates=kda_k._fla_available(torch.device(DEV)), exact=False)
+
+
+def kda_decode_case(B=4, H=2, K=16, act=torch.float32, block_v=None):
+    slots = [5, 2, 7, 3][:B]
+    bv = block_v or K // 4
+
+    def call(x, ws, out):
+        return kda_k.kda_decode(*x.values(), num_heads=H, head_dim=K, out=out, block_v=bv, workspace=ws)
+
+    return Case("kda_decode", _kda_make(B, H, K, 9, act, slots), call,
+                kda_k.kda_decode_workspace_bytes(B, H, K, bv), (B, H * K), act)
+
+
+CPU_CASES = [mla_decode_case(), mla_decode_case(num_splits=3, block_n=16), mla_prefill_case(),
+             mla_prefill_case(T=21, N=2, H=3), moe_case(), kda_prefill_case(), kda_decode_case()]
+GPU_CASES = [mla_decode_case(B=4, H=16, R=512, DR=64, BS=64, MB=8, dt=torch.bfloat16),
+             mla_prefill_case(T=37, N=3, H=8, R=512, DR=64, Dn=128, Dv=128, BS=64, MB=4, dt=torch.bfloat16),
+             moe_case(E=8, RL=512, I=256, T=9, k=4, bk=128, bn=64),
+             kda_prefill_case(T=75, N=3, H=2, K=64, act=torch.bfloat16),
+             kda_decode_case(B=4, H=4, K=128, act=torch.bfloat16, block_v=32)]
+
+
+def _clone(x):
+    return {k: v.clone() for k, v in x.items()}
+
+
+# ------------------------------------------------------------------------------------------------ workspace plumbing
+def test_workspace_carving_alignment_and_bound():
+    items = [((3, 5), torch.float32), ((7,), torch.int32), ((2, 3, 4), torch.bfloat16), ((0,), torch.float32)]
+    n = wsm.plan_bytes(items)
+    assert n == wsm.WORKSPACE_ALIGN + 256 + 256 + 256 + 0 and wsm.plan_bytes([]) == 0
+    base = torch.zeros(n + 4096, dtype=torch.uint8)
+    for shift in (0, 1, 3, 255):   # every base alignment fits in plan_bytes
+        start = (-base.data_ptr()) % 256 + shift
+        ws = wsm.Workspace(base[start:start + n], "cpu", "t")
+        assert ws.fits(items)
+        ts = [ws.empty(s, d) for s, d in items]
+        for t, (s, d) in zip(ts, items):
+            assert t.shape == s and t.dtype == d and t.data_ptr() % 256 == 0
+        assert ws.used <= n
+    small = wsm.Workspace(base[:40], "cpu", "myop")
+    assert not small.fits(items)
+    with pytest.raises(ValueError, match="myop: workspace of 40 bytes is too small"):
+        small.empty((3, 5), torch.float32)
+    with pytest.raises(ValueError, match="uint8"):
+        wsm.Workspace(torch.zeros(4), "cpu")
+    alloc = wsm.Workspace(None, "cpu")
+    assert not alloc.given and alloc.empty((2, 2), torch.float16).shape == (2, 2) and alloc.fits(items)
+
+
+@pytest.mark.parametrize("case", CPU_CASES if not HAS_CUDA else GPU_CASES, ids=lambda c: c.name)
+def test_workspace_same_result_and_stays_inside(case):
+    """Exactly *_workspace_bytes at a misaligned base, filled with 0xFF, guard bytes around it: same results as
+    without a workspace (bitwise, except fla's), nothing written outside."""
+    x0 = case.fresh(seed=1)
+    ref = case.call(_clone(x0), None, case.new_out())
+    assert case.nbytes > 0
+    guard = 1024
+    buf = torch.full((2 * guard + case.nbytes + 8,), 0x5A, dtype=torch.uint8, device=DEV)
+    start = guard + 3
+    buf[start:start + case.nbytes] = 0xFF
+    got = case.call(_clone(x0), buf[start:start + case.nbytes], case.new_out())
+    assert (buf[:start] == 0x5A).all() and (buf[start + case.nbytes:] == 0x5A).all(), "wrote outside the workspace"
+    for r, o in zip(ref, got):
+        if case.exact:
+            assert nan_equal(r, o), case.name
+        else:
+            assert relerr(o, r) < 1e-3, case.name
+
+
+def test_mla_decode_workspace_bytes_bounds_every_smaller_batch():
+    H, R, BS = 16, 512, 64
+    for MB in (1, 7, 512):
+        for batch in (1, 5, 64, 200):
+            bound = mla_k.mla_decode_workspace_bytes(batch, H, R, MB, BS, device="cpu")
+            for b in range(1, batch + 1):
+                for mb in {1, max(1, MB // 2), MB}:
+                    BN = mla_k._decode_block_n(BS)
+                    _, _, nsplit, _ = mla_k._launch_cfg(b, H, mb * BS, torch.device("cpu"), BN)
+                    need = wsm.plan_bytes([((b * H * nsplit, R), torch.float32), ((b * H * nsplit,), torch.float32)])
+                    assert need <= bound, (batch, b, MB, mb)
+
+
+def test_mla_decode_small_workspace_reduces_splits():
+    BS = 16 if HAS_CUDA else 4
+    case = mla_decode_case(BS=BS, num_splits=3, block_n=16)
+    x0 = case.fresh(seed=4)
+    ref = case.call(_clone(x0), None, case.new_out())
+    one = mla_k.mla_decode_workspace_bytes(4, 16, 64, 6, BS, num_splits=1, block_n=16)
+    got = case.call(_clone(x0), torch.zeros(one, dtype=torch.uint8, device=DEV), case.new_out())
+    assert relerr(got[0], ref[0]) < (2e-3 if HAS_CUDA else 1e-5) and nan_equal(got[1], ref[1])
+
+
+# ------------------------------------------------------------------------------------------ graph-safe MLA prefill
+def _mla_prefill_vs_reference(lens, ctxl, H, R, DR, Dn, Dv, BS, dt, tol, tol_sdpa=None, **kw):
+    N, T = len(lens), sum(lens)
+    MB = max((c + n + BS - 1) // BS for c, n in zip(ctxl, lens)) + 1
+    g = torch.Generator().manual_seed(7)
+    NB = N * MB + 5
+    cache = torch.full((NB, BS, R + DR), float("nan")).to(dt)
+    bt = _bt(g, N, MB, NB)
+    for n in range(N):
+        for p in range(ctxl[n]):
+            cache[bt[n, p // BS], p % BS] = torch.randn(R + DR, generator=g).to(dt)
+    q = torch.randn(T, H, Dn + DR, generator=g).to(dt)
+    lat = torch.randn(T, R + DR, generator=g).to(dt)
+    kv_b = (torch.randn(H * (Dn + Dv), R, generator=g) * R ** -0.5).to(dt)
+    cu = torch.tensor([0] + np.cumsum(lens).tolist(), dtype=torch.int32)
+    ctx = torch.tensor(ctxl, dtype=torch.int32)
+    attrs = dict(num_heads=H, qk_nope_head_dim=Dn, v_head_dim=Dv, kv_lora_rank=R, scale=(Dn + DR) ** -0.5)
+    ro, rc = mla_ref.mla_prefill(q.float(), lat.float(), kv_b.float(), cache.float(), bt, cu, ctx, **attrs)
+    c = cache.to(DEV)
+    o, c2 = mla_k.mla_prefill(q.to(DEV), lat.to(DEV), kv_b.to(DEV), c, bt.to(DEV), cu.to(DEV), ctx.to(DEV),
+                              graph_safe=True, **attrs, **kw)
+    assert c2.data_ptr() == c.data_ptr()
+    assert relerr(o, ro) < tol
+    assert nan_equal(c.float(), rc.to(dt).float())
+    c = cache.to(DEV)
+    o_sdpa, _ = mla_k.mla_prefill(q.to(DEV), lat.to(DEV), kv_b.to(DEV), c, bt.to(DEV), cu.to(DEV), ctx.to(DEV),
+                                  graph_safe=False, **attrs)
+    assert relerr(o, o_sdpa) < (tol_sdpa or tol)
+
+
+@pytest.mark.parametrize("lens,ctxl", [([3, 7, 1], [0, 5, 9]), ([13, 2], [6, 0]), ([1], [0]), ([9, 9, 9, 1], [3, 0, 11, 2])])
+def test_mla_prefill_graph_safe_matches_reference(lens, ctxl):
+    """Several sequences, prefix context in the cache, T*H not a multiple of the row tile (several tiles per
+    sequence at BM=16), random (non-contiguous) block tables, NaN outside the written/cached rows."""
+    # GPU: fp32 tl.dot runs TF32 (~1e-3) and the SDPA path computes in bf16; the interpreter is exact fp32
+    _mla_prefill_vs_reference(lens, ctxl, H=3, R=32, DR=16, Dn=16, Dv=16, BS=16 if HAS_CUDA else 4,
+                              dt=torch.float32, tol=2e-3 if HAS_CUDA else 1e-5, tol_sdpa=2e-2 if HAS_CUDA else None,
+                              **({} if HAS_CUDA else dict(block_m=16)))
+
+
+@gpu_only
+@pytest.mark.parametrize("H", [12, 96])
+def test_mla_prefill_graph_safe_gpu_production_heads(H):
+    _mla_prefill_vs_reference([37, 1, 90], [70, 0, 130], H=H, R=512, DR=64, Dn=128, Dv=128, BS=64,
+                              dt=torch.bfloat16, tol=2e-2, tol_sdpa=3e-2)
+
+
+# --------------------------------------------------------------------------------------------- OpSpec workspace rules
+MLA_P_ATTRS = {"num_heads": 2, "qk_nope_head_dim": 8, "v_head_dim": 6, "kv_lora_rank": 512, "scale": 0.1}
+MLA_D_ATTRS = {"num_heads": 2, "kv_lora_rank": 512, "scale": 0.1}
+KDA_ATTRS = {"num_heads": 2, "head_dim": 4}
+KDA_IN = [("T", 24), ("T", 8), ("T", 2), ("T", 8), (24, 4), (2,), (8,), (4,), ("S", 2, 4, 4), ("S", 24, 3)]
+DIMS = {"T": 256, "N": 8, "B": 8, "S": 9, "NB": 100, "MB": 16}
+
+
+def test_workspace_rules_symbolic_and_concrete():
+    dev = torch.device(DEV)
+    act = torch.bfloat16
+    cases = [
+        (KDA_PREFILL, KDA_ATTRS, KDA_IN + [("N + 1",), ("N",)],
+         kda_k.kda_prefill_workspace_bytes(256, 8, 2, 4, act_dtype=act, device=dev)),
+        (KDA_DECODE, KDA_ATTRS, KDA_IN + [("B",)], kda_k.kda_decode_workspace_bytes(256, 2, 4)),
+        (MLA_PREFILL, MLA_P_ATTRS, [("T", 2, 12), ("T", 576), (28, 512), ("NB", 16, 576), ("N", "MB"), ("N + 1",),
+                                    ("N",)], mla_k.mla_prefill_workspace_bytes(256, 2, 512, 64, dtype=act)),
+        (MLA_DECODE, MLA_D_ATTRS, [("B", 2, 576), ("B", 576), ("NB", 16, 576), ("B", "MB"), ("B",)],
+         mla_k.mla_decode_workspace_bytes(8, 2, 512, 16, 16)),
+        (MXFP4_MOE, {}, [("T", 64), ("T", 4), ("T", 4), (3, 64, 32), (3, 64, 2), (3, 64, 16), (3, 64, 1)],
+         moe_k.mxfp4_moe_workspace_bytes(256, 4, 3, 32, 64)),
+    ]
+    for spec, attrs, shapes, expect in cases:
+        got = workspace_size(spec, attrs, shapes, dims=DIMS)
+        assert got == expect, spec.name
+        concrete = [tuple(DIMS["N"] + 1 if d == "N + 1" else DIMS.get(d, d) for d in s) for s in shapes]
+        assert workspace_size(spec, attrs, concrete) == expect, spec.name
+    assert workspace_size(MLA_PREFILL, MLA_P_ATTRS, cases[2][2], dims=DIMS) > 0
+    assert workspace_size(MXFP4_MOE, {}, cases[4][2], dims={**DIMS, "T": 1}) < cases[4][3]   # grows with T
+    with pytest.raises(ValueError, match="symbolic dim 'MB' has no value"):
+        workspace_size(MLA_DECODE, MLA_D_ATTRS, cases[3][2], dims={"B": 8, "NB": 4})
+    with pytest.raises(ValueError, match="expected 5 inputs"):
+        workspace_size(MLA_DECODE, MLA_D_ATTRS, cases[3][2][:4], dims=DIMS)
+    assert dict(KDA_PREFILL.kernel_options) == {"graph_safe": True} and dict(MLA_PREFILL.kernel_options) == \
+        {"graph_safe": True} and not MLA_DECODE.kernel_options
+
+
+def test_run_kernel_passes_workspace_and_options(monkeypatch):
+    mod = types.ModuleType("fake_ws_kernels")
+    seen = {}
+
+    def op(x, state, *, scale, out=None, workspace=None, graph_safe=False):
+        seen.update(workspace=workspace, graph_safe=graph_safe)
+        out.copy_(x * scale)
+        return out, state
+
+    def op_plain(x, state, *, scale):   # no workspace / options in its signature: not passed
+        return x * scale, state
+
+    mod.op, mod.op_plain = op, op_plain
+    monkeypatch.setitem(sys.modules, "fake_ws_kernels", mod)
+    spec = OpSpec("Fake", (("x", ACT), ("state", F32)), (("y", ACT), ("state_out", ("alias", 1))), (),
+                  lambda a: [Like(0), Like(1)], "fake_ws_kernels:op", workspace=lambda a, s, d: 64 * s[0][0],
+                  kernel_options=(("graph_safe", True), ("unknown_option", 1)))
+    x, state, y, ws = torch.randn(4, 8), torch.zeros(2, 8), torch.empty(4, 8), torch.empty(256, dtype=torch.uint8)
+    assert workspace_size(spec, {}, [("T", 8), (2, 8)], dims={"T": 4}) == 256
+    run_kernel(spec, {"scale": 2.0}, [x, state], [y, state], workspace=ws)
+    assert seen["workspace"] is ws and seen["graph_safe"] is True and torch.equal(y, 2 * x)
+    plain = OpSpec("Fake", spec.inputs, spec.outputs, (), spec.shape_rule, "fake_ws_kernels:op_plain",
+                   kernel_options=(("graph_safe", True),))
+    run_kernel(plain, {"scale": 3.0}, [x, state], [y, state], workspace=ws)
+    assert torch.equal(y, 3 * x)
+
+
+def test_plugin_get_workspace_size_from_max_dims():
+    try:
+        import tensorrt_rtx_bindings as trt
+    except ImportError:
+        pytest.skip("tensorrt_rtx_bindings not installed")
+    from plugins.trt_common import make_plugin_classes
+
+    plugin = make_plugin_classes(MLA_DECODE, trt)[0](MLA_D_ATTRS)
+    shapes = [(8, 2, 576), (8, 576), (100, 16, 576), (8, 16), (8,)]
+    types_ = [trt.DataType.BF16] * 3 + [trt.DataType.INT32] * 2
+    descs = []
+    for shp, dt in zip(shapes, types_):
+        d = trt.DynamicPluginTensorDesc()
+        p = trt.PluginTensorDesc()
+        p.type, p.format = dt, trt.TensorFormat.LINEAR
+        d.desc, d.min, d.max = p, trt.Dims([1] * len(shp)), trt.Dims(shp)
+        descs.append(d)
+    assert plugin.get_workspace_size(descs, []) == mla_k.mla_decode_workspace_bytes(8, 2, 512, 16, 16) > 0
+    assert plugin.get_workspace_size([], []) == 0
+
+
+# ------------------------------------------------------------------------------------------------------- AOT form
+def test_aot_module_without_tensorrt_plugin():
+    import importlib.util
+
+    if importlib.util.find_spec("tensorrt") is None:
+        assert not trt_aot.available() and trt_aot.register() == []
+    assert trt_aot.AOT_OPS == ("kimi::KdaDecode",)
+    for op in ("KdaPrefill", "MlaPrefill", "MlaDecode", "Mxfp4Moe"):   # why the others stay JIT is documented
+        assert op in trt_aot.__doc__
+
+
+def test_aot_pure_helpers():
+    sig = trt_aot.kernel_signature("bfloat16")
+    names = list(sig)
+    # TensorRT's AOT launch order: input pointers, int32 extras, output pointers; then constexprs
+    assert names[:11] == [n for n, _ in trt_aot.INPUTS] and names[11] == "T" and \
+        names[12:15] == ["out_ptr", "state_out_ptr", "conv_out_ptr"] and names[15:] == list(trt_aot.CONSTEXPRS)
+    assert sig["qkv_ptr"] == "*bf16" and sig["state_ptr"] == "*fp32" and sig["slots_ptr"] == "*i32" and \
+        sig["T"] == "i32" and sig["conv_out_ptr"] == "*bf16" and sig["H"] == "constexpr"
+    assert trt_aot.kernel_signature("float32")["conv_ptr"] == "*fp32"
+    with pytest.raises(ValueError, match="activation dtype"):
+        trt_aot.kernel_signature("int8")
+    c = trt_aot.kernel_constexprs(12, 128, -5.0, 1e-5)
+    assert c == {"H": 12, "K": 128, "LOWER_BOUND": -5.0, "NORM_EPS": 1e-5, "SCALE": 128 ** -0.5}
+    with pytest.raises(ValueError, match="power of two"):
+        trt_aot.kernel_constexprs(12, 96, -5.0, 1e-5)
+    assert trt_aot.num_warps(128) == 8 and trt_aot.num_warps(64) == 4
+    lp = trt_aot.launch_params(37, 12, 8, 512)
+    assert (lp["grid_x"], lp["grid_y"], lp["grid_z"], lp["block_x"], lp["shared_mem"]) == (37, 12, 1, 256, 512)
+    sym = object()   # a TensorRT shape expression passes through untouched
+    assert trt_aot.launch_params(sym, 12, 4, 0)["grid_x"] is sym and trt_aot.extra_args(sym) == [sym]
+    assert trt_aot.pick_ptx_version(90, 84) == 84
+    types_ = [t.strip() for t in trt_aot.autotune_types().split(",")]
+    assert len(types_) == 14 and types_[0] == "FP32|FP16|BF16" and types_[8] == "FP32|FP32|FP32" and \
+        types_[10] == "INT32|INT32|INT32" and types_[12] == "FP32|FP32|FP32" and types_[13] == types_[0]
+
+
+def test_aot_ptx_version_is_the_older_of_driver_and_ptxas(monkeypatch):
+    monkeypatch.setattr(trt_aot, "driver_ptx_version", lambda: 90)
+    monkeypatch.setattr(trt_aot, "triton_ptx_version", lambda arch: 94)
+    assert trt_aot.pick_ptx_version(90) == 90 and trt_aot.pick_ptx_version(90, 85) == 85
+    monkeypatch.setattr(trt_aot, "driver_ptx_version", lambda: None)
+    assert trt_aot.pick_ptx_version(90) == 94
+    monkeypatch.setattr(trt_aot, "triton_ptx_version", lambda arch: None)
+    assert trt_aot.pick_ptx_version(90) is None
+
+
+def test_strip_hidden_params():
+    ptx = (".visible .entry k(\n\t.param .u64 .ptr .global .align 1 k_param_0,\n\t.param .u32 k_param_1,\n"
+           "\t.param .u64 .ptr .global .align 1 k_param_2,\n\t.param .u64 .ptr .global .align 1 k_param_3\n)\n"
+           "{\n\tld.param.b64 %rd1, [k_param_0];\n\tld.param.b32 %r1, [k_param_1];\n}\n")
+    out = trt_aot.strip_hidden_params(ptx, "k", 2)
+    assert "k_param_1\n)" in out and "k_param_2" not in out and "k_param_3" not in out
+    with pytest.raises(ValueError, match="is used by the kernel"):
+        trt_aot.strip_hidden_params(ptx, "k", 0)
+    with pytest.raises(ValueError, match="expected at least 5"):
+        trt_aot.strip_hidden_params(ptx, "k", 5)
+    with pytest.raises(ValueError, match="no .entry"):
+        trt_aot.strip_hidden_params(ptx, "other", 1)
+
+
+def test_aot_kernel_compiles_to_ptx_for_sm90():
+    """Triton compiles the entry kernel for sm_90 on a machine without a GPU (a subprocess: no interpreter)."""
+    code = ("from triton.backends.compiler import GPUTarget\n"
+            "from plugins.kda import trt_aot as A\n"
+            "import re\n"
+            "for act, H, K, pv in (('bfloat16', 12, 128, None), ('float32', 2, 16, 84)):\n"
+            "    name, ptx, w, sh = A.compile_ptx(act, H, K, -5.0, 1e-5, target=GPUTarget('cuda', 90, 32), ptx_version=pv)\n"
+            "    entry = re.search(r'\\.entry\\s+' + name + r'\\s*\\(([^)]*)\\)', ptx).group(1)\n"
+            "    n = len([p for p in entry.split(',') if p.strip()])\n"
+            "    ver = re.search(r'\\.version (\\S+)', ptx).group(1)\n"
+            "    print(name, n, w, sh, '.target sm_90a' in ptx, ver)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [ln.split() for ln in r.stdout.strip().splitlines()]
+    assert [ln[0] for ln in lines] == ["_kda_decode_aot_kernel"] * 2
+    assert [int(ln[1]) for ln in lines] == [15, 15]          # exactly TensorRT's arguments: 11 in + T + 3 out
+    assert [int(ln[2]) for ln in lines] == [8, 4] and all(ln[4] == "True" for ln in lines)
+    assert lines[1][5] == "8.4"
+
+
+class _FakeDesc:
+    def __init__(self, shape, dtype):
+        self.shape_expr, self.dtype, self.alias_of = list(shape), dtype, None
+
+    def aliased(self):
+        d = _FakeDesc(self.shape_expr, self.dtype)
+        d.alias_of = self
+        return d
+
+
+def _fake_tensorrt_plugin():
+    trt = types.ModuleType("tensorrt")
+    trt.float32, trt.float16, trt.bfloat16, trt.int32 = "F32", "F16", "BF16", "I32"
+    trtp = types.ModuleType("tensorrt.plugin")
+    trtp.defs = {}
+
+    def deco(kind):
+        def make(pid):
+            def wrap(fn):
+                trtp.defs[(kind, pid)] = fn
+                return fn
+            return wrap
+        return make
+
+    for kind in ("register", "autotune", "aot_impl", "impl"):
+        setattr(trtp, kind, deco(kind))
+    trtp.TensorDesc = _FakeDesc
+    trtp.from_shape_expr = lambda shape, dtype: _FakeDesc(shape, dtype)
+    trtp.AutoTuneCombination = lambda s: ("combo", s)
+
+    class KernelLaunchParams:
+        pass
+
+    trtp.KernelLaunchParams = KernelLaunchParams
+    trtp.SymInt32 = lambda e: ("i32", e)
+    trtp.SymIntExprs = types.SimpleNamespace(from_tuple=lambda xs: ("exprs", list(xs)))
+    trt.plugin = trtp
+    return trt, trtp
+
+
+def test_aot_qdp_glue_with_stand_in_tensorrt_plugin(monkeypatch):
+    """register/autotune/aot_impl wiring against a stand-in tensorrt.plugin (the real one needs TensorRT >= 10.9)."""
+    trt, trtp = _fake_tensorrt_plugin()
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
+    monkeypatch.setattr(trt_aot, "_DONE", [])
+    compiled = []
+    monkeypatch.setattr(trt_aot, "compile_ptx", lambda *a, **k: compiled.append(a) or ("kern", "PTX", 8, 512))
+    assert trt_aot.available()
+    assert trt_aot.register() == ["kimi::KdaDecode"] and trt_aot.register() == ["kimi::KdaDecode"]
+    assert {k for k, _ in trtp.defs} == {"register", "autotune", "aot_impl", "impl"}
+    T = object()   # symbolic token count
+    ins = [_FakeDesc((T, 3 * 1536), "BF16"), _FakeDesc((T, 1536), "BF16"), _FakeDesc((T, 12), "BF16"),
+           _FakeDesc((T, 1536), "BF16")] + [_FakeDesc((n,), "F32") for n in (4608, 12, 1536, 128)] + \
+          [_FakeDesc(("S", 12, 128, 128), "F32"), _FakeDesc(("S", 4608, 3), "BF16"), _FakeDesc((T,), "I32")]
+    attrs = [np.array([12], np.int32), np.array([128], np.int32), np.array([-5.0], np.float32),
+             np.array([1e-5], np.float32)]
+    out, st, cv = trtp.defs[("register", "kimi::KdaDecode")](*ins, *attrs)
+    assert out.shape_expr == [T, 1536] and out.dtype == "BF16" and st.alias_of is ins[8] and cv.alias_of is ins[9]
+    assert trtp.defs[("autotune", "kimi::KdaDecode")](*ins, (out, st, cv)) == [("combo", trt_aot.autotune_types())]
+    name, ptx, lp, extra = trtp.defs[("aot_impl", "kimi::KdaDecode")](*ins, *attrs, (out, st, cv), 0)
+    assert (name, ptx) == (b"kern", b"PTX")
+    assert compiled[0][:3] == ("bfloat16", 12, 128) and compiled[0][3] == pytest.approx(-5.0)
+    assert lp.grid_x is T and lp.grid_y == 12 and lp.grid_z == 1 and lp.block_x == 256 and lp.shared_mem == 512
+    assert extra == ("exprs", [("i32", T)])
+
+
+def test_register_tensorrt_plugins_aot_falls_back_without_qdp():
+    """aot=True where tensorrt.plugin is absent (TensorRT-RTX here): the IPluginV3 for every op, same names; switching
+    the choice in the same process is refused."""
+    try:
+        import tensorrt_rtx_bindings  # noqa: F401
+    except ImportError:
+        pytest.skip("tensorrt_rtx_bindings not installed")
+    code = ("import tensorrt_rtx_bindings as trt\n"
+            "from plugins.trt_common import register_tensorrt_plugins\n"
+            "names = register_tensorrt_plugins(trt, aot=True)\n"
+            "assert register_tensorrt_plugins(trt, aot=True) == names\n"
+            "try:\n"
+            "    register_tensorrt_plugins(trt, aot=False)\n"
+            "    raise SystemExit('no error')\n"
+            "except RuntimeError as e:\n"
+            "    assert 'aot' in str(e)\n"
+            "reg = trt.get_plugin_registry()\n"
+            "assert reg.get_creator('KdaDecode', '1', 'kimi') is not None\n"
+            "print(','.join(names))\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().split(",") == ["kimi::KdaPrefill", "kimi::KdaDecode", "kimi::MlaPrefill",
+                                           "kimi::MlaDecode", "kimi::Mxfp4Moe"]
+
+
+# --------------------------------------------------------------------------------------------- GPU: CUDA graphs
+@gpu_only
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
+def test_cuda_graph_capture_and_replay(case):
+    """Warm up eagerly (compiles, autotunes), capture one call with a preallocated workspace and output, then
+    replay on new inputs/metadata/pools copied into the captured buffers: equals an eager call on the same data.
+    Capturing raises if anything synchronizes; allocations while captured are counted (0 except fla's)."""
+    static = case.fresh(seed=10)
+    ws = torch.empty(case.nbytes, dtype=torch.uint8, device=DEV)
+    out = case.new_out()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            case.call(static, ws, out)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        before = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
+        results = case.call(static, ws, out)
+        allocated = torch.cuda.memory_stats().get("allocation.all.allocated", 0) - before
+    if not case.allocates:
+        assert allocated == 0, f"{case.name} allocated {allocated} blocks while captured"
+    for seed in (11, 12):
+        new = case.fresh(seed=seed)
+        expect = case.call(_clone(new), torch.empty_like(ws), case.new_out())
+        for k, v in new.items():
+            static[k].copy_(v)
+        graph.replay()
+        torch.cuda.synchronize()
+        for e, r in zip(expect, results):
+            if case.exact:
+                assert nan_equal(r, e), case.name
+            else:
+                assert relerr(r, e) < 1e-3, case.name
+
+
+@gpu_only
+def test_kda_decode_aot_ptx_through_the_driver():
+    """The AOT PTX loaded with cuModuleLoadData and launched with TensorRT's convention (inputs, T, outputs; grid
+    (T, H); block 32*warps) equals the reference; the single launch is captured in a CUDA graph too."""
+    import ctypes
+
+    B, H, K, act = 5, 4, 128, torch.bfloat16
+    slots = [6, 2, 7, 3, 1]
+    x = {k: v.to(DEV) for k, v in _kda_make(B, H, K, 9, act, slots)(3).items()}
+    ro, rs, rc = kda_ref.kda_decode(*[v.cpu() for v in x.values()], num_heads=H, head_dim=K)
+    name, ptx, warps, shared = trt_aot.compile_ptx("bfloat16", H, K, -5.0, 1e-5)
+    cuda = ctypes.CDLL("libcuda.so.1")
+    torch.cuda.current_stream().synchronize()
+    mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+    assert cuda.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(ptx.encode() + b"\0")) == 0
+    assert cuda.cuModuleGetFunction(ctypes.byref(fn), mod, name.encode()) == 0
+    out = torch.empty(B, H * K, dtype=act, device=DEV)
+    ptrs = [x[k].data_ptr() for k in ("qkv", "f", "b", "g", "conv_w", "A_log", "dt_bias", "o_norm_w", "state",
+                                      "conv", "slots")]
+    vals = [ctypes.c_uint64(p) for p in ptrs] + [ctypes.c_int32(B)] + \
+        [ctypes.c_uint64(p) for p in (out.data_ptr(), x["state"].data_ptr(), x["conv"].data_ptr())]
+    params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
+    lp = trt_aot.launch_params(B, H, warps, shared)
+
+    def launch():
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        rc_ = cuda.cuLaunchKernel(fn, lp["grid_x"], lp["grid_y"], lp["grid_z"], lp["block_x"], lp["block_y"],
+                                  lp["block_z"], lp["shared_mem"], stream, params, None)
+        assert rc_ == 0, rc_
+
+    st0, cv0 = x["state"].clone(), x["conv"].clone()
+    launch()
+    torch.cuda.synchronize()
+    u = torch.tensor(slots)
+    assert relerr(out, ro) < 2e-2 and relerr(x["state"][u], rs[u]) < 2e-3 and relerr(x["conv"][u], rc[u]) < 1e-6
+    first = out.clone()
+    x["state"].copy_(st0)
+    x["conv"].copy_(cv0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, first)
+    del graph                      # the graph references the module's function: drop it first
+    cuda.cuModuleUnload(mod)
