@@ -242,7 +242,7 @@ class LLM:
                 raise FileNotFoundError(f"backend 'tensorrt' needs an engine directory with manifest.json; found none ({p})")
             from runtime.distributed import resolve_device
             idx = resolve_device(device).index if device is not None else 0
-            return TensorRTExecutor(p["engines"], p["onnx"], device=idx or 0)
+            return TensorRTExecutor(p["engines"], p["onnx"], device=idx or 0, rank=self.rank)
         raise ValueError(f"backend = {backend!r}: choose 'torch', 'onnxruntime' or 'tensorrt'")
 
     @property

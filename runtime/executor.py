@@ -174,10 +174,50 @@ _NP = {"float32": np.float32, "float16": np.float16, "int32": np.int32, "int64":
 
 class GraphExecutor(Executor):
     """Shared driver of the exported graphs (docs/EXPORT_FORMAT.md): embed -> every layer's prefill or decode graph
-    -> head, threading P, the AttnRes bank and the pools. Subclasses run one graph (all its segments) in `_stage`."""
+    -> head, threading P, the AttnRes bank and the pools. A graph is one or more segments (tp > 1: split at the
+    collectives); `_stage` runs them in order and performs each segment's `collectives` (index.json) over the
+    initialized torch.distributed group between them (SPMD, one process per rank). Subclasses load rank `rank`'s
+    graphs with `_init_segments` and run one segment in `_run(g, env)`."""
+
+    comm = None
+    rank = 0
+
+    def _init_segments(self, index: dict, rank: int, where: str) -> dict[tuple, list[dict]]:
+        """{graph key: [segment dicts of rank `rank`, in order]}; joins the process group when tp > 1.
+        ValueError when a graph is missing or the group does not match the export's tp."""
+        self.tp, self.rank = int(index.get("tp", 1)), rank
+        if self.tp > 1:
+            from model.layers import Comm
+            from runtime.distributed import check_group
+            check_group(self.tp, rank)
+            self.comm = Comm(rank, self.tp)
+        segments: dict[tuple, list[dict]] = {}
+        for g in index["graphs"]:
+            if g.get("rank", 0) == rank:
+                key = ("layer", g["layer"], g["graph"]) if g["kind"] == "layer" else (g["kind"],)
+                segments.setdefault(key, []).append(g)
+        for v in segments.values():
+            v.sort(key=lambda g: g.get("segment_index", 0))
+        missing = [k for k in [("embed",), ("head",)] + [("layer", l, m) for l in range(self.cfg.num_hidden_layers)
+                                                            for m in ("prefill", "decode")] if k not in segments]
+        if missing:
+            raise ValueError(f"{where}: rank {rank} graphs {missing[:4]} missing; re-export / rebuild")
+        return segments
+
+    def _run(self, g: dict, env: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run one segment `g` (an index.json graph entry) on `env` -> its outputs by name."""
+        raise NotImplementedError
 
     def _stage(self, key: tuple, env: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+        """Run every segment of one graph in order, doing its collectives (tp > 1) between segments."""
+        for g in self.segments[key]:
+            out = self._run(g, env)
+            env.update(out)
+            for c in g.get("collectives", []):
+                t = out[c["output"]]
+                env[c["input"]] = (self.comm.all_reduce(t.clone()) if c["op"] == "all_reduce_sum"
+                                   else self.comm.all_gather_last(t))
+        return env
 
     def forward(self, ids, batch, pools, logits_index):
         """ids [T] int64, batch (model.reference.Batch), pools (per layer) -> (logits [M, vocab] fp32 on the CPU,
@@ -218,33 +258,16 @@ class OnnxRuntimeExecutor(GraphExecutor):
         if self.index.get("config_hash") not in (None, self.cfg.config_hash()):
             raise ValueError(f"{self.dir}/index.json: config_hash {self.index['config_hash']} does not match its config "
                              f"({self.cfg.config_hash()}); re-export")
-        self.tp, self.rank = int(self.index.get("tp", 1)), rank
-        self.comm = None
-        if self.tp > 1:
-            from model.layers import Comm
-            from runtime.distributed import check_group
-            check_group(self.tp, rank)
-            self.comm = Comm(rank, self.tp)
+        self.segments = self._init_segments(self.index, rank, f"{self.dir}/index.json")
         if self.index.get("act_dtype", "float32") != "float32":
             raise NotImplementedError(f"act_dtype {self.index['act_dtype']}: only float32 exports are supported")
         opts = ort.SessionOptions()
         if threads:
             opts.intra_op_num_threads = threads
         providers = providers or ["CPUExecutionProvider"]
-        self.segments: dict[tuple, list[dict]] = {}
-        self.sessions: dict[str, "ort.InferenceSession"] = {}
-        for g in self.index["graphs"]:
-            if g.get("rank", 0) != rank:
-                continue
-            key = ("layer", g["layer"], g["graph"]) if g["kind"] == "layer" else (g["kind"],)
-            self.segments.setdefault(key, []).append(g)
-            self.sessions[g["id"]] = ort.InferenceSession(str(self.dir / g["path"]), opts, providers=providers)
-        for v in self.segments.values():
-            v.sort(key=lambda g: g.get("segment_index", 0))
-        missing = [k for k in [("embed",), ("head",)] + [("layer", l, m) for l in range(self.cfg.num_hidden_layers)
-                                                            for m in ("prefill", "decode")] if k not in self.segments]
-        if missing:
-            raise ValueError(f"{self.dir}/index.json: rank {rank} graphs {missing[:4]} missing; re-export")
+        self.sessions: dict[str, "ort.InferenceSession"] = {
+            g["id"]: ort.InferenceSession(str(self.dir / g["path"]), opts, providers=providers)
+            for segs in self.segments.values() for g in segs}
 
     def _run(self, g: dict, env: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         inp = {}
@@ -255,17 +278,6 @@ class OnnxRuntimeExecutor(GraphExecutor):
         outs = self.sessions[g["id"]].run(names, inp)
         return {n: torch.from_numpy(np.asarray(o)) for n, o in zip(names, outs)}
 
-    def _stage(self, key: tuple, env: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Run every segment of one graph in order, doing its collectives (tp > 1) between segments."""
-        for g in self.segments[key]:
-            out = self._run(g, env)
-            env.update(out)
-            for c in g.get("collectives", []):
-                t = out[c["output"]]
-                env[c["input"]] = (self.comm.all_reduce(t.clone()) if c["op"] == "all_reduce_sum"
-                                   else self.comm.all_gather_last(t))
-        return env
-
     def close(self) -> None:
         self.sessions.clear()
 
@@ -273,17 +285,21 @@ class OnnxRuntimeExecutor(GraphExecutor):
 # ---- TensorRT ---------------------------------------------------------------------------------------------
 
 class TensorRTExecutor(GraphExecutor):
-    """Per-layer TensorRT engines (engines/ `manifest.json`, entries `rank0/<graph>.plan` with `onnx` naming the
-    graph of index.json) run on one CUDA GPU with name-based I/O.
+    """Per-layer TensorRT engines (engines/ `manifest.json`, entries `rank{r}/<graph>.plan` with `onnx` naming the
+    graph of index.json) of TP rank `rank`, run on one CUDA GPU with name-based I/O. tp > 1: one process per rank
+    (SPMD, `cuda:LOCAL_RANK`), the segments' collectives done between engines over the torch.distributed group
+    (NCCL on GPUs; see `GraphExecutor`) — the "runtime reduces between per-rank engines" form of the cross-rank
+    reduction (no in-engine IDistCollectiveLayer).
 
     Pools live on the GPU (torch CUDA tensors); each pool input and its `*_out` output are bound to the same buffer
     (the kimi plugins update in place), so the returned pools are the input tensors. Needs full TensorRT
     (`import tensorrt`), a CUDA device and the kimi plugins (`plugins.trt_common.register_tensorrt_plugins`).
     Raises ImportError naming the missing package, RuntimeError without a GPU, FileNotFoundError/ValueError for a
-    missing or incomplete manifest. It cannot run on a CPU-only machine.
+    missing or incomplete manifest. It cannot run on a CPU-only machine (never run: no TensorRT here, README).
     """
 
-    def __init__(self, engine_dir: "str | Path", onnx_dir: "str | Path | None" = None, device: int = 0):
+    def __init__(self, engine_dir: "str | Path", onnx_dir: "str | Path | None" = None, device: int = 0,
+                 rank: int = 0):
         try:
             import tensorrt as trt
         except ImportError as e:
@@ -301,33 +317,28 @@ class TensorRTExecutor(GraphExecutor):
         manifest = json.loads(mpath.read_text())
         self.index = read_index(onnx_dir or self.dir)
         self.cfg = load_config(self.index["config"])
-        if int(self.index.get("tp", 1)) != 1:
-            raise NotImplementedError("tensorrt executor: tp > 1 engines (segments + NCCL collectives) not wired yet")
-        by_onnx = {g["path"]: g for g in self.index["graphs"] if g.get("rank", 0) == 0}
+        self.segments = self._init_segments(self.index, rank, str(mpath))
+        plans = {entry.get("onnx"): plan for plan, entry in manifest.get("engines", {}).items()}
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
-        self.engines: dict[tuple, tuple] = {}
-        for plan, entry in manifest.get("engines", {}).items():
-            g = by_onnx.get(entry.get("onnx"))
-            if g is None:
-                continue
-            key = ("layer", g["layer"], g["graph"]) if g["kind"] == "layer" else (g["kind"],)
-            engine = self._runtime.deserialize_cuda_engine((self.dir / plan).read_bytes())
-            if engine is None:
-                raise RuntimeError(f"{self.dir / plan}: TensorRT could not deserialize the engine (version/GPU mismatch?)")
-            self.engines[key] = (engine, engine.create_execution_context(), g)
-        need = [("embed",), ("head",)] + [("layer", l, m) for l in range(self.cfg.num_hidden_layers)
-                                          for m in ("prefill", "decode")]
-        missing = [k for k in need if k not in self.engines]
-        if missing:
-            raise ValueError(f"{mpath}: no engines for graphs {missing[:4]}; rebuild the engines")
+        self.engines: dict[str, tuple] = {}
+        for segs in self.segments.values():
+            for g in segs:
+                plan = plans.get(g["path"])
+                if plan is None:
+                    raise ValueError(f"{mpath}: no engine for graph {g['path']} (rank {rank}); rebuild the engines")
+                engine = self._runtime.deserialize_cuda_engine((self.dir / plan).read_bytes())
+                if engine is None:
+                    raise RuntimeError(f"{self.dir / plan}: TensorRT could not deserialize the engine "
+                                       "(version/GPU mismatch?)")
+                self.engines[g["id"]] = (engine, engine.create_execution_context())
         self.stream = torch.cuda.Stream(self.device)
 
     _TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int32": torch.int32,
               "int64": torch.int64}
 
-    def _run(self, key: tuple, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        engine, ctx, g = self.engines[key]
+    def _run(self, g: dict, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        engine, ctx = self.engines[g["id"]]
         state_io = g.get("state_io", {})
         aliased = {o: i for i, o in state_io.items()}
         outs: dict[str, torch.Tensor] = {}
@@ -350,10 +361,6 @@ class TensorRTExecutor(GraphExecutor):
             raise RuntimeError(f"TensorRT execution of {g['id']} failed")
         self.stream.synchronize()
         return outs
-
-    def _stage(self, key: tuple, env: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        env.update(self._run(key, env))
-        return env
 
     def close(self) -> None:
         self.engines.clear()

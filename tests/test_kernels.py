@@ -269,13 +269,22 @@ def test_mxfp4_moe(E, RL, I, T, k, bk, impl):
     assert relerr(y, r) < 1e-2   # h is rounded to bf16 between the two GEMMs
 
 
-def test_router():
+@pytest.mark.parametrize("groups,topk_group,scale", [(1, 1, 1.0), (4, 2, 2.5)])
+def test_router(groups, topk_group, scale):
+    """The GPU router equals the noaux_tc reference (ids as sets, weights per id), grouped top-k included."""
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(4, 32, generator=g)
+    x = torch.randn(6, 32, generator=g)
     gw = torch.randn(24, 32, generator=g)
     bias = torch.randn(24, generator=g) * 0.1
-    ids, w = moe_k.route(x, gw, bias, top_k=4)
-    s = torch.sigmoid(x @ gw.t())
-    ref_ids = (s + bias).topk(4, -1).indices
-    assert torch.equal(ids.long().sort(-1).values, ref_ids.sort(-1).values)
-    assert torch.allclose(w.sum(-1), torch.ones(4))
+    ids, w = moe_k.route(x.to(DEV), gw.to(DEV), bias.to(DEV), top_k=4, num_expert_group=groups,
+                         topk_group=topk_group, routed_scaling_factor=scale)
+    rids, rw = moe_ref_mod.route(x, gw, bias, top_k=4, num_expert_group=groups, topk_group=topk_group,
+                                 renormalize=True, scaling=scale)
+    ids, w = ids.cpu().long(), w.cpu()
+    for t in range(x.shape[0]):
+        got = dict(zip(ids[t].tolist(), w[t].tolist()))
+        want = dict(zip(rids[t].tolist(), rw[t].tolist()))
+        assert got.keys() == want.keys()
+        assert all(abs(got[e] - want[e]) < 1e-5 for e in want)
+    if groups > 1:   # every token's experts come from at most topk_group groups
+        assert all(len(set((ids[t] // (24 // groups)).tolist())) <= topk_group for t in range(x.shape[0]))
