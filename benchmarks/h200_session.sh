@@ -2,6 +2,7 @@
 # One device call on the H200 (device tool; torch 2.11+cu130, triton 3.6, no network). Usage from the repo root:
 #   bash benchmarks/h200_session.sh tests|bench|decode   (results under $OUT, default /tmp/out)
 # tests : GPU pytest of the kernels, CUDA-graph capture and the GPU runtime -> $OUT/junit.xml, $OUT/pytest.log
+#         (PYTEST_ARGS overrides the files; it is re-parsed by the shell: PYTEST_ARGS='tests/a.py -k "x and not y"')
 # bench : benchmarks/bench_kernels.py (KDA decode/prefill, graph, MLA, MoE) -> $OUT/bench.jsonl + roofline.png
 # decode: benchmarks/bench_decode.py on k3-slice (synthetic weights on the device) -> $OUT/decode.jsonl
 # fla-core travels as a wheel in .whl/ (not in git): python3 -m pip download fla-core==0.6.0 --no-deps -d .whl
@@ -12,7 +13,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 case "${1:-tests}" in
   tests)
-    eval timeout "${PYTEST_TIMEOUT:-420}" python3 -m pytest -q -rs "${PYTEST_ARGS:-tests/test_kernels.py tests/test_graph_safe.py tests/test_runtime_gpu.py}" \
+    eval timeout "${PYTEST_TIMEOUT:-420}" python3 -m pytest -q -rs ${PYTEST_ARGS:-tests/test_kernels.py tests/test_graph_safe.py tests/test_runtime_gpu.py} \
       --junitxml="$OUT/junit.xml" 2>&1 | tail -60 | tee "$OUT/pytest.log"
     echo "PYTEST_RC=${PIPESTATUS[0]}" | tee -a "$OUT/pytest.log" ;;
   bench)

@@ -149,6 +149,33 @@ def test_plugins_package_without_tensorrt():
             kda_trt.KdaPrefillPlugin  # noqa: B018 - built lazily with full TensorRT only
 
 
+@pytest.mark.parametrize("spec,attrs", [(KDA_PREFILL, {"num_heads": 2, "head_dim": 4}),
+                                        (MLA_DECODE, {"num_heads": 3, "kv_lora_rank": 8, "scale": 0.1}),
+                                        (MXFP4_MOE, {})])
+def test_plugin_output_shapes_through_the_expression_builder(spec, attrs):
+    """Plugin.get_output_shapes (the path TensorRT's builder calls) gives the shape rule's dims: input dims passed
+    through, constants from expr_builder.constant. The builder objects are stand-ins (IExprBuilder cannot be made
+    without a build); the plugin class is the real one on TensorRT-RTX's base classes."""
+    import types
+
+    rtx = _rtx()
+
+    class Dims(list):                                   # stand-in for trt.DimsExprs: DimsExprs(n) / DimsExprs(other)
+        def __init__(self, x):
+            super().__init__([None] * x if isinstance(x, int) else x)
+
+    fake = types.SimpleNamespace(**{k: getattr(rtx, k) for k in dir(rtx) if not k.startswith("__")})
+    fake.DimsExprs = Dims
+    builder = types.SimpleNamespace(constant=lambda v: ("const", v))
+    plugin = make_plugin_classes(spec, fake)[0](attrs)
+    full = {a.name: a.default for a in spec.attrs} | attrs
+    ins = [Dims([f"i{k}d{j}" for j in range(4)]) for k in range(len(spec.inputs))]
+    got = [list(d) for d in plugin.get_output_shapes(ins, [], builder)]
+    want = [[("const", d) if isinstance(d, int) else d for d in shp]
+            for shp in output_shapes(spec, full, [list(x) for x in ins])]
+    assert got == want and len(got) == len(spec.outputs)
+
+
 def test_plugin_classes_through_rtx_base_classes():
     trt = _rtx()
     plugin_cls, creator_cls = make_plugin_classes(KDA_PREFILL, trt)

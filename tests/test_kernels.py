@@ -1,5 +1,6 @@
 """Triton kernels vs the fp32 references. CPU: TRITON_INTERPRET=1 with tiny shapes (CI). GPU: production head
-counts (12, 24, 48, 96 heads per rank), bf16 activations, poisoned pools, non-contiguous slots/blocks."""
+counts (12, 24, 48, 96 heads per rank), bf16 activations, poisoned pools, poisoned memory around every tensor
+(`Guarded`), non-contiguous slots/blocks."""
 import os
 
 import pytest
@@ -28,6 +29,49 @@ def relerr(a, b):
 
 def nan_equal(a, b):
     return torch.equal(torch.nan_to_num(a.cpu().float(), nan=1234.5), torch.nan_to_num(b.cpu().float(), nan=1234.5))
+
+
+class Guarded:
+    """Poisoned memory around every tensor a kernel gets: `g(t)` copies t into the middle of a buffer whose PAD
+    elements on each side hold poison (NaN for floats, -1 / 0xFF for integers) and returns that view. An
+    out-of-bounds read picks up poison (NaN outputs, or a bad index that faults); `g.check()` asserts no margin
+    was written (out-of-bounds stores)."""
+
+    PAD = 256
+
+    def __init__(self):
+        self.bufs = []
+
+    @staticmethod
+    def _poison(dtype):
+        return float("nan") if dtype.is_floating_point else (0xFF if dtype == torch.uint8 else -1)
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        buf = torch.full((t.numel() + 2 * self.PAD,), self._poison(t.dtype), dtype=t.dtype, device=t.device)
+        view = buf[self.PAD:self.PAD + t.numel()].view(t.shape)
+        view.copy_(t)
+        self.bufs.append(buf)
+        return view
+
+    def empty(self, *shape, dtype, device=DEV) -> torch.Tensor:
+        return self(torch.zeros(*shape, dtype=dtype, device=device))
+
+    def check(self):
+        for buf in self.bufs:
+            for margin in (buf[:self.PAD], buf[-self.PAD:]):
+                if buf.dtype.is_floating_point:
+                    assert torch.isnan(margin.float()).all(), "a kernel wrote outside its tensor"
+                else:
+                    assert (margin == self._poison(buf.dtype)).all(), "a kernel wrote outside its tensor"
+
+
+def test_guarded_catches_a_write_past_the_end():
+    G = Guarded()
+    t = G(torch.zeros(4, dtype=torch.int32))
+    G.check()
+    G.bufs[0][G.PAD + t.numel()] = 7           # one element past the tensor
+    with pytest.raises(AssertionError, match="outside its tensor"):
+        G.check()
 
 
 # ------------------------------------------------------------------------------------------------- KDA
@@ -62,13 +106,16 @@ def test_kda_decode(H, K, act, bv):
     d, state, conv = _kda_inputs(len(slots), H, K, S, act, seed=H)
     _poison(state, conv, set(slots.tolist()))
     ro, rs, rc = kda_ref.kda_decode(**d, state=state, conv=conv, slots=slots, num_heads=H, head_dim=K)
-    dd = {k: v.to(DEV) for k, v in d.items()}
-    st, cv = state.to(DEV), conv.to(DEV)
+    G = Guarded()
+    dd = {k: G(v.to(DEV)) for k, v in d.items()}
+    st, cv = G(state.to(DEV)), G(conv.to(DEV))
     kw = dict(block_v=K // 4 if bv else None)
     if bv == "quarter+workspace":  # scratch carved from a caller buffer filled with garbage (CUDA graph / TRT)
         n = kda_k.kda_decode_workspace_bytes(len(slots), H, K, K // 4)
-        kw["workspace"] = torch.full((n,), 0xAB, dtype=torch.uint8, device=DEV)
-    o, st2, cv2 = kda_k.kda_decode(**dd, state=st, conv=cv, slots=slots.to(DEV), num_heads=H, head_dim=K, **kw)
+        kw["workspace"] = G(torch.full((n,), 0xAB, dtype=torch.uint8, device=DEV))
+    o, st2, cv2 = kda_k.kda_decode(**dd, state=st, conv=cv, slots=G(slots.to(DEV)), num_heads=H, head_dim=K,
+                                   out=G.empty(len(slots), H * K, dtype=act), **kw)
+    G.check()
     assert st2.data_ptr() == st.data_ptr() and cv2.data_ptr() == cv.data_ptr()
     tol = 1e-5 if act == torch.float32 else 2e-2
     assert relerr(o, ro) < tol
@@ -95,7 +142,8 @@ def test_kda_decode_multi_step(H, K, act):
 
 
 @pytest.mark.parametrize("H,K,act,lens", [(2, 16, torch.float32, [2, 5, 13])] + (
-    [(12, 128, torch.bfloat16, [1, 3, 70, 130]), (96, 128, torch.bfloat16, [2, 67])] if HAS_CUDA else
+    [(12, 128, torch.bfloat16, [1, 3, 70, 130]), (24, 128, torch.bfloat16, [65, 2]), (48, 128, torch.bfloat16, [3, 64]),
+     (96, 128, torch.bfloat16, [2, 67])] if HAS_CUDA else
     [(2, 32, torch.bfloat16, [1, 3, 9])]))
 def test_kda_prefill(H, K, act, lens):
     N = len(lens)
@@ -106,9 +154,12 @@ def test_kda_prefill(H, K, act, lens):
     d, state, conv = _kda_inputs(T, H, K, S, act, seed=11)
     _poison(state, conv, set(slots.tolist()))
     ro, rs, rc = kda_ref.kda_prefill(**d, state=state, conv=conv, cu_seqlens=cu, slots=slots, num_heads=H, head_dim=K)
-    st, cv = state.to(DEV), conv.to(DEV)
-    o, st, cv = kda_k.kda_prefill(**{k: v.to(DEV) for k, v in d.items()}, state=st, conv=cv, cu_seqlens=cu.to(DEV),
-                                  slots=slots.to(DEV), num_heads=H, head_dim=K)
+    G = Guarded()
+    st, cv = G(state.to(DEV)), G(conv.to(DEV))
+    o, st, cv = kda_k.kda_prefill(**{k: G(v.to(DEV)) for k, v in d.items()}, state=st, conv=cv,
+                                  cu_seqlens=G(cu.to(DEV)), slots=G(slots.to(DEV)), num_heads=H, head_dim=K,
+                                  out=G.empty(T, H * K, dtype=act))
+    G.check()
     bf = act == torch.bfloat16 or HAS_CUDA
     assert relerr(o, ro) < (3e-2 if bf else 1e-5)
     u = slots.long()
@@ -162,9 +213,12 @@ def test_mla_decode(H, R, DR, BS, dt):
     oo, oc = mla_ref.mla_decode(q.float(), lat.float(), cache.float(), bt, ctx, num_heads=H, kv_lora_rank=R, scale=scale)
     assert relerr(ro, oo) < 1e-5                         # own transcription agrees with the oracle
     ro = oo
-    c = cache.to(DEV)
-    o, c2 = mla_k.mla_decode(q.to(DEV), lat.to(DEV), c, bt.to(DEV), ctx.to(DEV), num_heads=H, kv_lora_rank=R, scale=scale,
+    G = Guarded()
+    c = G(cache.to(DEV))
+    o, c2 = mla_k.mla_decode(G(q.to(DEV)), G(lat.to(DEV)), c, G(bt.to(DEV)), G(ctx.to(DEV)), num_heads=H,
+                             kv_lora_rank=R, scale=scale, out=G.empty(B, H, R, dtype=dt),
                              **({} if HAS_CUDA else dict(num_splits=3, block_n=16)))
+    G.check()
     assert c2.data_ptr() == c.data_ptr()
     # fp32 on the GPU: tl.dot runs TF32 (~3e-4); the interpreter is exact fp32
     assert relerr(o, ro) < ((2e-3 if HAS_CUDA else 1e-5) if dt == torch.float32 else 1e-2)
@@ -211,9 +265,12 @@ def test_mla_prefill(H, R, DR, Dn, Dv, BS):
                                 qk_nope_head_dim=Dn, v_head_dim=Dv, kv_lora_rank=R, scale=scale)
     assert relerr(ro, oo) < 1e-5
     ro = oo
-    c = cache.to(DEV)
-    o, c = mla_k.mla_prefill(q.to(DEV), lat.to(DEV), kv_b.to(DEV), c, bt.to(DEV), cu.to(DEV), ctx.to(DEV), num_heads=H,
-                             qk_nope_head_dim=Dn, v_head_dim=Dv, kv_lora_rank=R, scale=scale)
+    G = Guarded()
+    c = G(cache.to(DEV))
+    o, c = mla_k.mla_prefill(G(q.to(DEV)), G(lat.to(DEV)), G(kv_b.to(DEV)), c, G(bt.to(DEV)), G(cu.to(DEV)),
+                             G(ctx.to(DEV)), num_heads=H, qk_nope_head_dim=Dn, v_head_dim=Dv, kv_lora_rank=R,
+                             scale=scale, out=G.empty(10, H * Dv, dtype=dt))
+    G.check()
     assert relerr(o, ro) < (1e-5 if dt == torch.float32 else 2e-2)
     assert nan_equal(c.float(), rc)
 
@@ -262,9 +319,11 @@ def test_mxfp4_moe(E, RL, I, T, k, bk, impl):
     ro = moe_ref_mod.mxfp4_moe(x.float(), ids, w, w13p, w13s, w2p, w2s, expert_offset=off)
     assert relerr(ro, r) < 1e-4
     r = ro
-    y = moe_k.mxfp4_moe(x.to(DEV), ids.to(DEV), w.to(DEV), w13p.to(DEV), w13s.to(DEV), w2p.to(DEV), w2s.to(DEV),
+    G = Guarded()
+    y = moe_k.mxfp4_moe(*(G(a.to(DEV)) for a in (x, ids, w, w13p, w13s, w2p, w2s)),
                         expert_offset=off, block_k=bk, block_n13=32 if not HAS_CUDA else 64,
-                        block_n2=32 if not HAS_CUDA else 64, impl=impl)
+                        block_n2=32 if not HAS_CUDA else 64, impl=impl, out=G.empty(T, RL, dtype=torch.float32))
+    G.check()
     assert y.dtype == torch.float32
     assert relerr(y, r) < 1e-2   # h is rounded to bf16 between the two GEMMs
 
