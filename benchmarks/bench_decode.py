@@ -342,7 +342,7 @@ def main(argv=None) -> int:
     _sync(device)
     build_s = time.perf_counter() - t0
     weights_gib = _gib(torch.cuda.memory_allocated(device)) if device.type == "cuda" else None
-    log.info("model built in %.1f s (%s GiB on the device)", build_s, weights_gib)
+    log.info("model built in %.1f s%s", build_s, f" ({weights_gib} GiB on the device)" if weights_gib is not None else "")
     ref_model = None
     if a.check and rank == 0:
         from model.reference import K3Model, ReferenceOps

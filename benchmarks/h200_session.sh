@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on the H200 (device tool; torch 2.11+cu130, triton 3.6, no network). Usage from the repo root:
+# One GPU session's tests and benchmarks (run on an H200: torch 2.11+cu130, triton 3.6, no network). From the repo root:
 #   bash benchmarks/h200_session.sh tests|bench|decode   (results under $OUT, default /tmp/out)
 # tests : GPU pytest of the kernels, CUDA-graph capture and the GPU runtime -> $OUT/junit.xml, $OUT/pytest.log
 #         (PYTEST_ARGS overrides the files; it is re-parsed by the shell: PYTEST_ARGS='tests/a.py -k "x and not y"')
@@ -7,11 +7,21 @@
 # decode: benchmarks/bench_decode.py on k3-slice (synthetic weights on the device) -> $OUT/decode.jsonl
 # fla-core travels as a wheel in .whl/ (not in git): python3 -m pip download fla-core==0.6.0 --no-deps -d .whl
 set -u
+usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; }
+case "${1:-}" in
+  tests|bench|decode) ;;
+  -h|--help) usage; exit 0 ;;
+  *) echo "error: say what to run: tests, bench or decode" >&2; usage >&2; exit 2 ;;
+esac
+if ! ls .whl/*.whl >/dev/null 2>&1; then
+  echo "error: .whl/ holds no wheels; on a machine with network run: pip download fla-core==0.6.0 --no-deps -d .whl" >&2
+  exit 2
+fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
-case "${1:-tests}" in
+case "$1" in
   tests)
     eval timeout "${PYTEST_TIMEOUT:-420}" python3 -m pytest -q -rs ${PYTEST_ARGS:-tests/test_kernels.py tests/test_graph_safe.py tests/test_runtime_gpu.py} \
       --junitxml="$OUT/junit.xml" 2>&1 | tail -60 | tee "$OUT/pytest.log"

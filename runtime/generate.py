@@ -73,6 +73,9 @@ def _main(argv: list[str] | None = None) -> int:
     if rank != 0:
         return 0
     print(" ".join(str(t) for t in out.token_ids))
+    if a.text and llm.tokenizer is None:
+        print("warning: --text: no tokenizer (tiktoken.model) in the model directory; printing token ids only",
+              file=sys.stderr)
     if a.text and llm.tokenizer is not None:
         try:
             print(llm.tokenizer.decode(out.token_ids))
