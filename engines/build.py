@@ -28,9 +28,7 @@ before serialization (``verified: "network"`` in the manifest); with a GPU it is
 from __future__ import annotations
 
 import argparse
-import ast
 import logging
-import operator
 import time
 import warnings
 from pathlib import Path
@@ -38,6 +36,7 @@ from typing import Any, Mapping, Sequence
 
 from engines import manifest as mf
 from engines.trt import TrtInfo, cuda_device_count, load_trt
+from plugins.trt_common import eval_dim  # noqa: F401  (one dim-expression evaluator; re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -66,34 +65,6 @@ def default_profile_dims(max_batch: int = 8, max_num_tokens: int = 256,
     for d in (prefill, decode):
         d.update(extra_dims or {})
     return [prefill, decode]
-
-
-_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
-
-
-def eval_dim(expr: str, values: Mapping[str, int]) -> int:
-    """Evaluate a dim_param (``"T"``, ``"N + 1"``, ``"2*S"``) with integer ``values``.
-
-    Raises KeyError naming the missing dim and ValueError for unsupported syntax."""
-
-    def ev(node):
-        if isinstance(node, ast.Expression):
-            return ev(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, int):
-            return node.value
-        if isinstance(node, ast.Name):
-            if node.id not in values:
-                raise KeyError(node.id)
-            return int(values[node.id])
-        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-            return _BINOPS[type(node.op)](ev(node.left), ev(node.right))
-        raise ValueError(f"unsupported dim expression {expr!r}")
-
-    try:
-        tree = ast.parse(expr.strip(), mode="eval")
-    except SyntaxError as e:
-        raise ValueError(f"unsupported dim expression {expr!r}") from e
-    return ev(tree)
 
 
 def onnx_input_dims(onnx_path: str | Path) -> dict[str, list[int | str]]:

@@ -57,10 +57,12 @@ fla for KdaPrefill), and an AOT plugin is exactly one precompiled kernel (trt_ao
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import inspect
 import logging
+import operator
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -264,30 +266,47 @@ def torch_dtype(name: str):
 _DEFAULT_DTYPES = {ACT: "bfloat16", F32: "float32", I32: "int32", U8: "uint8"}
 
 
+_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
+
+
+def eval_dim(expr: str, values: Mapping[str, int]) -> int:
+    """Evaluate a symbolic dim (an ONNX dim_param such as ``"T"``, ``"N + 1"``, ``"2*S"``: names, ints, + - * //)
+    with integer ``values``. Used for engine profiles (engines/build.py) and plugin workspace sizes.
+
+    Raises KeyError naming the missing dim and ValueError for unsupported syntax."""
+
+    def ev(node):
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.Name):
+            if node.id not in values:
+                raise KeyError(node.id)
+            return int(values[node.id])
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+            return _BINOPS[type(node.op)](ev(node.left), ev(node.right))
+        raise ValueError(f"unsupported dim expression {expr!r}")
+
+    try:
+        tree = ast.parse(str(expr).strip(), mode="eval")
+    except SyntaxError as e:
+        raise ValueError(f"unsupported dim expression {expr!r}") from e
+    return ev(tree)
+
+
 def _eval_dim(expr: Any, dims: Mapping[str, int] | None, op: str) -> int:
-    """A concrete dim from an int or a symbolic dim: a name or an expression of names (``"N + 1"``; + - * //)."""
+    """A concrete, non-negative dim from an int or a symbolic dim (see :func:`eval_dim`). ValueError naming `op`
+    for a dim without a value, bad syntax or a negative result."""
     if isinstance(expr, (int, np.integer)):
         value = int(expr)
     else:
-        import ast
-        import operator
-
-        ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
-
-        def ev(node):
-            if isinstance(node, ast.Expression):
-                return ev(node.body)
-            if isinstance(node, ast.Constant) and isinstance(node.value, int):
-                return node.value
-            if isinstance(node, ast.Name):
-                if dims is None or node.id not in dims:
-                    raise ValueError(f"{op}: symbolic dim {node.id!r} has no value; pass dims={{{node.id!r}: max}}")
-                return int(dims[node.id])
-            if isinstance(node, ast.BinOp) and type(node.op) in ops:
-                return ops[type(node.op)](ev(node.left), ev(node.right))
-            raise ValueError(f"{op}: cannot evaluate dim {expr!r} (names, ints, + - * // only)")
-
-        value = ev(ast.parse(str(expr), mode="eval"))
+        try:
+            value = eval_dim(expr, dims or {})
+        except KeyError as e:
+            raise ValueError(f"{op}: symbolic dim {e.args[0]!r} has no value; pass dims={{{e.args[0]!r}: max}}") from None
+        except ValueError as e:
+            raise ValueError(f"{op}: {e} (names, ints, + - * // only)") from None
     if value < 0:
         raise ValueError(f"{op}: dim {expr!r} = {value} is negative; use the profile's max dims")
     return value

@@ -1,4 +1,5 @@
-"""Shared fixtures: one k3-tiny synthetic checkpoint per test session (MODEL.md §1.4A)."""
+"""Shared fixtures: one k3-tiny synthetic checkpoint per test session (MODEL.md §1.4A), a 2-layer micro cut of it,
+and the built deployments."""
 from __future__ import annotations
 
 import pytest
@@ -22,6 +23,32 @@ def tiny_ckpt(tmp_path_factory, tiny_cfg):
 def tiny_model(tiny_ckpt):
     from model.reference import K3Model
     return K3Model.from_checkpoint(tiny_ckpt)
+
+
+@pytest.fixture(scope="session")
+def micro_cfg():
+    """2 layers (KDA dense + MLA MoE) cut from k3-tiny: all five ops, fast enough to split prompts everywhere."""
+    from model.config import preset_json
+    j = preset_json("k3-tiny")
+    tc = j["text_config"]
+    tc["num_hidden_layers"] = 2
+    tc["linear_attn_config"]["kda_layers"] = [1]
+    tc["linear_attn_config"]["full_attn_layers"] = [2]
+    tc["attn_res_block_size"] = 1
+    return load_config(j)
+
+
+@pytest.fixture(scope="session")
+def micro_ckpt(tmp_path_factory, micro_cfg):
+    """Path of the micro config's synthetic checkpoint (seed 1)."""
+    from model.synthetic import write_synthetic
+    return write_synthetic(micro_cfg, tmp_path_factory.mktemp("micro") / "ckpt", seed=1)
+
+
+@pytest.fixture(scope="session")
+def micro_model(micro_ckpt):
+    from model.reference import K3Model
+    return K3Model.from_checkpoint(micro_ckpt)
 
 
 def _build(ckpt, out, *extra):

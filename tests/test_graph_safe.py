@@ -34,20 +34,11 @@ from plugins.mla.trt import MLA_DECODE, MLA_PREFILL  # noqa: E402
 from plugins.moe import kernels as moe_k             # noqa: E402
 from plugins.moe.trt import MXFP4_MOE                # noqa: E402
 from plugins.trt_common import ACT, F32, Like, OpSpec, run_kernel, workspace_size  # noqa: E402
+from kernel_checks import nan_equal, relerr    # noqa: E402  (tests/kernel_checks.py)
 
 REPO = Path(__file__).resolve().parents[1]
 DEV = "cuda" if HAS_CUDA else "cpu"
 gpu_only = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-
-
-def relerr(a, b):
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    assert torch.isfinite(a).all(), "non-finite values in kernel output"
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def nan_equal(a, b):
-    return torch.equal(torch.nan_to_num(a.cpu().float(), nan=1234.5), torch.nan_to_num(b.cpu().float(), nan=1234.5))
 
 
 # --------------------------------------------------------------------------------------------------- op cases

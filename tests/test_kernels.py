@@ -16,19 +16,10 @@ from plugins.mla import kernels as mla_k          # noqa: E402
 from plugins.moe import kernels as moe_k          # noqa: E402
 from plugins.mla import reference as mla_ref      # noqa: E402  (the lead's oracle)
 from plugins.moe import reference as moe_ref_mod  # noqa: E402
+from kernel_checks import nan_equal, relerr    # noqa: E402  (tests/kernel_checks.py)
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 gpu_only = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-
-
-def relerr(a, b):
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    assert torch.isfinite(a).all(), "non-finite values in kernel output"
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def nan_equal(a, b):
-    return torch.equal(torch.nan_to_num(a.cpu().float(), nan=1234.5), torch.nan_to_num(b.cpu().float(), nan=1234.5))
 
 
 class Guarded:

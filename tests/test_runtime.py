@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.config import load_config, preset_json
+from model.config import load_config
 from model.reference import K3Model, SequenceState, forward
 from runtime.api import LLM, SamplingParams
 from runtime.cache import AdmissionError, HybridCache, plan_memory
@@ -162,23 +162,6 @@ def test_batch_invariance_greedy(tiny_model):
         assert cols[i].tokens == solo_greedy(tiny_model, p, n_out[i]), f"request {i} (prompt length {len(p)})"
     assert sched.cache.slots_in_use == 0 and sched.cache.blocks_in_use == 0
     sched.cache.check_consistent()
-
-
-def _micro_cfg():
-    """2 layers (KDA dense + MLA MoE) from k3-tiny: fast enough to split a prompt at every offset."""
-    j = preset_json("k3-tiny")
-    tc = j["text_config"]
-    tc["num_hidden_layers"] = 2
-    tc["linear_attn_config"]["kda_layers"] = [1]
-    tc["linear_attn_config"]["full_attn_layers"] = [2]
-    tc["attn_res_block_size"] = 1
-    return load_config(j)
-
-
-@pytest.fixture(scope="module")
-def micro_model(tmp_path_factory):
-    from model.synthetic import write_synthetic
-    return K3Model.from_checkpoint(write_synthetic(_micro_cfg(), tmp_path_factory.mktemp("micro") / "ckpt", seed=1))
 
 
 STATE_ATOL, STATE_RTOL = 1e-5, 1e-4   # fp32 KDA state after a split vs unsplit prefill (matmul row blocking)
@@ -446,14 +429,12 @@ def test_tokenizer_round_trip(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("export.onnx") is None,
                     reason="export/onnx.py (python -m export.onnx) is not written yet")
-def test_onnxruntime_matches_torch(micro_model, tmp_path_factory):
+def test_onnxruntime_matches_torch(micro_model, micro_ckpt, tmp_path_factory):
     """Greedy tokens of the onnxruntime backend == torch backend == solo reference. Uses the 2-layer micro model
     (KDA + dense MLP, MLA + MXFP4 MoE, AttnRes commits): exporting k3-tiny takes ~100 s on this CPU."""
     pytest.importorskip("onnxruntime")
-    from model.synthetic import write_synthetic
-    base = tmp_path_factory.mktemp("ort")
-    ckpt = write_synthetic(micro_model.cfg, base / "ckpt", seed=1)
-    out = base / "onnx"
+    ckpt = micro_ckpt
+    out = tmp_path_factory.mktemp("ort") / "onnx"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     r = subprocess.run([sys.executable, "-m", "export.onnx", "--checkpoint", str(ckpt), "--out", str(out),
                         "--no-progress", "--log-level", "WARNING"],

@@ -30,7 +30,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.config import load_config, preset_json
 from model.reference import K3Model, ReferenceOps, SequenceState, forward
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,28 +53,6 @@ def _one_thread():
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------
-
-def _micro_cfg():
-    """2 layers (KDA dense + MLA MoE) from k3-tiny (the same cut as tests/test_runtime.py)."""
-    j = preset_json("k3-tiny")
-    tc = j["text_config"]
-    tc["num_hidden_layers"] = 2
-    tc["linear_attn_config"]["kda_layers"] = [1]
-    tc["linear_attn_config"]["full_attn_layers"] = [2]
-    tc["attn_res_block_size"] = 1
-    return load_config(j)
-
-
-@pytest.fixture(scope="module")
-def micro_ckpt(tmp_path_factory):
-    from model.synthetic import write_synthetic
-    return write_synthetic(_micro_cfg(), tmp_path_factory.mktemp("micro_gpu") / "ckpt", seed=1)
-
-
-@pytest.fixture(scope="module")
-def micro_model(micro_ckpt):
-    return K3Model.from_checkpoint(micro_ckpt)
-
 
 def _bf(t):
     return t.to(torch.bfloat16).to(t.dtype)
