@@ -26,12 +26,18 @@ What it does, per ops variant (`--ops`, comma-separated; the model is built once
    relative error <= --check-tol and agreement >= --check-agree (statistical on purpose: the synthetic models
    amplify the kernels' bf16 rounding into routing flips, see docs/DESIGN.md "GPU runtime"). Feasible for
    k3-tiny; for k3-slice the CPU reference needs ~25 GB of host memory and minutes.
+5. `--save-logits FILE` / `--compare-to FILE`: the same teacher-forced logits compared with another run's instead
+   of the CPU reference (e.g. TP=2 over NCCL against TP=1 on one GPU; same pass rule as --check), plus the greedy
+   tokens both runs generated from the same prompts (requests equal throughout, first divergence each).
+6. `--kernel-profile STEPS`: STEPS more decode steps under torch.profiler: GPU kernels per step, GPU busy time
+   and its share of the step (below 1: the step waits on the host), the top kernels.
 
 Output: one JSON line per ops variant on stdout (rank 0) and appended to `--out`: step_ms_median / mean / min /
 max, tokens_per_s (= batch / median step), forward_ms_median (the executor's forward alone, synchronized) and
 host_ms_median (the rest of the step: batch building, sampling, bookkeeping), prefill_s, build_s, memory,
 collectives {op: calls/bytes/ms per step}, collective_ms_per_step, collective_share, per-rank summaries (tp > 1),
-check {...}. Exit status: 0, 1 when --check fails, 2 for bad arguments.
+check {...}, compare {...}, kernel_profile {...}. Exit status: 0, 1 when --check or --compare-to fails, 2 for
+bad arguments.
 """
 from __future__ import annotations
 
@@ -79,6 +85,9 @@ def parse_args(argv=None):
     run.add_argument("--warmup", type=int, default=3, help="untimed decode steps first (default %(default)s)")
     run.add_argument("--profile-steps", type=int, default=None,
                      help="extra decode steps with collective timing (default: min(steps, 8) when tp > 1, else 0)")
+    run.add_argument("--kernel-profile", type=int, default=0, metavar="STEPS",
+                     help="STEPS more decode steps under torch.profiler: GPU kernels per step, GPU busy time per step "
+                          "(union of kernel intervals) and its share of the step, top kernels (default off)")
     run.add_argument("--max-num-tokens", type=int, default=8192, help="prefill tokens per step (default %(default)s)")
     run.add_argument("--block-size", type=int, default=16, help="latent block size (multiple of 16 on CUDA)")
     chk = ap.add_argument_group("check")
@@ -90,6 +99,11 @@ def parse_args(argv=None):
     out = ap.add_argument_group("output")
     out.add_argument("--out", type=Path, default=None, help="append JSON lines here (rank 0)")
     out.add_argument("--label", default=None, help="free text stored in each record")
+    out.add_argument("--save-logits", type=Path, default=None,
+                     help="save prompts, generated tokens and teacher-forced logits (torch.save) for --compare-to")
+    out.add_argument("--compare-to", type=Path, default=None,
+                     help="compare with a --save-logits file of another run (e.g. TP=2 against TP=1): logits on the "
+                          "saved sequences and greedy tokens; fails like --check")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
     out.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
@@ -134,7 +148,7 @@ def run_variant(a, executor, prompts, rank: int, progress: bool) -> tuple[dict, 
     cfg, dev = executor.cfg, executor.device
     comm = executor.comm
     prof = a.profile_steps if a.profile_steps is not None else (min(a.steps, 8) if executor.tp > 1 else 0)
-    decode_steps = a.warmup + a.steps + prof
+    decode_steps = a.warmup + a.steps + prof + a.kernel_profile
     max_ctx = a.prompt_len + decode_steps + 2
     nblocks = 1 + a.batch * math.ceil(max_ctx / a.block_size)
     executor.check_block_size(a.block_size)
@@ -228,6 +242,7 @@ def run_variant(a, executor, prompts, rank: int, progress: bool) -> tuple[dict, 
         total = sum(v["seconds"] for v in st.values())
         coll_ms = total * 1e3 / prof
         share = total / sum(prof_times)
+    kprof = kernel_profile(decode_step, a.kernel_profile) if a.kernel_profile else None
     if bar is not None:
         bar.close()
     for rid in list(sched.requests):
@@ -244,60 +259,161 @@ def run_variant(a, executor, prompts, rank: int, progress: bool) -> tuple[dict, 
         "profiled_step_ms_median": round(statistics.median(prof_times) * 1e3, 4) if prof_times else None,
         "collectives": coll, "collective_ms_per_step": None if coll_ms is None else round(coll_ms, 4),
         "collective_share": None if share is None else round(share, 4),
-        "pools_gib": _gib(pool_bytes),
+        "kernel_profile": kprof, "pools_gib": _gib(pool_bytes),
         "mem_peak_gib": _gib(torch.cuda.max_memory_allocated(dev)) if dev.type == "cuda" else None,
     }
     return rec, tokens
 
 
-def check_against_reference(a, executor, ref_model, prompts, tokens, rank: int) -> dict | None:
-    """Teacher-forced logits of the model under test (all ranks) vs the CPU reference (rank 0). Returns the
-    metrics on rank 0, None elsewhere."""
-    from model.reference import Batch, allocate_pools
-    cfg, dev = executor.cfg, executor.device
+def kernel_profile(step, n: int, top: int = 12) -> dict:
+    """Run `step` n times under torch.profiler (CPU + CUDA activities). Returns per step: kernels (GPU launches,
+    incl. memcpy/memset), gpu_busy_ms (union of the device intervals, so overlapping streams count once), step_ms
+    (median of the steps' wall times), gpu_busy_share = gpu_busy / step; and the `top` kernels by device time
+    {name: {"calls_per_step", "ms_per_step"}}. A share well below 1 means the step waits on the host (launches,
+    Python, syncs), not on the GPU."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        times = [step() for _ in range(n)]
+    spans, per_name = [], {}
+    for e in prof.events():
+        if e.device_type != DeviceType.CUDA:
+            continue
+        t0, t1 = e.time_range.start, e.time_range.end
+        spans.append((t0, t1))
+        c, us = per_name.get(e.name, (0, 0.0))
+        per_name[e.name] = (c + 1, us + (t1 - t0))
+    busy, end = 0.0, float("-inf")
+    for t0, t1 in sorted(spans):
+        if t1 > end:
+            busy += t1 - max(t0, end)
+            end = t1
+    step_ms = statistics.median(times) * 1e3
+    busy_ms = busy / 1e3 / n
+    ranked = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"steps": n, "kernels_per_step": len(spans) / n, "gpu_busy_ms_per_step": round(busy_ms, 4),
+            "step_ms_median": round(step_ms, 4), "gpu_busy_share": round(busy_ms / step_ms, 4) if spans else None,
+            "top": {name[:120]: {"calls_per_step": c / n, "ms_per_step": round(us / 1e3 / n, 4)}
+                    for name, (c, us) in ranked}}
+
+
+def _check_sequences(a, prompts, tokens) -> tuple[list[list[int]], int]:
+    """The first --check-requests sequences (prompt + first k generated tokens) and k."""
     n = min(a.check_requests, len(prompts))
     k = min([a.check_steps] + [len(tokens[f"r{i}"]) - 1 for i in range(n)])
-    seqs, rows, targets = [], [], []
-    for i in range(n):
-        gen = tokens[f"r{i}"]
-        seqs.append(prompts[i] + gen[:k])
-        targets.append(gen[:k + 1])
-    lens = [len(s) for s in seqs]
-    off = 0
+    return [prompts[i] + tokens[f"r{i}"][:k] for i in range(n)], k
+
+
+def teacher_forced_logits(executor, seqs: list[list[int]], k: int, block_size: int, model=None) -> torch.Tensor:
+    """One prefill of `seqs` (fresh pools) through `executor` (every rank must call it) or, with `model`, through
+    that model's own forward (the CPU reference). Returns fp32 CPU logits [len(seqs) * (k + 1), vocab]: for each
+    sequence, the predictions of its last k + 1 positions (= of generated tokens 0..k)."""
+    from model.reference import Batch, allocate_pools
+    cfg = executor.cfg
+    n, lens = len(seqs), [len(s) for s in seqs]
+    rows, off = [], 0
     for L in lens:
-        rows.extend(range(off + L - k - 1, off + L))          # predictions of gen[0..k]
+        rows.extend(range(off + L - k - 1, off + L))
         off += L
-    bs = a.block_size
-    mb = max(math.ceil(L / bs) for L in lens)
+    mb = max(math.ceil(L / block_size) for L in lens)
     bt = torch.arange(1, n * mb + 1, dtype=torch.int32).view(n, mb)
     cu = torch.zeros(n + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
     batch = Batch(cu, torch.arange(1, n + 1, dtype=torch.int32), bt, torch.zeros(n, dtype=torch.int32))
     ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
     idx = torch.tensor(rows, dtype=torch.long)
-    pools = allocate_pools(cfg, n + 1, n * mb + 1, bs, executor.tp, torch.float32, dev)
-    test, _ = executor.forward(ids, batch, pools, idx)
-    test = test.float().cpu()
-    del pools
-    if rank != 0:
-        return None
-    with torch.no_grad():
-        ref, _ = ref_model.forward(ids, batch, allocate_pools(cfg, n + 1, n * mb + 1, bs), idx)
+    if model is not None:
+        with torch.no_grad():
+            out, _ = model.forward(ids, batch, allocate_pools(cfg, n + 1, n * mb + 1, block_size), idx)
+        return out.float()
+    pools = allocate_pools(cfg, n + 1, n * mb + 1, block_size, executor.tp, torch.float32, executor.device)
+    out, _ = executor.forward(ids, batch, pools, idx)
+    return out.float().cpu()
+
+
+def compare_logits(a, test: torch.Tensor, ref: torch.Tensor, targets: list[list[int]]) -> dict:
+    """Metrics of `test` logits against `ref` logits (both [n * (k + 1), vocab]); `targets` are the tokens the
+    run under test generated at those positions ([n][k + 1]). Pass rule: see --check-tol / --check-agree."""
+    n = len(targets)
     rel = ((test.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1).clamp_min(1e-30))
     ref_arg = ref.argmax(-1)
     gen_flat = torch.tensor([t for tg in targets for t in tg])
     top2 = ref.topk(2, dim=-1).values
     res = {
-        "requests": n, "steps": k, "positions": len(rows),
+        "requests": n, "steps": len(targets[0]) - 1, "positions": int(ref.shape[0]),
         "logits_relerr_median": float(rel.median()), "logits_relerr_max": float(rel.max()),
         "argmax_agreement": float((test.argmax(-1) == ref_arg).float().mean()),
         "decode_token_agreement": float((gen_flat == ref_arg).float().mean()),
         "ref_margin_min": float((top2[:, 0] - top2[:, 1]).min()),
-        "tokens": [tg for tg in targets], "ref_argmax": ref_arg.view(n, k + 1).tolist(),
+        "tokens": [list(tg) for tg in targets], "ref_argmax": ref_arg.view(n, -1).tolist(),
         "tol": a.check_tol, "min_agreement": a.check_agree,
     }
     res["passed"] = bool(res["logits_relerr_median"] <= a.check_tol and res["argmax_agreement"] >= a.check_agree
                          and res["decode_token_agreement"] >= a.check_agree)
+    return res
+
+
+def check_against_reference(a, executor, ref_model, prompts, tokens, rank: int) -> dict | None:
+    """Teacher-forced logits of the model under test (all ranks) vs the CPU reference (rank 0). Returns the
+    metrics on rank 0, None elsewhere."""
+    seqs, k = _check_sequences(a, prompts, tokens)
+    test = teacher_forced_logits(executor, seqs, k, a.block_size)
+    if rank != 0:
+        return None
+    ref = teacher_forced_logits(executor, seqs, k, a.block_size, model=ref_model)
+    return compare_logits(a, test, ref, [tokens[f"r{i}"][:k + 1] for i in range(len(seqs))])
+
+
+def _generated_equal(mine: dict[str, list[int]], theirs: dict[str, list[int]]) -> dict:
+    """Greedy tokens of two runs of the same prompts over the length both generated (the runs may decode different
+    numbers of steps, e.g. profiling steps at TP > 1): requests equal throughout, and the first divergence per request
+    (None: equal)."""
+    first = {}
+    for rid, ref in theirs.items():
+        got = mine.get(rid, [])
+        first[rid] = next((i for i in range(min(len(got), len(ref))) if got[i] != ref[i]), None)
+    return {"requests": len(theirs), "requests_equal": sum(v is None for v in first.values()),
+            "tokens_compared": sum(min(len(mine.get(r, [])), len(t)) for r, t in theirs.items()),
+            "first_divergence": first}
+
+
+def save_run(path: Path, a, rec: dict, executor, prompts, tokens) -> None:
+    """--save-logits (rank 0 writes; every rank runs the prefill): the run's prompts, generated tokens and
+    teacher-forced logits of its first --check-requests sequences, keyed by ops variant, for --compare-to in a later
+    run (e.g. TP=2 against TP=1). Written to a temp file, then renamed."""
+    seqs, k = _check_sequences(a, prompts, tokens)
+    logits = teacher_forced_logits(executor, seqs, k, a.block_size)
+    if executor.comm.rank != 0:
+        return
+    data = torch.load(path, weights_only=False) if path.exists() else {}
+    data[rec["ops"]] = {"meta": {x: rec[x] for x in ("model", "weights", "tp", "ep", "device", "batch", "prompt_len")},
+                        "prompts": prompts, "tokens": tokens, "seqs": seqs, "k": k, "logits": logits}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(data, tmp)
+    tmp.replace(path)
+
+
+def compare_run(path: Path, a, rec: dict, executor, prompts, tokens) -> dict | None:
+    """--compare-to: teacher-force the saved run's sequences through this model and compare logits with the saved
+    ones; compare the greedy tokens both runs generated from the same prompts. Returns the metrics on rank 0 (None
+    elsewhere). Raises ValueError when the file has no record of this ops variant or its prompts differ."""
+    data = torch.load(path, weights_only=False)
+    if rec["ops"] not in data:
+        raise ValueError(f"--compare-to {path}: no saved run of ops {rec['ops']!r} (has {sorted(data)}); "
+                         "save one with the same --ops")
+    saved = data[rec["ops"]]
+    if saved["prompts"] != prompts:
+        raise ValueError(f"--compare-to {path}: saved prompts differ (use the same --batch, --prompt-len, --seed)")
+    seqs, k = saved["seqs"], saved["k"]
+    test = teacher_forced_logits(executor, seqs, k, a.block_size)
+    if executor.comm.rank != 0:
+        return None
+    targets = [tokens[f"r{i}"][:k + 1] for i in range(len(seqs))]
+    res = compare_logits(a, test, saved["logits"], targets)
+    res["against"] = saved["meta"]
+    res["greedy"] = _generated_equal(tokens, saved["tokens"])
     return res
 
 
@@ -325,6 +441,8 @@ def main(argv=None) -> int:
         variants = (a.ops or ("torch" if device.type == "cuda" else "reference")).split(",")
         from model.sharding import check_parallel
         check_parallel(cfg, tp, a.ep)
+        if a.compare_to is not None and not a.compare_to.is_file():
+            raise FileNotFoundError(f"--compare-to {a.compare_to}: no such file (write it with --save-logits first)")
         for v in variants:
             from runtime.executor import resolve_ops
             resolve_ops(v, device)
@@ -379,6 +497,15 @@ def main(argv=None) -> int:
             everyone = [None] * world
             torch.distributed.all_gather_object(everyone, mine)
             rec["per_rank"] = everyone
+        if a.save_logits is not None:
+            save_run(a.save_logits, a, rec, executor, prompts, tokens)
+        if a.compare_to is not None:
+            res = compare_run(a.compare_to, a, rec, executor, prompts, tokens)
+            rec["compare"] = res
+            if rank == 0 and not res["passed"]:
+                status = 1
+                log.error("compare failed (%s): median logits rel. err %.3g (tol %.3g), argmax agreement %.2f",
+                          v, res["logits_relerr_median"], a.check_tol, res["argmax_agreement"])
         if a.check:
             res = check_against_reference(a, executor, ref_model, prompts, tokens, rank)
             rec["check"] = res

@@ -390,12 +390,16 @@ def test_bench_decode_on_gpu(tmp_path):
     out = tmp_path / "b.jsonl"
     r = subprocess.run([sys.executable, "benchmarks/bench_decode.py", "--preset", "k3-tiny", "--device", DEV,
                         "--batch", "4", "--prompt-len", "16", "--steps", "4", "--warmup", "1", "--ops", "torch,kernels",
-                        "--check", "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=900)
+                        "--check", "--kernel-profile", "2", "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
+                       timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["ops"] for x in recs] == ["torch", "kernels"]
     for x in recs:
         assert x["device"].startswith(DEV_TYPE) and x["step_ms_median"] > 0 and x["check"]["passed"], x
+        kp = x["kernel_profile"]
+        if DEV_TYPE == "cuda":                  # the decode step launches kernels; busy time is a part of the step
+            assert kp["kernels_per_step"] > 10 and 0 < kp["gpu_busy_share"] <= 1.05 and kp["top"], kp
 
 
 @gpu
@@ -411,6 +415,42 @@ def test_bench_decode_tp2_collectives_on_gpu0(tmp_path):
     rec = json.loads(out.read_text().splitlines()[-1])
     assert rec["tp"] == 2 and len(rec["per_rank"]) == 2 and rec["collectives"]["all_reduce"]["calls_per_step"] == 27
     assert 0 < rec["collective_share"] < 1
+
+
+two_gpus = pytest.mark.skipif(DEV_TYPE != "cuda" or torch.cuda.device_count() < 2,
+                              reason="needs 2 CUDA GPUs (NCCL puts one rank per GPU); run on the device tool's "
+                                     "nvidia-h200-x2 kind")
+
+
+@two_gpus
+def test_tp2_nccl_on_two_gpus_equals_tp1(micro_ckpt, micro_model):
+    """TP=2 / EP=2 over NCCL, one rank per GPU (NCCL_NVLS_ENABLE=0 by runtime.distributed): the same greedy tokens
+    as TP=1 on one GPU and as the CPU reference."""
+    p = stable_prompts(micro_model, 1, [7], 6, KERNEL_TRIALS, 5e-2, seed=17)[0]
+    tp1 = _generate(micro_ckpt, 1, p, "--device", "cuda:0")
+    tp2 = _generate(micro_ckpt, 2, p, "--device", "cuda", "--ep", "2")
+    assert tp2 == tp1 == [str(t) for t in greedy_path(micro_model, p, 6)]
+
+
+@two_gpus
+def test_bench_decode_tp2_nccl_on_two_gpus(tmp_path):
+    """bench_decode on k3-tiny: TP=1 on one GPU saved, then TP=2 / EP=2 over NCCL on two GPUs compared with it
+    (teacher-forced logits, greedy tokens) and with the CPU reference (--check); NCCL collectives timed."""
+    out, saved = tmp_path / "b.jsonl", tmp_path / "tp1.pt"
+    base = ["benchmarks/bench_decode.py", "--preset", "k3-tiny", "--batch", "4", "--prompt-len", "16", "--steps", "4",
+            "--warmup", "1", "--ops", "kernels", "--check", "--out", str(out)]
+    r = subprocess.run([sys.executable] + base + ["--device", "cuda:0", "--save-logits", str(saved)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"] + base
+                       + ["--device", "cuda", "--tp", "2", "--ep", "2", "--compare-to", str(saved)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    one, two = [json.loads(x) for x in out.read_text().splitlines()]
+    assert two["dist_backend"] == "nccl" and two["nccl_nvls_enable"] == "0"
+    assert {x["rank"] for x in two["per_rank"]} == {0, 1} and two["device"] == "cuda:0"
+    assert two["collectives"]["all_reduce"]["calls_per_step"] == 27 and 0 < two["collective_share"] < 1
+    assert one["check"]["passed"] and two["check"]["passed"] and two["compare"]["passed"], (one, two)
 
 
 # ---- CPU: plumbing ------------------------------------------------------------------------------------------
@@ -587,12 +627,19 @@ def test_bench_decode_cpu_single_and_tp2(tmp_path):
     out = tmp_path / "b.jsonl"
     base = ["benchmarks/bench_decode.py", "--preset", "k3-tiny", "--device", "cpu", "--batch", "2",
             "--prompt-len", "6", "--steps", "2", "--warmup", "1", "--check", "--check-steps", "2", "--out", str(out)]
-    r = subprocess.run([sys.executable] + base, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    saved = tmp_path / "tp1.pt"
+    r = subprocess.run([sys.executable] + base + ["--save-logits", str(saved)], capture_output=True, text=True,
+                       cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"] + base
-                       + ["--tp", "2", "--ep", "2"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+                       + ["--tp", "2", "--ep", "2", "--compare-to", str(saved)], capture_output=True, text=True,
+                       cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     one, two = [json.loads(x) for x in out.read_text().splitlines()]
+    cmp = two["compare"]                                   # TP=2 against the saved TP=1 run: fp32 reference ops
+    assert cmp["passed"] and cmp["logits_relerr_max"] < 1e-4 and cmp["against"]["tp"] == 1
+    assert cmp["greedy"]["requests_equal"] == 2 and cmp["greedy"]["tokens_compared"] > 0
+    assert "compare" not in one
     assert one["tp"] == 1 and one["collective_share"] is None and one["check"]["logits_relerr_max"] == 0.0
     assert two["tp"] == 2 and two["dist_backend"] == "gloo" and len(two["per_rank"]) == 2
     assert two["collectives"]["all_reduce"]["calls_per_step"] == 27 and 0 < two["collective_share"] < 1
