@@ -85,6 +85,9 @@ def parse_args(argv=None):
     run.add_argument("--warmup", type=int, default=3, help="untimed decode steps first (default %(default)s)")
     run.add_argument("--profile-steps", type=int, default=None,
                      help="extra decode steps with collective timing (default: min(steps, 8) when tp > 1, else 0)")
+    run.add_argument("--cuda-graphs", action="store_true",
+                     help="decode steps replay CUDA graphs (runtime/graphs.py; ops kernels only); the Comm collective "
+                          "timing is off then (--kernel-profile shows the NCCL kernels)")
     run.add_argument("--kernel-profile", type=int, default=0, metavar="STEPS",
                      help="STEPS more decode steps under torch.profiler: GPU kernels per step, GPU busy time per step "
                           "(union of kernel intervals) and its share of the step, top kernels (default off)")
@@ -148,12 +151,17 @@ def run_variant(a, executor, prompts, rank: int, progress: bool) -> tuple[dict, 
     cfg, dev = executor.cfg, executor.device
     comm = executor.comm
     prof = a.profile_steps if a.profile_steps is not None else (min(a.steps, 8) if executor.tp > 1 else 0)
+    if a.cuda_graphs:
+        prof = 0                                   # a replay runs no Python: Comm sees no collective
     decode_steps = a.warmup + a.steps + prof + a.kernel_profile
     max_ctx = a.prompt_len + decode_steps + 2
     nblocks = 1 + a.batch * math.ceil(max_ctx / a.block_size)
     executor.check_block_size(a.block_size)
     cache = HybridCache(cfg, a.batch + 1, nblocks, a.block_size, executor.tp, torch.float32, dev, max_ctx)
     pool_bytes = sum(t.numel() * t.element_size() for p in cache.pools.values() for t in p.values())
+    capture_s = None
+    if a.cuda_graphs:
+        capture_s = executor.enable_cuda_graphs(cache.pools, a.batch, math.ceil(max_ctx / a.block_size)).capture_s
     sched = Scheduler(executor, cache, a.batch, a.max_num_tokens, eos_token_id=-1)
     tokens: dict[str, list[int]] = {}
     errors: list[str] = []
@@ -249,7 +257,8 @@ def run_variant(a, executor, prompts, rank: int, progress: bool) -> tuple[dict, 
         sched.cancel(rid)
     med = statistics.median(times)
     rec = {
-        "ops": executor.ops_name, "prefill_steps": prefill_steps, "prefill_s": round(prefill_s, 4),
+        "ops": executor.ops_name, "cuda_graphs": a.cuda_graphs, "graph_capture_s": capture_s,
+        "prefill_steps": prefill_steps, "prefill_s": round(prefill_s, 4),
         "prefill_tokens_per_s": round(a.batch * a.prompt_len / prefill_s, 1),
         "step_ms_median": round(med * 1e3, 4), "step_ms_mean": round(statistics.fmean(times) * 1e3, 4),
         "step_ms_min": round(min(times) * 1e3, 4), "step_ms_max": round(max(times) * 1e3, 4),
@@ -446,6 +455,8 @@ def main(argv=None) -> int:
         for v in variants:
             from runtime.executor import resolve_ops
             resolve_ops(v, device)
+        if a.cuda_graphs and (device.type != "cuda" or variants != ["kernels"]):
+            raise ValueError("--cuda-graphs: needs a CUDA device and --ops kernels (the pools are updated in place)")
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         shutdown()

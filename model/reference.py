@@ -380,13 +380,23 @@ class K3Model:
         """ids [T] packed tokens -> (logits [T or len(logits_index), vocab] fp32 on `device`, new pools).
         ids, batch and logits_index may be on the host (they are moved; validating host ids costs no device
         sync); pools must be on `device`. Raises ValueError for a token id outside [0, vocab_size)."""
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
-            raise ValueError(f"token ids: {[int(t) for t in ids if not 0 <= int(t) < self.cfg.vocab_size][:4]} outside "
-                             f"[0, vocab_size={self.cfg.vocab_size}); pass ids produced by the model's tokenizer")
+        self.check_ids(ids)
         dev = self.device
         ids, batch = ids.to(dev), batch.to(dev)
         if logits_index is not None:
             logits_index = logits_index.to(dev)
+        return self.forward_on_device(ids, batch, pools, logits_index)
+
+    def check_ids(self, ids: torch.Tensor) -> None:
+        """Raise ValueError naming the bad ids when a token id is outside [0, vocab_size) (reads ids: pass host ids)."""
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
+            raise ValueError(f"token ids: {[int(t) for t in ids if not 0 <= int(t) < self.cfg.vocab_size][:4]} outside "
+                             f"[0, vocab_size={self.cfg.vocab_size}); pass ids produced by the model's tokenizer")
+
+    def forward_on_device(self, ids: torch.Tensor, batch: Batch, pools: dict, logits_index: torch.Tensor | None = None):
+        """`forward` without validation or copies: ids, batch and logits_index already on `device`, ids trusted.
+        No host reads: with in-place ops (KernelOps) the decode step can be captured in a CUDA graph
+        (runtime/graphs.py)."""
         P = self.embed(ids)
         bank = P.new_zeros(P.shape[0], 0, P.shape[1])
         new = {}

@@ -171,6 +171,8 @@ class LLM:
     and onnxruntime only "cpu". ops (torch backend): "reference" | "torch" | "kernels" (runtime.executor.
     TorchExecutor; default "reference" on the CPU, "torch" = the Triton kernels on CUDA, which need a block_size
     multiple of 16). profile_comm: count and time the TP collectives (`llm.executor.comm.stats()`).
+    cuda_graphs (torch backend, CUDA, ops "kernels"): decode steps replay CUDA graphs captured at start-up, one per
+    batch bucket up to max_batch (runtime/graphs.py; capture takes a few warm-up steps per bucket).
     max_batch: requests running at once (KDA slots = max_batch + 1); max_num_tokens: tokens per scheduler step;
     max_context: tokens per request (default: the config's max_position_embeddings). block_size / num_blocks / memory_budget size the latent pool (default:
     enough for max_batch requests at max_context; memory_budget in bytes goes through `plan_memory`).
@@ -185,7 +187,7 @@ class LLM:
                  max_context: int | None = None, *, block_size: int = 16, num_blocks: int | None = None,
                  memory_budget: int | None = None, decode_pad_multiple: int | None = None,
                  tp: int | None = None, ep: int = 1, device: "str | torch.device | None" = None,
-                 ops: str | None = None, profile_comm: bool = False):
+                 ops: str | None = None, profile_comm: bool = False, cuda_graphs: bool = False):
         from runtime.distributed import parse_device
         self.paths = resolve_model_dir(path)
         self.backend = backend
@@ -216,6 +218,10 @@ class LLM:
             cache = HybridCache(cfg, max_batch + 1, num_blocks, block_size, self.executor.tp, torch.float32, device,
                                 max_context)
         self.cache = cache
+        if cuda_graphs:
+            if backend != "torch":
+                raise ValueError(f"cuda_graphs: only the torch backend captures CUDA graphs (backend is {backend!r})")
+            self.executor.enable_cuda_graphs(cache.pools, max_batch, math.ceil(cache.max_context / block_size))
         self.scheduler = Scheduler(self.executor, cache, max_batch, max_num_tokens, cfg.eos_token_id,
                                    decode_pad_multiple)
         self._engine: AsyncEngine | None = None

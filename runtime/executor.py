@@ -147,8 +147,26 @@ class TorchExecutor(Executor):
         """The model's `model.layers.Comm` (collective counters: `comm.stats()` when profiling)."""
         return self.model.comm
 
+    graphs = None
+
+    def enable_cuda_graphs(self, pools: dict, max_batch: int, max_blocks: int, *, capture: bool = True):
+        """Capture the decode step in CUDA graphs (runtime.graphs.DecodeGraphs: one per batch bucket up to
+        max_batch, block tables max_blocks wide, the cache's `pools` by address); decode forwards replay them from
+        then on. Needs ops "kernels" on CUDA (capture=False: the same padded path run eagerly, any device).
+        Collective timing (`comm.profile`) does not see replayed collectives. Raises ValueError otherwise."""
+        from runtime.graphs import DecodeGraphs
+        if self.comm.profile:
+            raise ValueError("profile_comm and CUDA graphs exclude each other (a replay runs no Python); "
+                             "time the graphs' collectives with a kernel profile instead")
+        self.graphs = DecodeGraphs(self.model, pools, max_batch, max_blocks, capture=capture)
+        return self.graphs
+
     def forward(self, ids, batch, pools, logits_index):
-        """See `Executor.forward`; logits [M, vocab] fp32 on `self.device`."""
+        """See `Executor.forward`; logits [M, vocab] fp32 on `self.device`. Decode batches replay the CUDA graphs
+        when `enable_cuda_graphs` was called."""
+        if self.graphs is not None and batch.decode:
+            self.model.check_ids(ids)
+            return self.graphs.forward(ids, batch, pools, logits_index)
         with torch.no_grad():
             return self.model.forward(ids, batch, pools, logits_index)
 

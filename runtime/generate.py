@@ -44,6 +44,9 @@ def _main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ops", default=None, choices=["reference", "torch", "kernels"],
                     help="custom ops of the torch backend (default: reference on the CPU, torch = Triton kernels on CUDA; "
                          "kernels = the CUDA kernels in place)")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="replay the decode step from CUDA graphs (torch backend, CUDA, --ops kernels; size them with "
+                         "--max-context)")
     ap.add_argument("--dist-backend", default=None, choices=["gloo", "nccl"],
                     help="torch.distributed backend under torchrun (default: nccl with a CUDA device, else gloo; "
                          "gloo with --device cuda:0 runs several ranks on one GPU, for tests)")
@@ -59,7 +62,7 @@ def _main(argv: list[str] | None = None) -> int:
                 ap.error(f"--prompt-ids {a.prompt_ids!r}: expected comma-separated integers")
         rank, _ = init_from_env(a.device if a.backend == "torch" else None, a.dist_backend)
         llm = LLM(a.model, backend=a.backend, max_batch=1, max_context=a.max_context, ep=a.ep, device=a.device,
-                  ops=a.ops)
+                  ops=a.ops, cuda_graphs=a.cuda_graphs)
         if a.prompt is not None:
             if llm.tokenizer is None:
                 ap.error(f"--prompt: no tokenizer (tiktoken.model) in {a.model}; use --prompt-ids")
