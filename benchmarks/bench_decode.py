@@ -525,6 +525,7 @@ def main(argv=None) -> int:
                 log.error("check failed (%s): median logits rel. err %.3g (tol %.3g), argmax agreement %.2f, "
                           "decode-token agreement %.2f (min %.2f)", v, res["logits_relerr_median"], a.check_tol,
                           res["argmax_agreement"], res["decode_token_agreement"], a.check_agree)
+        executor.close()                                    # graphs go before the process group
         rec["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         if rank == 0:
             line = json.dumps(rec)

@@ -161,6 +161,12 @@ class TorchExecutor(Executor):
         self.graphs = DecodeGraphs(self.model, pools, max_batch, max_blocks, capture=capture)
         return self.graphs
 
+    def close(self) -> None:
+        """Release the CUDA graphs (before the process group is destroyed)."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
     def forward(self, ids, batch, pools, logits_index):
         """See `Executor.forward`; logits [M, vocab] fp32 on `self.device`. Decode batches replay the CUDA graphs
         when `enable_cuda_graphs` was called."""

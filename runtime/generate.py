@@ -69,7 +69,10 @@ def _main(argv: list[str] | None = None) -> int:
             ids = llm.tokenizer.encode(a.prompt)
         params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                                 seed=a.seed, ignore_eos=a.ignore_eos)
-        out = llm.generate([ids], params)[0]
+        try:
+            out = llm.generate([ids], params)[0]
+        finally:
+            llm.executor.close()                            # CUDA graphs go before the process group
     except (ValueError, FileNotFoundError, ImportError, NotImplementedError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -128,6 +128,14 @@ class DecodeGraphs:
         log.info("captured decode graphs for batch sizes %s (block tables %d wide) in %.1f s", self.buckets,
                  self.max_blocks, self.capture_s)
 
+    def release(self) -> None:
+        """Destroy the graphs (and their captured NCCL work) after the device finished them; call before tearing
+        down the process group: a live graph holding NCCL kernels can hang `destroy_process_group`."""
+        if self.graphs:
+            torch.cuda.synchronize(self.model.device)
+        self.graphs.clear()
+        self.logits.clear()
+
     def bucket(self, n: int) -> int:
         """The graph batch size a decode batch of n runs in. ValueError when n > max_batch."""
         for b in self.buckets:
@@ -159,6 +167,8 @@ class DecodeGraphs:
         self.block_tables[:n, :mb].copy_(batch.block_tables, non_blocking=True)
         self.replays += 1
         if self.capture:
+            if not self.graphs:
+                raise RuntimeError("the decode graphs were released (executor closed)")
             self.graphs[b].replay()
             logits = self.logits[b]
         else:
