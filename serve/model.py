@@ -250,6 +250,8 @@ class TritonPythonModel:
         for key in ("device", "ops"):                     # torch backend on a GPU (python -m serve.repository --device)
             if params.get(key):
                 kwargs[key] = params[key]
+        if params.get("cuda_graphs", "").lower() == "true":
+            kwargs["cuda_graphs"] = True
         _log("info", f"k3: loading {model_path} with {kwargs}")
         self.llm = LLM(model_path, **kwargs)
         self.engine = self.llm.start()

@@ -13,7 +13,8 @@ writes::
 for ``onnxruntime``/``tensorrt``). The backend comes from ``DIR/manifest.json`` key ``"backend"`` when present,
 else ``--backend``, else ``torch``. The config carries parameters ``project_root`` (prepended to ``sys.path``
 in the stub so ``import runtime`` works), ``model_path``, ``backend``, ``max_batch``, ``max_num_tokens``,
-``max_context``, when given ``device`` / ``ops`` (torch backend on a GPU: ``--device cuda``) and, when
+``max_context``, when given ``device`` / ``ops`` / ``cuda_graphs`` (torch backend on a GPU: ``--device cuda
+--ops kernels --cuda-graphs``) and, when
 ``DIR/config.json`` names it, ``vocab_size`` (used to reject out-of-range ids early).
 
 Every written ``config.pbtxt`` is parsed back with the ModelConfig protobuf shipped in ``tritonclient``
@@ -171,10 +172,12 @@ def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backe
                      name: str = DEFAULT_MODEL_NAME, max_batch: int = 8, max_num_tokens: int = 256,
                      max_context: Optional[int] = None, instance_count: int = 1,
                      project_root: str | pathlib.Path = PROJECT_ROOT, overwrite: bool = False,
-                     device: Optional[str] = None, ops: Optional[str] = None) -> pathlib.Path:
+                     device: Optional[str] = None, ops: Optional[str] = None,
+                     cuda_graphs: bool = False) -> pathlib.Path:
     """Write ``out/<name>/config.pbtxt`` and ``out/<name>/1/model.py``; return the config's path.
     ``device`` / ``ops`` (torch backend: "cuda", "cuda:N", "cpu" / "torch", "kernels", "reference") become
     parameters the model passes to ``LLM(device=..., ops=...)``; omitted = the runtime's defaults (CPU).
+    ``cuda_graphs`` becomes ``LLM(cuda_graphs=True)`` (decode steps replayed from CUDA graphs; CUDA, ops "kernels").
 
     Raises:
         RepositoryError: ``engines`` is not a directory, the backend is unknown, a limit is < 1, or
@@ -207,6 +210,7 @@ def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backe
         "vocab_size": discover_vocab_size(engines),
         "device": device,
         "ops": ops,
+        "cuda_graphs": "true" if cuda_graphs else None,
     }
     text = render_config(name, params, instance_count)
     validate_config(text, name, where=str(model_dir / "config.pbtxt"))
@@ -253,6 +257,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--device", default=None, help="LLM(device=...): cpu, cuda or cuda:N (torch backend; default cpu)")
     p.add_argument("--ops", choices=["reference", "torch", "kernels"], default=None,
                    help="LLM(ops=...) of the torch backend (default: reference on the CPU, torch on CUDA)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="LLM(cuda_graphs=True): decode steps replay CUDA graphs (torch backend, CUDA, --ops kernels)")
     p.add_argument("--force", action="store_true", help="replace an existing OUT/<name>")
     args = p.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
@@ -260,7 +266,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         path = write_repository(args.engines, args.out, args.backend, name=args.name, max_batch=args.max_batch,
                                 max_num_tokens=args.max_num_tokens, max_context=args.max_context,
                                 instance_count=args.instances, overwrite=args.force, device=args.device,
-                                ops=args.ops)
+                                ops=args.ops, cuda_graphs=args.cuda_graphs)
     except RepositoryError as e:
         LOGGER.error("%s", e)
         return 2

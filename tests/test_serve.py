@@ -330,6 +330,13 @@ def test_repository_writer_config_validates(tmp_path):
     assert params["project_root"] == str(ROOT) and params["vocab_size"] == "321" and params["max_batch"] == "4"
     assert (cfg_path.parent / "1" / "model.py").read_text() == (ROOT / "serve" / "model.py").read_text()
     assert repo_mod.validate_repository(tmp_path / "repo") == [cfg_path]
+    assert "cuda_graphs" not in params and "device" not in params
+    gpu_cfg = repo_mod.write_repository(engines, tmp_path / "repo2", "torch", device="cuda", ops="kernels",
+                                        cuda_graphs=True)
+    cfg = model_config_pb2.ModelConfig()
+    text_format.Parse(gpu_cfg.read_text(), cfg)
+    params = {k: v.string_value for k, v in cfg.parameters.items()}
+    assert (params["device"], params["ops"], params["cuda_graphs"]) == ("cuda", "kernels", "true")
 
 
 def test_repository_backend_precedence(tmp_path):

@@ -1,0 +1,66 @@
+"""Plot decode step time against TP from bench_decode JSON lines (eager and CUDA graphs side by side).
+
+    python benchmarks/plot_decode_tp.py benchmarks/results/h200x2_run5_tp_eager_kprofile.jsonl \\
+        benchmarks/results/h200x2_run5_tp_graphs.jsonl --out benchmarks/results/decode_tp_run5.png
+
+One bar per record (label: TP, eager/graphs): the median step time, split into the GPU time of the NCCL kernels
+(from --kernel-profile; waiting for the slower rank included), the other kernels' GPU time, and the rest of the
+step (the GPU idle: host launches, Python, sampling); see `parts`. Records without a kernel profile are drawn as one bar.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def parts(rec: dict) -> tuple[float, float, float]:
+    """(nccl_ms, compute_ms, idle_ms) summing to the unprofiled median step: compute = the profiled GPU time of the
+    non-NCCL kernels (profiling does not slow the kernels); the rest of the step is NCCL kernel time (as far as the
+    profiled NCCL time reaches: it includes waiting for the slower rank) and then GPU idle (host-bound)."""
+    step = rec["step_ms_median"]
+    kp = rec.get("kernel_profile")
+    if not kp or not kp.get("gpu_busy_ms_per_step"):
+        return 0.0, 0.0, step
+    nccl = sum(v["ms_per_step"] for k, v in kp["top"].items() if k.startswith("ncclDevKernel"))
+    compute = min(max(kp["gpu_busy_ms_per_step"] - nccl, 0.0), step)
+    rest = step - compute
+    return min(nccl, rest), compute, rest - min(nccl, rest)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("jsonl", nargs="+", type=Path, help="bench_decode --out files")
+    ap.add_argument("--out", type=Path, required=True, help="PNG to write")
+    a = ap.parse_args(argv)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    recs = [json.loads(line) for p in a.jsonl for line in p.read_text().splitlines() if line.strip()]
+    if not recs:
+        ap.error("no records in the given files")
+    labels = [f"TP={r['tp']} {'graphs' if r.get('cuda_graphs') else 'eager'}\n{r['step_ms_median']:.1f} ms" for r in recs]
+    nccl, gpu, idle = zip(*(parts(r) for r in recs))
+    fig, ax = plt.subplots(figsize=(1.6 * len(recs) + 2, 4.5))
+    x = range(len(recs))
+    ax.bar(x, gpu, label="GPU kernels other than NCCL")
+    ax.bar(x, nccl, bottom=gpu, label="NCCL kernels (incl. waiting for the other rank)")
+    ax.bar(x, idle, bottom=[g + n for g, n in zip(gpu, nccl)], label="GPU idle (host-bound)", color="lightgrey")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_ylabel("decode step, ms (median)")
+    r0 = recs[0]
+    ax.set_title(f"{r0['model']} decode, B={r0['batch']}, prompt {r0['prompt_len']}, ops {r0['ops']} ({r0.get('gpu', '')})",
+                 fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    tmp = a.out.with_name(a.out.name + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    tmp.replace(a.out)
+    for lab, n, g, i in zip(labels, nccl, gpu, idle):
+        print(f"{lab.replace(chr(10), ' '):32s} gpu {g:6.2f}  nccl {n:6.2f}  idle {i:6.2f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
