@@ -23,6 +23,7 @@ Backends:
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -170,11 +171,13 @@ class TorchExecutor(Executor):
     def forward(self, ids, batch, pools, logits_index):
         """See `Executor.forward`; logits [M, vocab] fp32 on `self.device`. Decode batches replay the CUDA graphs
         when `enable_cuda_graphs` was called."""
-        if self.graphs is not None and batch.decode:
-            self.model.check_ids(ids)
-            return self.graphs.forward(ids, batch, pools, logits_index)
-        with torch.no_grad():
-            return self.model.forward(ids, batch, pools, logits_index)
+        # the scheduler may run in another thread (AsyncEngine): Triton launches on the *current* CUDA device
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            if self.graphs is not None and batch.decode:
+                self.model.check_ids(ids)
+                return self.graphs.forward(ids, batch, pools, logits_index)
+            with torch.no_grad():
+                return self.model.forward(ids, batch, pools, logits_index)
 
 
 # ---- onnxruntime ------------------------------------------------------------------------------------------
