@@ -645,6 +645,18 @@ print(out[0] == out[1], out)
 '''
 
 
+def _run_interpreted(script_text: str, ckpt, tmp_path) -> str:
+    """Run `script_text` with argv[1] = ckpt in a subprocess under TRITON_INTERPRET=1; returns its stdout."""
+    script = tmp_path / "interp_script.py"
+    script.write_text(script_text)
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run([sys.executable, str(script), str(ckpt)], capture_output=True, text=True, cwd=ROOT,
+                       timeout=600, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
 _GRAPHS_INTERP = r'''
 import sys, torch
 torch.set_num_threads(1)
@@ -665,28 +677,41 @@ def test_decode_graph_padding_path_under_the_interpreter(micro_ckpt, tmp_path):
     """runtime.graphs.DecodeGraphs without capture (CPU, TRITON_INTERPRET=1, fp32 kernels): decode batches of 3,
     2 and 1 copied into the static buffers and run in buckets 1/2/3 with padding rows (slot 0, block 0) give the
     reference's tokens exactly; 4 requests over 3 slots (reuse); the cache stays consistent."""
-    script = tmp_path / "graphs_interp.py"
-    script.write_text(_GRAPHS_INTERP)
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    r = subprocess.run([sys.executable, str(script), str(micro_ckpt)], capture_output=True, text=True, cwd=ROOT,
-                       timeout=600, env=env)
-    assert r.returncode == 0, r.stdout + r.stderr
-    ok, rest = r.stdout.split(" ", 1)
-    assert ok == "True" and rest.startswith("[1, 2, 3] "), r.stdout
-    assert int(rest.split()[3].rstrip(",")) >= 6, r.stdout          # decode steps went through the padded path
+    ok, rest = _run_interpreted(_GRAPHS_INTERP, micro_ckpt, tmp_path).split(" ", 1)
+    assert ok == "True" and rest.startswith("[1, 2, 3] "), rest
+    assert int(rest.split()[3].rstrip(",")) >= 6, rest              # decode steps went through the padded path
 
 
 def test_decode_graphs_refuse_what_they_cannot_capture(micro_ckpt):
-    """Clear errors: reference ops (pools not in place), capture on the CPU, other pool tensors, batch too big."""
+    """Clear errors: reference ops (pools not in place), capture on the CPU, other pool tensors, a batch above
+    max_batch, block tables wider than max_blocks, a prefill batch."""
     from runtime.api import LLM
     from runtime.graphs import batch_buckets
     assert batch_buckets(1) == [1] and batch_buckets(6) == [1, 2, 4, 6] and batch_buckets(8) == [1, 2, 4, 8]
     with pytest.raises(ValueError, match="max_batch"):
         batch_buckets(0)
+    from model.reference import Batch
+    from plugins.torch_ops import KernelOps
     with LLM(micro_ckpt, max_batch=2, max_context=32) as llm:
         with pytest.raises(ValueError, match="ops 'kernels'"):
             llm.executor.enable_cuda_graphs(llm.cache.pools, 2, 2, capture=False)
+        llm.executor.model.ops = KernelOps                  # the checks below run before any kernel
+        g = llm.executor.enable_cuda_graphs(llm.cache.pools, 2, 2, capture=False)
+
+        def batch(n, width=1, decode=True):
+            return (torch.zeros(n, dtype=torch.long), Batch(torch.arange(n + 1, dtype=torch.int32),
+                    torch.ones(n, dtype=torch.int32), torch.ones(n, width, dtype=torch.int32),
+                    torch.zeros(n, dtype=torch.int32), decode=decode), torch.arange(n))
+        with pytest.raises(ValueError, match="decode batch of 3 > max_batch 2"):
+            g.forward(*batch(3)[:2], llm.cache.pools, batch(3)[2])
+        with pytest.raises(ValueError, match="3 wide > max_blocks 2"):
+            g.forward(*batch(1, 3)[:2], llm.cache.pools, batch(1)[2])
+        with pytest.raises(ValueError, match="decode batches only"):
+            g.forward(*batch(1, decode=False)[:2], llm.cache.pools, batch(1)[2])
+        other = {l: {k: t.clone() for k, t in p.items()} for l, p in llm.cache.pools.items()}
+        with pytest.raises(ValueError, match="not the tensor the graphs were captured with"):
+            g.forward(*batch(1)[:2], other, batch(1)[2])
+        assert g.replays == 0
     with pytest.raises(ValueError, match="CUDA"):
         LLM(micro_ckpt, max_batch=2, max_context=32, cuda_graphs=True)
 
@@ -695,14 +720,8 @@ def test_kernel_ops_in_place_through_the_runtime_under_the_interpreter(micro_ckp
     """KernelOps (the Triton kernels called directly, pools updated in place) through the scheduler: chunked
     prefill (9-token budget), 3 requests over 2 slots (reuse). CPU under TRITON_INTERPRET=1 (the kernels compute
     in fp32 there), so the tokens equal the reference's exactly."""
-    script = tmp_path / "interp.py"
-    script.write_text(_INTERP)
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    r = subprocess.run([sys.executable, str(script), str(micro_ckpt)], capture_output=True, text=True, cwd=ROOT,
-                       timeout=600, env=env)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.startswith("True"), r.stdout
+    out = _run_interpreted(_INTERP, micro_ckpt, tmp_path)
+    assert out.startswith("True"), out
 
 
 def test_bench_decode_cpu_single_and_tp2(tmp_path):
