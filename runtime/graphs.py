@@ -17,9 +17,9 @@ a step is host-bound and tensor parallelism cannot shorten it. `DecodeGraphs` ca
   `torch.cuda.graph` into one memory pool shared by all buckets, largest first; collectives (NCCL) are captured
   with the rest.
 
-Prefill is never captured (its shapes change every step). The MLA decode kernel splits the sequence over the
-static block-table width (`max_blocks * block_size` tokens), so a context much shorter than `max_blocks` uses few
-of its splits: size `max_blocks` for the longest context served, not more.
+Prefill is never captured (its shapes change every step). The MLA decode kernel takes its split count from the
+static block-table width and divides each sequence's own context among the splits, so wide tables cost only the
+log-sum-exp combine over more (mostly empty) splits.
 """
 from __future__ import annotations
 

@@ -43,11 +43,13 @@ def _write_latent_kernel(lat_ptr, cache_ptr, bt_ptr, ctx_ptr, stride_lat, stride
 def _mla_split_kernel(
     q_ptr, cache_ptr, bt_ptr, ctx_ptr, po_ptr, plse_ptr,
     stride_qb, stride_qh, stride_bt, sm_scale,
-    H, NSPLIT, TOK_PER_SPLIT,
+    H, NSPLIT,
     BS: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
 ):
-    """grid (head groups, splits, B). One program: BH heads of one sequence over TOK_PER_SPLIT tokens.
-    BN divides BS and TOK_PER_SPLIT is a multiple of BN, so every [BN, 576] tile lies inside ONE paged block:
+    """grid (head groups, splits, B). One program: BH heads of one sequence over one of NSPLIT equal parts of ITS
+    context (L = context_lens[b] + 1 tokens; a part is cdiv(L, NSPLIT) rounded up to BN), so a sequence shorter than
+    the block-table width still spreads over all splits (mixed batches, CUDA graphs sized for the longest context).
+    BN divides BS and the part is a multiple of BN, so every [BN, 576] tile lies inside ONE paged block:
     its block id is one scalar load and the tile is BN*576 contiguous elements (coalesced 16-byte loads that
     the pipeliner turns into cp.async stages), read once for all BH heads."""
     hg = tl.program_id(0)
@@ -63,8 +65,9 @@ def _mla_split_kernel(
     qn = tl.load(q_base + dr[None, :], mask=hmask[:, None], other=0.0)                  # [BH, R]
     qp = tl.load(q_base + R + dp[None, :], mask=hmask[:, None], other=0.0)              # [BH, DR]
     L = tl.load(ctx_ptr + b) + 1
-    start = sp * TOK_PER_SPLIT
-    end = tl.minimum(start + TOK_PER_SPLIT, L)
+    part = tl.cdiv(tl.cdiv(L, NSPLIT), BN) * BN
+    start = sp * part
+    end = tl.minimum(start + part, L)
     m_i = tl.zeros([BH], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BH], dtype=tl.float32)
     acc = tl.zeros([BH, R], dtype=tl.float32)
@@ -251,7 +254,7 @@ def mla_decode(q_abs, latent, cache, block_tables, context_lens, *, num_heads: i
     plse = ws.empty((B * H * nsplit,), torch.float32)
     _mla_split_kernel[(ngroups, nsplit, B)](
         q_abs, cache, bt, ctx, po, plse, q_abs.stride(0), q_abs.stride(1), bt.stride(0), float(scale),
-        H, nsplit, tok, BS=BS, R=R, DR=DR, BH=BH, BN=BN,
+        H, nsplit, BS=BS, R=R, DR=DR, BH=BH, BN=BN,
         num_warps=num_warps or (4 if BH <= 16 else 8), num_stages=num_stages or 3)
     _mla_combine_kernel[(B, H)](po, plse, out, H, nsplit, out.stride(0), out.stride(1),
                                 R=R, BSPLIT=min(16, max(2, triton.next_power_of_2(nsplit))), num_warps=4)
