@@ -107,6 +107,9 @@ def parse_args(argv=None):
     out.add_argument("--compare-to", type=Path, default=None,
                      help="compare with a --save-logits file of another run (e.g. TP=2 against TP=1): logits on the "
                           "saved sequences and greedy tokens; fails like --check")
+    out.add_argument("--compare-tokens", action="store_true",
+                     help="with --compare-to: also fail unless every request's greedy tokens equal the saved run's "
+                          "(exact; expected with --ops reference, not with the bf16-rounding kernels)")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
     out.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
@@ -250,7 +253,9 @@ def run_variant(a, executor, prompts, rank: int, progress: bool) -> tuple[dict, 
         total = sum(v["seconds"] for v in st.values())
         coll_ms = total * 1e3 / prof
         share = total / sum(prof_times)
-    kprof = kernel_profile(decode_step, a.kernel_profile) if a.kernel_profile else None
+    kprof = None
+    if a.kernel_profile:
+        kprof = kernel_profile(decode_step, a.kernel_profile, statistics.median(times) * 1e3)
     if bar is not None:
         bar.close()
     for rid in list(sched.requests):
@@ -258,6 +263,7 @@ def run_variant(a, executor, prompts, rank: int, progress: bool) -> tuple[dict, 
     med = statistics.median(times)
     rec = {
         "ops": executor.ops_name, "cuda_graphs": a.cuda_graphs, "graph_capture_s": capture_s,
+        "graph_replays": executor.graphs.replays if executor.graphs is not None else None,
         "prefill_steps": prefill_steps, "prefill_s": round(prefill_s, 4),
         "prefill_tokens_per_s": round(a.batch * a.prompt_len / prefill_s, 1),
         "step_ms_median": round(med * 1e3, 4), "step_ms_mean": round(statistics.fmean(times) * 1e3, 4),
@@ -274,12 +280,14 @@ def run_variant(a, executor, prompts, rank: int, progress: bool) -> tuple[dict, 
     return rec, tokens
 
 
-def kernel_profile(step, n: int, top: int = 12) -> dict:
-    """Run `step` n times under torch.profiler (CPU + CUDA activities). Returns per step: kernels (GPU launches,
-    incl. memcpy/memset), gpu_busy_ms (union of the device intervals, so overlapping streams count once), step_ms
-    (median of the steps' wall times), gpu_busy_share = gpu_busy / step; and the `top` kernels by device time
-    {name: {"calls_per_step", "ms_per_step"}}. A share well below 1 means the step waits on the host (launches,
-    Python, syncs), not on the GPU."""
+def kernel_profile(step, n: int, unprofiled_step_ms: float, top: int = 12) -> dict:
+    """Run `step` n times under torch.profiler (CPU + CUDA activities). Returns per step: kernels_per_step (GPU
+    kernels incl. memcpy/memset, not the profiler's user annotations such as "nccl:all_reduce"), gpu_busy_ms_per_step
+    (union of the kernels' device intervals: overlapping streams count once), nccl_ms_per_step (NCCL kernels, which
+    include waiting for the slower rank), step_ms_median of the profiled steps (the profiler slows the host) and
+    gpu_busy_share = busy / `unprofiled_step_ms` (the timed steps' median, ms; kernels run as fast under the
+    profiler); top: the `top` kernels by device time {name: {"calls_per_step", "ms_per_step"}}. A share well below 1
+    means the step waits on the host (launches, Python, syncs), not on the GPU."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -287,7 +295,7 @@ def kernel_profile(step, n: int, top: int = 12) -> dict:
         times = [step() for _ in range(n)]
     spans, per_name = [], {}
     for e in prof.events():
-        if e.device_type != DeviceType.CUDA:
+        if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False) or e.name.startswith("nccl:"):
             continue
         t0, t1 = e.time_range.start, e.time_range.end
         spans.append((t0, t1))
@@ -298,11 +306,12 @@ def kernel_profile(step, n: int, top: int = 12) -> dict:
         if t1 > end:
             busy += t1 - max(t0, end)
             end = t1
-    step_ms = statistics.median(times) * 1e3
     busy_ms = busy / 1e3 / n
+    nccl_ms = sum(us for name, (_, us) in per_name.items() if name.startswith("ncclDevKernel")) / 1e3 / n
     ranked = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:top]
     return {"steps": n, "kernels_per_step": len(spans) / n, "gpu_busy_ms_per_step": round(busy_ms, 4),
-            "step_ms_median": round(step_ms, 4), "gpu_busy_share": round(busy_ms / step_ms, 4) if spans else None,
+            "nccl_ms_per_step": round(nccl_ms, 4), "step_ms_median": round(statistics.median(times) * 1e3, 4),
+            "gpu_busy_share": round(busy_ms / unprofiled_step_ms, 4) if spans else None,
             "top": {name[:120]: {"calls_per_step": c / n, "ms_per_step": round(us / 1e3 / n, 4)}
                     for name, (c, us) in ranked}}
 
@@ -377,42 +386,64 @@ def check_against_reference(a, executor, ref_model, prompts, tokens, rank: int) 
 def _generated_equal(mine: dict[str, list[int]], theirs: dict[str, list[int]]) -> dict:
     """Greedy tokens of two runs of the same prompts over the length both generated (the runs may decode different
     numbers of steps, e.g. profiling steps at TP > 1): requests equal throughout, and the first divergence per request
-    (None: equal)."""
+    (None: equal; 0 for a request this run lacks or generated nothing for)."""
     first = {}
     for rid, ref in theirs.items():
-        got = mine.get(rid, [])
-        first[rid] = next((i for i in range(min(len(got), len(ref))) if got[i] != ref[i]), None)
+        got = mine.get(rid) or []
+        first[rid] = 0 if not got else next((i for i in range(min(len(got), len(ref))) if got[i] != ref[i]), None)
     return {"requests": len(theirs), "requests_equal": sum(v is None for v in first.values()),
-            "tokens_compared": sum(min(len(mine.get(r, [])), len(t)) for r, t in theirs.items()),
+            "tokens_compared": sum(min(len(mine.get(r) or []), len(t)) for r, t in theirs.items()),
             "first_divergence": first}
+
+
+_SAVED_META = ("model", "weights", "tp", "ep", "device", "batch", "prompt_len", "block_size")
 
 
 def save_run(path: Path, a, rec: dict, executor, prompts, tokens) -> None:
     """--save-logits (rank 0 writes; every rank runs the prefill): the run's prompts, generated tokens and
     teacher-forced logits of its first --check-requests sequences, keyed by ops variant, for --compare-to in a later
-    run (e.g. TP=2 against TP=1). Written to a temp file, then renamed."""
+    run (e.g. TP=2 against TP=1). Written to a temp file, then renamed (engines.manifest.atomic_write_bytes).
+    Raises ValueError when `path` exists but is not such a file."""
+    import io
+    from engines.manifest import atomic_write_bytes
     seqs, k = _check_sequences(a, prompts, tokens)
     logits = teacher_forced_logits(executor, seqs, k, a.block_size)
     if executor.comm.rank != 0:
         return
-    data = torch.load(path, weights_only=False) if path.exists() else {}
-    data[rec["ops"]] = {"meta": {x: rec[x] for x in ("model", "weights", "tp", "ep", "device", "batch", "prompt_len")},
+    data = _load_saved(path) if path.exists() else {}
+    data[rec["ops"]] = {"meta": {x: rec[x] for x in _SAVED_META},
                         "prompts": prompts, "tokens": tokens, "seqs": seqs, "k": k, "logits": logits}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(data, tmp)
-    tmp.replace(path)
+    buf = io.BytesIO()
+    torch.save(data, buf)
+    atomic_write_bytes(path, buf.getbuffer())
+
+
+def _load_saved(path: Path) -> dict:
+    """A --save-logits file (tensors, lists and dicts only: loaded with weights_only=True). ValueError otherwise."""
+    try:
+        data = torch.load(path, weights_only=True)
+    except Exception as e:          # noqa: BLE001 - any unreadable file gets the same message
+        raise ValueError(f"{path}: not a bench_decode --save-logits file ({type(e).__name__}: {e})") from e
+    if not isinstance(data, dict) or not all(isinstance(v, dict) and "logits" in v for v in data.values()):
+        raise ValueError(f"{path}: not a bench_decode --save-logits file")
+    return data
 
 
 def compare_run(path: Path, a, rec: dict, executor, prompts, tokens) -> dict | None:
     """--compare-to: teacher-force the saved run's sequences through this model and compare logits with the saved
     ones; compare the greedy tokens both runs generated from the same prompts. Returns the metrics on rank 0 (None
-    elsewhere). Raises ValueError when the file has no record of this ops variant or its prompts differ."""
-    data = torch.load(path, weights_only=False)
+    elsewhere); "passed" follows --check-tol / --check-agree and, with --compare-tokens, needs every request's
+    greedy tokens equal. Raises ValueError when the file has no run of this ops variant, or its model, weights,
+    block size or prompts differ (every rank reads the file, so all ranks raise alike)."""
+    data = _load_saved(path)
     if rec["ops"] not in data:
         raise ValueError(f"--compare-to {path}: no saved run of ops {rec['ops']!r} (has {sorted(data)}); "
                          "save one with the same --ops")
     saved = data[rec["ops"]]
+    for key in ("model", "weights", "block_size"):
+        if saved["meta"].get(key) != rec[key]:
+            raise ValueError(f"--compare-to {path}: saved {key} {saved['meta'].get(key)!r} != this run's {rec[key]!r}; "
+                             "compare runs of the same model and --block-size")
     if saved["prompts"] != prompts:
         raise ValueError(f"--compare-to {path}: saved prompts differ (use the same --batch, --prompt-len, --seed)")
     seqs, k = saved["seqs"], saved["k"]
@@ -423,6 +454,8 @@ def compare_run(path: Path, a, rec: dict, executor, prompts, tokens) -> dict | N
     res = compare_logits(a, test, saved["logits"], targets)
     res["against"] = saved["meta"]
     res["greedy"] = _generated_equal(tokens, saved["tokens"])
+    if a.compare_tokens:
+        res["passed"] = bool(res["passed"] and res["greedy"]["requests_equal"] == res["greedy"]["requests"])
     return res
 
 
@@ -432,7 +465,6 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from model.config import load_config
     from runtime.distributed import init_from_env, resolve_device, shutdown
-    from runtime.executor import TorchExecutor
     device_arg = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         rank, world = init_from_env(device_arg, a.dist_backend)
@@ -452,6 +484,11 @@ def main(argv=None) -> int:
         check_parallel(cfg, tp, a.ep)
         if a.compare_to is not None and not a.compare_to.is_file():
             raise FileNotFoundError(f"--compare-to {a.compare_to}: no such file (write it with --save-logits first)")
+        if a.compare_to is not None and a.save_logits is not None and \
+                a.compare_to.resolve() == a.save_logits.resolve():
+            raise ValueError("--save-logits and --compare-to name the same file: the run would compare with itself")
+        if a.compare_tokens and a.compare_to is None:
+            raise ValueError("--compare-tokens needs --compare-to FILE")
         for v in variants:
             from runtime.executor import resolve_ops
             resolve_ops(v, device)
@@ -498,12 +535,30 @@ def main(argv=None) -> int:
     except ImportError:
         base["triton"] = None
     status = 0
-    for v in variants:
-        executor = TorchExecutor(model, ops=v)
+    try:
+        for v in variants:
+            status = max(status, bench_variant(a, v, model, ref_model, prompts, base, rank, world, progress))
+    except ValueError as e:                     # a --compare-to file that does not match this run
+        print(f"error: {e}", file=sys.stderr)
+        status = 2
+    finally:
+        shutdown()
+    return status
+
+
+def bench_variant(a, v: str, model, ref_model, prompts, base: dict, rank: int, world: int, progress: bool) -> int:
+    """Time one ops variant, then --save-logits / --compare-to / --check; rank 0 prints and appends the record.
+    Returns 0, or 1 when a comparison failed. The executor (and its CUDA graphs) is closed before returning, also
+    on errors (a graph holding NCCL kernels must go before the process group). ValueError from --compare-to."""
+    from runtime.executor import TorchExecutor
+    executor = TorchExecutor(model, ops=v)
+    status = 0
+    try:
         rec, tokens = run_variant(a, executor, prompts, rank, progress)
         rec = {**base, **rec}
         if world > 1:
-            mine = {"rank": rank, "step_ms_median": rec["step_ms_median"],
+            kp = {key: x for key, x in (rec["kernel_profile"] or {}).items() if key != "top"} or None
+            mine = {"rank": rank, "step_ms_median": rec["step_ms_median"], "kernel_profile": kp,
                     "collective_ms_per_step": rec["collective_ms_per_step"], "collective_share": rec["collective_share"]}
             everyone = [None] * world
             torch.distributed.all_gather_object(everyone, mine)
@@ -515,8 +570,9 @@ def main(argv=None) -> int:
             rec["compare"] = res
             if rank == 0 and not res["passed"]:
                 status = 1
-                log.error("compare failed (%s): median logits rel. err %.3g (tol %.3g), argmax agreement %.2f",
-                          v, res["logits_relerr_median"], a.check_tol, res["argmax_agreement"])
+                log.error("compare failed (%s): median logits rel. err %.3g (tol %.3g), argmax agreement %.2f, "
+                          "requests with equal greedy tokens %d/%d", v, res["logits_relerr_median"], a.check_tol,
+                          res["argmax_agreement"], res["greedy"]["requests_equal"], res["greedy"]["requests"])
         if a.check:
             res = check_against_reference(a, executor, ref_model, prompts, tokens, rank)
             rec["check"] = res
@@ -525,20 +581,20 @@ def main(argv=None) -> int:
                 log.error("check failed (%s): median logits rel. err %.3g (tol %.3g), argmax agreement %.2f, "
                           "decode-token agreement %.2f (min %.2f)", v, res["logits_relerr_median"], a.check_tol,
                           res["argmax_agreement"], res["decode_token_agreement"], a.check_agree)
+    finally:
         executor.close()                                    # graphs go before the process group
-        rec["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-        if rank == 0:
-            line = json.dumps(rec)
-            print(line, flush=True)
-            if a.out is not None:
-                a.out.parent.mkdir(parents=True, exist_ok=True)
-                with a.out.open("a") as f:
-                    f.write(line + "\n")
-            log.info("%s ops=%s: decode step %.3f ms median (%.3f mean), %.1f tokens/s%s", rec["model"], v,
-                     rec["step_ms_median"], rec["step_ms_mean"], rec["tokens_per_s"],
-                     "" if rec["collective_share"] is None else
-                     f", collectives {rec['collective_ms_per_step']:.3f} ms/step = {100 * rec['collective_share']:.1f}%")
-    shutdown()
+    rec["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    if rank == 0:
+        line = json.dumps(rec)
+        print(line, flush=True)
+        if a.out is not None:
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            with a.out.open("a") as f:
+                f.write(line + "\n")
+        log.info("%s ops=%s: decode step %.3f ms median (%.3f mean), %.1f tokens/s%s", rec["model"], v,
+                 rec["step_ms_median"], rec["step_ms_mean"], rec["tokens_per_s"],
+                 "" if rec["collective_share"] is None else
+                 f", collectives {rec['collective_ms_per_step']:.3f} ms/step = {100 * rec['collective_share']:.1f}%")
     return status
 
 

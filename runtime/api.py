@@ -218,15 +218,29 @@ class LLM:
             cache = HybridCache(cfg, max_batch + 1, num_blocks, block_size, self.executor.tp, torch.float32, device,
                                 max_context)
         self.cache = cache
+        self.scheduler = Scheduler(self.executor, cache, max_batch, max_num_tokens, cfg.eos_token_id,
+                                   decode_pad_multiple)
         if cuda_graphs:
             if backend != "torch":
                 raise ValueError(f"cuda_graphs: only the torch backend captures CUDA graphs (backend is {backend!r})")
-            self.executor.enable_cuda_graphs(cache.pools, max_batch, math.ceil(cache.max_context / block_size))
-        self.scheduler = Scheduler(self.executor, cache, max_batch, max_num_tokens, cfg.eos_token_id,
-                                   decode_pad_multiple)
+            self._enable_graphs(capture=True)
         self._engine: AsyncEngine | None = None
         self._ids = itertools.count()
         self._tokenizer = None
+
+    def _enable_graphs(self, capture: bool = True):
+        """Capture the decode graphs for this LLM's scheduler and cache: batch buckets up to max_batch rounded up to
+        the decode pad multiple (padded batches run in them too), block tables max_context / block_size wide.
+        capture=False: the same padded path eagerly (tests on the CPU). Returns the DecodeGraphs."""
+        sched, cache = self.scheduler, self.cache
+        m = sched.decode_pad_multiple or 1
+        width = math.ceil(cache.max_context / cache.block_size)
+        if width > 4096:
+            log.warning("cuda_graphs: block tables %d wide (max_context %d): every decode step's MLA combine walks "
+                        "splits sized for it; pass a smaller max_context if contexts stay shorter", width,
+                        cache.max_context)
+        return self.executor.enable_cuda_graphs(cache.pools, math.ceil(sched.max_batch / m) * m, width,
+                                                capture=capture)
 
     def _make_executor(self, backend: str, device=None, ops=None, profile_comm: bool = False):
         p = self.paths

@@ -159,6 +159,7 @@ class TorchExecutor(Executor):
         if self.comm.profile:
             raise ValueError("profile_comm and CUDA graphs exclude each other (a replay runs no Python); "
                              "time the graphs' collectives with a kernel profile instead")
+        self.close()                                        # graphs captured before (other pools or sizes)
         self.graphs = DecodeGraphs(self.model, pools, max_batch, max_blocks, capture=capture)
         return self.graphs
 

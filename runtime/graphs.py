@@ -1,21 +1,24 @@
 """CUDA graphs of the decode step for the torch backend.
 
-A decode step of the PyTorch model launches ~500 kernels from Python (k3-slice: 5 layers); measured on the H200
-(benchmarks/RESULTS.md, "Multi-GPU"), the host needs about as long to launch them as the GPU needs to run them, so
-a step is host-bound and tensor parallelism cannot shorten it. `DecodeGraphs` captures the whole decode forward
-(embedding, every layer with its all-reduces, head) once per batch bucket and replays it:
+A decode step of the PyTorch model launches ~500 kernels from Python (k3-slice: 5 layers). Measured on two H200s
+(benchmarks/RESULTS.md, "Run 5"): at TP=1 the GPU is busy for most of an eager step, but at TP=2 each rank's GPU work
+shrinks (9.3 ms) while launching stays as slow, so the step is host-bound and the ranks wait for each other in the
+all-reduces: TP=2 was slower than TP=1. `DecodeGraphs` captures the whole decode forward (embedding, every layer
+with its all-reduces, head) once per batch bucket and replays it:
 
 * buckets: batch sizes 1, 2, 4, ... up to `max_batch` (and `max_batch` itself); a batch of B runs in the
-  smallest bucket >= B, the extra rows are padding rows (token 0, slot 0, an all-sentinel block table, context
-  0: MODEL.md §9 sentinels), which touch only slot 0 and block 0;
-* static inputs: ids [Bmax] int64, slots, context_lens [Bmax] int32, block tables [Bmax, max_blocks] int32
-  (right-padded with block 0), cu_seqlens = 0..Bmax, logits rows 0..B; a step copies the batch into them, replays
-  the bucket's graph and returns the wanted logits rows (a copy);
+  smallest bucket >= B, the extra rows are padding rows (token 0, slot 0, context 0, block-table column 0 = block 0:
+  MODEL.md §9 sentinels), which touch only slot 0 and block 0 (a padding row attends over the one latent it writes);
+* static inputs: ids [Bmax] int64, slots, context_lens [Bmax] int32, block tables [Bmax, max_blocks] int32,
+  cu_seqlens = 0..Bmax, logits rows 0..B; a step copies the batch into the first rows (block-table columns past the
+  batch's width keep stale ids: a sequence never reads past its own blocks), sets the padding rows, replays the
+  bucket's graph and returns the wanted logits rows (a copy);
 * the pools are captured by address: the ops must update them in place (`ops="kernels"`), and the cache must keep
-  handing over the same tensors (`HybridCache.pools`); a forward with other pool tensors raises ValueError;
-* capture: two eager warm-up steps of padding rows on a side stream (Triton compiles, cuBLAS handles), then
-  `torch.cuda.graph` into one memory pool shared by all buckets, largest first; collectives (NCCL) are captured
-  with the rest.
+  handing over the same tensors (`HybridCache.pools`); the tensors seen at capture are remembered and a forward
+  with any other pool tensor raises ValueError;
+* capture (under the model's CUDA device, on a stream of that device): two eager warm-up steps of padding rows
+  per bucket (Triton compiles, cuBLAS handles, NCCL communicators), then `torch.cuda.graph` into one memory pool
+  shared by all buckets, largest first; collectives (NCCL) are captured with the rest.
 
 Prefill is never captured (its shapes change every step). The MLA decode kernel takes its split count from the
 static block-table width and divides each sequence's own context among the splits, so wide tables cost only the
@@ -47,15 +50,17 @@ def batch_buckets(max_batch: int) -> list[int]:
 class DecodeGraphs:
     """Decode forwards of `model` (a `model.reference.K3Model` on CUDA with in-place ops) replayed from CUDA graphs.
 
-    pools: the cache's pools {layer: {name: tensor}} (captured by address); max_batch: largest decode batch;
-    max_blocks: block-table width (latent blocks per sequence at the longest context). `capture=False` runs the
-    same padded static-buffer path eagerly (any device: tests the padding on the CPU). Raises ValueError for
-    max_batch/max_blocks < 1 or a model whose ops do not update the pools in place."""
+    pools: the cache's pools {layer: {name: tensor}} (captured by address; the tensors are remembered); max_batch:
+    largest decode batch; max_blocks: block-table width (latent blocks per sequence at the longest context).
+    `capture=False` runs the same padded static-buffer path eagerly (any device: tests the padding on the CPU).
+    Raises ValueError for max_batch/max_blocks < 1, capture on a non-CUDA device, or a model whose ops do not update
+    the pools in place."""
 
     def __init__(self, model, pools: dict, max_batch: int, max_blocks: int, *, capture: bool = True):
         if max_blocks < 1:
             raise ValueError(f"max_blocks = {max_blocks}: must be >= 1")
-        self.model, self.pools, self.capture = model, pools, capture
+        self.model, self.capture = model, capture
+        self.pools = {l: dict(p) for l, p in pools.items()}        # the tensors the graphs read and write
         self.buckets = batch_buckets(max_batch)
         self.max_batch, self.max_blocks = max_batch, max_blocks
         dev = model.device
@@ -71,16 +76,25 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.capture_s = 0.0
-        self.replays = 0                                    # decode forwards served (counted for tests / logs)
+        self.replays = 0                                    # decode forwards served (tests / logs)
+        self.padded_rows = 0                                # padding rows run in those forwards
+        self._released = False
         self._check_in_place()
         if capture:
-            self._capture_all()
+            with torch.cuda.device(dev):
+                self._capture_all()
 
     def _check_in_place(self) -> None:
         from plugins.torch_ops import KernelOps
         if self.model.ops is not KernelOps:
             raise ValueError("CUDA graphs need ops that update the pools in place: use ops 'kernels' "
                              f"(the model runs {getattr(self.model.ops, '__name__', self.model.ops)})")
+
+    def _check_pools(self, pools: dict, what: str) -> None:
+        for l, p in self.pools.items():
+            for name, t in p.items():
+                if pools[l][name] is not t:
+                    raise ValueError(f"layer {l} pool {name}: {what}")
 
     def _static_batch(self, n: int) -> tuple[torch.Tensor, Batch, torch.Tensor]:
         return (self.ids[:n], Batch(self.cu_seqlens[: n + 1], self.slots[:n], self.block_tables[:n],
@@ -89,24 +103,21 @@ class DecodeGraphs:
     def _run(self, n: int) -> torch.Tensor:
         ids, batch, rows = self._static_batch(n)
         logits, new = self.model.forward_on_device(ids, batch, self.pools, rows)
-        for l, p in new.items():
-            for name, t in p.items():
-                if t is not self.pools[l][name]:
-                    raise ValueError(f"layer {l} pool {name}: the ops returned a new tensor; CUDA graphs need "
-                                     "pools updated in place (ops 'kernels')")
+        self._check_pools(new, "the ops returned a new tensor; CUDA graphs need pools updated in place "
+                               "(ops 'kernels')")
         return logits
 
-    def _pad(self) -> None:
-        """Every static row a padding row (the state of capture: graphs touch only the sentinels then)."""
-        self.ids.zero_()
-        self.slots.zero_()
-        self.context_lens.zero_()
-        self.block_tables.zero_()
+    def _pad(self, lo: int, hi: int) -> None:
+        """Rows lo..hi padding rows (token 0, slot 0, context 0, block-table column 0 = sentinel block 0)."""
+        for t in (self.ids, self.slots, self.context_lens):
+            t[lo:hi].zero_()
+        self.block_tables[lo:hi, 0].zero_()
 
     def _capture_all(self) -> None:
         t0 = time.perf_counter()
         dev = self.model.device
-        self._pad()
+        self.block_tables.zero_()
+        self._pad(0, self.max_batch)                     # capture on padding rows: only the sentinels are touched
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.no_grad(), torch.cuda.stream(side):
@@ -119,7 +130,7 @@ class DecodeGraphs:
         with torch.no_grad():
             for n in reversed(self.buckets):
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
+                with torch.cuda.graph(g, pool=pool, stream=side):
                     self.logits[n] = self._run(n)
                 pool = g.pool()
                 self.graphs[n] = g
@@ -130,11 +141,12 @@ class DecodeGraphs:
 
     def release(self) -> None:
         """Destroy the graphs (and their captured NCCL work) after the device finished them; call before tearing
-        down the process group: a live graph holding NCCL kernels can hang `destroy_process_group`."""
+        down the process group: a live graph holding NCCL kernels hung `destroy_process_group` once (Run 5)."""
         if self.graphs:
             torch.cuda.synchronize(self.model.device)
         self.graphs.clear()
         self.logits.clear()
+        self._released = True
 
     def bucket(self, n: int) -> int:
         """The graph batch size a decode batch of n runs in. ValueError when n > max_batch."""
@@ -145,30 +157,28 @@ class DecodeGraphs:
 
     def forward(self, ids: torch.Tensor, batch: Batch, pools: dict, logits_index: torch.Tensor):
         """A decode forward (same contract as `Executor.forward`): ids [B] int64, batch (decode=True, block tables
-        at most `max_blocks` wide), pools (the captured ones), logits_index [M] rows < B -> (logits [M, vocab]
+        at most `max_blocks` wide), pools (the captured tensors), logits_index [M] rows < B -> (logits [M, vocab]
         fp32 on the device, pools). ValueError for a prefill batch, B > max_batch, wider block tables or other
-        pool tensors."""
+        pool tensors; RuntimeError after `release`. Nothing is written before the checks pass."""
+        if self._released:
+            raise RuntimeError("the decode graphs were released (executor closed)")
         if not batch.decode:
             raise ValueError("DecodeGraphs runs decode batches only")
-        for l, p in pools.items():
-            for name, t in p.items():
-                if t is not self.pools[l][name]:
-                    raise ValueError(f"layer {l} pool {name}: not the tensor the graphs were captured with; "
-                                     "recapture after reallocating the cache")
+        self._check_pools(pools, "not the tensor the graphs were captured with; recapture after reallocating the "
+                                 "cache")
         n, mb = int(ids.shape[0]), int(batch.block_tables.shape[1])
         if mb > self.max_blocks:
             raise ValueError(f"block tables {mb} wide > max_blocks {self.max_blocks} of the captured graphs "
                              "(a context past the graphs' max context)")
         b = self.bucket(n)
-        self._pad()
         self.ids[:n].copy_(ids, non_blocking=True)
         self.slots[:n].copy_(batch.slots, non_blocking=True)
         self.context_lens[:n].copy_(batch.context_lens, non_blocking=True)
         self.block_tables[:n, :mb].copy_(batch.block_tables, non_blocking=True)
+        self._pad(n, b)
         self.replays += 1
+        self.padded_rows += b - n
         if self.capture:
-            if not self.graphs:
-                raise RuntimeError("the decode graphs were released (executor closed)")
             self.graphs[b].replay()
             logits = self.logits[b]
         else:

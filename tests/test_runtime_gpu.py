@@ -407,20 +407,22 @@ cuda_only = pytest.mark.skipif(DEV_TYPE != "cuda" or not HAS_CUDA, reason="CUDA 
 
 @cuda_only
 def test_cuda_graph_decode_equals_eager_on_gpu(micro_ckpt, micro_model):
-    """LLM(cuda_graphs=True): the decode steps replay graphs (buckets 1, 2, 3; padding rows) and give the eager
-    kernels' tokens and the CPU reference's; 4 requests over 3 slots (reuse), cache consistent afterwards."""
+    """LLM(cuda_graphs=True): the decode steps replay graphs (buckets 1, 2, 4, 5; batches shrink as requests of
+    different lengths finish, so some run with padding rows) and give the eager kernels' tokens and the CPU
+    reference's; 6 requests over 5 slots (reuse), cache consistent afterwards."""
     from runtime.api import LLM, SamplingParams
-    prompts = stable_prompts(micro_model, 4, [4, 7, 12, 5], 6, KERNEL_TRIALS, 5e-2, seed=23)
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
-    kw = dict(device=DEV, ops="kernels", max_batch=3, max_num_tokens=64, max_context=64)
+    prompts = stable_prompts(micro_model, 6, [4, 7, 12, 5, 9, 3], 6, KERNEL_TRIALS, 5e-2, seed=23)
+    lens = [6, 2, 5, 3, 6, 4]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lens]
+    kw = dict(device=DEV, ops="kernels", max_batch=5, max_num_tokens=64, max_context=64)
     with LLM(micro_ckpt, **kw) as llm:
         eager = [o.token_ids for o in llm.generate(prompts, params)]
     with LLM(micro_ckpt, cuda_graphs=True, **kw) as llm:
         graphs = [o.token_ids for o in llm.generate(prompts, params)]
         g = llm.executor.graphs
-        assert g.capture and sorted(g.graphs) == [1, 2, 3] and g.replays >= 5
+        assert g.capture and sorted(g.graphs) == [1, 2, 4, 5] and g.replays >= 5 and g.padded_rows > 0
         llm.cache.check_consistent()
-    assert graphs == eager == [greedy_path(micro_model, p, 6) for p in prompts]
+    assert graphs == eager == [greedy_path(micro_model, p, n) for p, n in zip(prompts, lens)]
 
 
 @cuda_only
@@ -661,25 +663,33 @@ _GRAPHS_INTERP = r'''
 import sys, torch
 torch.set_num_threads(1)
 from runtime.api import LLM, SamplingParams
-ps = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [9] * 12, [17, 18, 19]]
-out = []
-for ops in ("reference", "kernels"):
-    with LLM(sys.argv[1], ops=ops, max_batch=3, max_num_tokens=40, max_context=64) as llm:
+ps = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [9] * 12, [17, 18, 19], [1, 2, 3, 4, 5, 6]]
+params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (4, 2, 5, 3, 4)]   # batches shrink: padding rows
+out, stats = [], []
+for ops, pad in (("reference", None), ("kernels", None), ("kernels", 4)):
+    with LLM(sys.argv[1], ops=ops, max_batch=5, max_num_tokens=64, max_context=64, decode_pad_multiple=pad) as llm:
         if ops == "kernels":     # the graphs' padded static-buffer path, run eagerly (no CUDA here)
-            g = llm.executor.enable_cuda_graphs(llm.cache.pools, 3, 4, capture=False)
-        out.append([o.token_ids for o in llm.generate(ps, SamplingParams(max_tokens=4, ignore_eos=True))])
+            g = llm._enable_graphs(capture=False)
+        out.append([o.token_ids for o in llm.generate(ps, params)])
         llm.cache.check_consistent()
-print(out[0] == out[1], g.buckets, g.replays, out)
+        if ops == "kernels":
+            stats.append((g.buckets, g.replays, g.padded_rows))
+print(out[0] == out[1] == out[2], stats, out)
 '''
 
 
 def test_decode_graph_padding_path_under_the_interpreter(micro_ckpt, tmp_path):
-    """runtime.graphs.DecodeGraphs without capture (CPU, TRITON_INTERPRET=1, fp32 kernels): decode batches of 3,
-    2 and 1 copied into the static buffers and run in buckets 1/2/3 with padding rows (slot 0, block 0) give the
-    reference's tokens exactly; 4 requests over 3 slots (reuse); the cache stays consistent."""
-    ok, rest = _run_interpreted(_GRAPHS_INTERP, micro_ckpt, tmp_path).split(" ", 1)
-    assert ok == "True" and rest.startswith("[1, 2, 3] "), rest
-    assert int(rest.split()[3].rstrip(",")) >= 6, rest              # decode steps went through the padded path
+    """runtime.graphs.DecodeGraphs without capture (CPU, TRITON_INTERPRET=1, fp32 kernels), sized by LLM as for
+    capture: decode batches of 5, 4, 3, 2, 1 (staggered max_tokens) copied into the static buffers and run in buckets
+    1/2/4/5 with padding rows (slot 0, block 0), and with decode_pad_multiple=4 (batches padded to 8 by the
+    scheduler, graphs sized 8): the reference's tokens exactly; the cache stays consistent."""
+    import ast
+    out = _run_interpreted(_GRAPHS_INTERP, micro_ckpt, tmp_path)
+    ok, rest = out.split(" ", 1)
+    assert ok == "True", out
+    (buckets, replays, padded), (buckets8, replays8, padded8) = ast.literal_eval(rest[: rest.index(")]") + 2])
+    assert buckets == [1, 2, 4, 5] and replays == 4 and padded == 1, out    # batches 5, 4, 3 (in 4), 1
+    assert buckets8 == [1, 2, 4, 8] and replays8 == 4, out   # the scheduler pads 5 -> 8: sized for it, no error
 
 
 def test_decode_graphs_refuse_what_they_cannot_capture(micro_ckpt):
