@@ -62,6 +62,7 @@ log = logging.getLogger("bench_decode")
 
 
 def parse_args(argv=None):
+    """The command line (see the module docstring); argparse exits with status 2 on a bad value."""
     ap = argparse.ArgumentParser(prog="benchmarks/bench_decode.py", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n\n".join(__doc__.split("\n\n")[1:]))
@@ -142,6 +143,7 @@ def build_model(a, cfg, rank: int, tp: int, device: torch.device, keep_full):
 
 
 def prompts_for(a, vocab: int) -> list[list[int]]:
+    """--batch prompts of --prompt-len token ids in [3, vocab), from --seed (the same on every rank and every run)."""
     g = torch.Generator().manual_seed(1000 + a.seed)            # the same on every rank
     return [torch.randint(3, vocab, (a.prompt_len,), generator=g).tolist() for _ in range(a.batch)]
 
@@ -460,6 +462,8 @@ def compare_run(path: Path, a, rec: dict, executor, prompts, tokens) -> dict | N
 
 
 def main(argv=None) -> int:
+    """Build the model, time every --ops variant (bench_variant), tear the process group down. Returns the exit
+    status: 0, 1 when --check / --compare-to fails, 2 for bad arguments or a --compare-to file of another run."""
     a = parse_args(argv)
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

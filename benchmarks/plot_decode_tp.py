@@ -22,7 +22,9 @@ def parts(rec: dict) -> tuple[float, float, float]:
     kp = rec.get("kernel_profile")
     if not kp or not kp.get("gpu_busy_ms_per_step"):
         return 0.0, 0.0, step
-    nccl = sum(v["ms_per_step"] for k, v in kp["top"].items() if k.startswith("ncclDevKernel"))
+    nccl = kp.get("nccl_ms_per_step")                     # all NCCL kernels; older records: the top list only
+    if nccl is None:
+        nccl = sum(v["ms_per_step"] for k, v in kp["top"].items() if k.startswith("ncclDevKernel"))
     compute = min(max(kp["gpu_busy_ms_per_step"] - nccl, 0.0), step)
     rest = step - compute
     return min(nccl, rest), compute, rest - min(nccl, rest)
@@ -54,9 +56,13 @@ def main(argv=None) -> int:
                  fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    tmp = a.out.with_name(a.out.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    tmp.replace(a.out)
+    import io
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from engines.manifest import atomic_write_bytes
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=110, format="png")
+    atomic_write_bytes(a.out, buf.getbuffer())
     for lab, n, g, i in zip(labels, nccl, gpu, idle):
         print(f"{lab.replace(chr(10), ' '):32s} gpu {g:6.2f}  nccl {n:6.2f}  idle {i:6.2f} ms")
     return 0

@@ -394,8 +394,9 @@ class K3Model:
                              f"[0, vocab_size={self.cfg.vocab_size}); pass ids produced by the model's tokenizer")
 
     def forward_on_device(self, ids: torch.Tensor, batch: Batch, pools: dict, logits_index: torch.Tensor | None = None):
-        """`forward` without validation or copies: ids, batch and logits_index already on `device`, ids trusted.
-        No host reads: with in-place ops (KernelOps) the decode step can be captured in a CUDA graph
+        """`forward` without validation or copies: ids [T] int64, batch (int32 metadata) and logits_index [M] int64
+        already on `device`, ids trusted (out-of-range ids index out of bounds). Returns (logits [M or T, vocab]
+        fp32, pools). No host reads: with in-place ops (KernelOps) the decode step can be captured in a CUDA graph
         (runtime/graphs.py)."""
         P = self.embed(ids)
         bank = P.new_zeros(P.shape[0], 0, P.shape[1])

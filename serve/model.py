@@ -452,6 +452,7 @@ class TritonPythonModel:
         self._wake.set()
         try:
             self.engine.shutdown()
+            self.llm.executor.close()                 # CUDA graphs before the process exits / NCCL goes
         except Exception as e:  # noqa: BLE001
             _log("warn", f"k3: engine.shutdown() failed: {e!r}")
         self._watcher.join(timeout=5)

@@ -191,6 +191,9 @@ def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backe
     for field, v in (("max_batch", max_batch), ("max_num_tokens", max_num_tokens), ("instance_count", instance_count)):
         if int(v) < 1:
             raise RepositoryError(f"{field}={v} must be >= 1")
+    if cuda_graphs and (ops != "kernels" or not str(device or "").startswith("cuda")):
+        raise RepositoryError(f"cuda_graphs needs --device cuda[:N] and --ops kernels (got device={device!r}, "
+                              f"ops={ops!r})")
     if max_context is not None and int(max_context) < 1:
         raise RepositoryError(f"max_context={max_context} must be >= 1 (or omitted)")
     resolved = resolve_backend(engines, backend)

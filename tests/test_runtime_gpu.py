@@ -437,6 +437,7 @@ def test_bench_decode_cuda_graphs_on_gpu(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     rec = json.loads(out.read_text().splitlines()[-1])
     assert rec["cuda_graphs"] and rec["graph_capture_s"] > 0 and rec["check"]["passed"], rec
+    assert rec["graph_replays"] >= 5 and rec["check"]["decode_token_agreement"] >= 0.5, rec   # decode ran in graphs
     assert rec["kernel_profile"]["kernels_per_step"] > 10, rec["kernel_profile"]
 
 

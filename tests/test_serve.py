@@ -337,6 +337,8 @@ def test_repository_writer_config_validates(tmp_path):
     text_format.Parse(gpu_cfg.read_text(), cfg)
     params = {k: v.string_value for k, v in cfg.parameters.items()}
     assert (params["device"], params["ops"], params["cuda_graphs"]) == ("cuda", "kernels", "true")
+    with pytest.raises(repo_mod.RepositoryError, match="cuda_graphs needs --device cuda"):
+        repo_mod.write_repository(engines, tmp_path / "repo3", "torch", device="cpu", ops="kernels", cuda_graphs=True)
 
 
 def test_repository_backend_precedence(tmp_path):
