@@ -117,6 +117,9 @@ def parse_args(argv=None):
     for name in ("batch", "prompt_len", "steps", "max_num_tokens", "block_size", "check_requests", "check_steps"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} = {getattr(a, name)}: must be >= 1")
+    for name in ("warmup", "kernel_profile", "profile_steps"):
+        if (getattr(a, name) or 0) < 0:
+            ap.error(f"--{name.replace('_', '-')} = {getattr(a, name)}: must be >= 0")
     if a.warmup < 0 or (a.profile_steps is not None and a.profile_steps < 0):
         ap.error("--warmup / --profile-steps must be >= 0")
     return a
@@ -140,6 +143,11 @@ def build_model(a, cfg, rank: int, tp: int, device: torch.device, keep_full):
         return K3Model.from_checkpoint(a.checkpoint, rank=rank, tp=tp, ep=a.ep, comm=comm, device=device)
     return K3Model.from_synthetic(cfg, seed=a.seed, rank=rank, tp=tp, ep=a.ep, comm=comm, device=device,
                                   keep_full=keep_full)
+
+
+def weights_label(a, device: torch.device) -> str:
+    """Where the weights come from: "checkpoint", or "synthetic-<device type>-seed<N>" (draws differ by device type)."""
+    return "checkpoint" if a.checkpoint is not None else f"synthetic-{device.type}-seed{a.seed}"
 
 
 def prompts_for(a, vocab: int) -> list[list[int]]:
@@ -257,6 +265,8 @@ def run_variant(a, executor, prompts, rank: int, progress: bool) -> tuple[dict, 
         share = total / sum(prof_times)
     kprof = None
     if a.kernel_profile:
+        if dev.type != "cuda":
+            log.warning("--kernel-profile on %s: torch.profiler records no GPU kernels here (empty profile)", dev)
         kprof = kernel_profile(decode_step, a.kernel_profile, statistics.median(times) * 1e3)
     if bar is not None:
         bar.close()
@@ -425,10 +435,32 @@ def _load_saved(path: Path) -> dict:
     try:
         data = torch.load(path, weights_only=True)
     except Exception as e:          # noqa: BLE001 - any unreadable file gets the same message
-        raise ValueError(f"{path}: not a bench_decode --save-logits file ({type(e).__name__}: {e})") from e
+        raise ValueError(f"{path}: not a bench_decode --save-logits file (torch.load: {type(e).__name__}); write "
+                         "it with --save-logits") from e
     if not isinstance(data, dict) or not all(isinstance(v, dict) and "logits" in v for v in data.values()):
         raise ValueError(f"{path}: not a bench_decode --save-logits file")
     return data
+
+
+def check_saved(path: Path, variants: list[str], rec: dict, prompts) -> dict:
+    """The --compare-to file's runs of `variants` after checking they can be compared with this run: same model,
+    weights (a CUDA generator draws other weights than the CPU one), block size and prompts. `rec` holds this run's
+    "model", "weights", "block_size". Returns {ops: saved run}. Raises ValueError naming the mismatch and the fix."""
+    data = _load_saved(path)
+    missing = [v for v in variants if v not in data]
+    if missing:
+        raise ValueError(f"--compare-to {path}: no saved run of ops {missing} (has {sorted(data)}); "
+                         "save one with the same --ops")
+    for v in variants:
+        saved = data[v]
+        for key in ("model", "weights", "block_size"):
+            if saved["meta"].get(key) != rec[key]:
+                raise ValueError(f"--compare-to {path}: saved {key} {saved['meta'].get(key)!r} != this run's "
+                                 f"{rec[key]!r}; compare runs of the same model, weights (--seed, and CPU vs CUDA "
+                                 "draws) and --block-size")
+        if saved["prompts"] != prompts:
+            raise ValueError(f"--compare-to {path}: saved prompts differ (use the same --batch, --prompt-len, --seed)")
+    return {v: data[v] for v in variants}
 
 
 def compare_run(path: Path, a, rec: dict, executor, prompts, tokens) -> dict | None:
@@ -437,17 +469,7 @@ def compare_run(path: Path, a, rec: dict, executor, prompts, tokens) -> dict | N
     elsewhere); "passed" follows --check-tol / --check-agree and, with --compare-tokens, needs every request's
     greedy tokens equal. Raises ValueError when the file has no run of this ops variant, or its model, weights,
     block size or prompts differ (every rank reads the file, so all ranks raise alike)."""
-    data = _load_saved(path)
-    if rec["ops"] not in data:
-        raise ValueError(f"--compare-to {path}: no saved run of ops {rec['ops']!r} (has {sorted(data)}); "
-                         "save one with the same --ops")
-    saved = data[rec["ops"]]
-    for key in ("model", "weights", "block_size"):
-        if saved["meta"].get(key) != rec[key]:
-            raise ValueError(f"--compare-to {path}: saved {key} {saved['meta'].get(key)!r} != this run's {rec[key]!r}; "
-                             "compare runs of the same model and --block-size")
-    if saved["prompts"] != prompts:
-        raise ValueError(f"--compare-to {path}: saved prompts differ (use the same --batch, --prompt-len, --seed)")
+    saved = check_saved(path, [rec["ops"]], rec, prompts)[rec["ops"]]
     seqs, k = saved["seqs"], saved["k"]
     test = teacher_forced_logits(executor, seqs, k, a.block_size)
     if executor.comm.rank != 0:
@@ -498,6 +520,12 @@ def main(argv=None) -> int:
             resolve_ops(v, device)
         if a.cuda_graphs and (device.type != "cuda" or variants != ["kernels"]):
             raise ValueError("--cuda-graphs: needs a CUDA device and --ops kernels (the pools are updated in place)")
+        if a.compare_to is not None:                # before the run: a mismatch would only show at its end
+            check_saved(a.compare_to, variants, {"model": str(a.checkpoint) if a.checkpoint else cfg.name,
+                                                 "weights": weights_label(a, device), "block_size": a.block_size},
+                        prompts_for(a, cfg.vocab_size))
+        if a.save_logits is not None and a.save_logits.exists():
+            _load_saved(a.save_logits)              # merging into it needs a --save-logits file
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         shutdown()
@@ -524,7 +552,7 @@ def main(argv=None) -> int:
     prompts = prompts_for(a, cfg.vocab_size)
     base = {
         "bench": "decode", "model": str(a.checkpoint) if a.checkpoint else cfg.name,
-        "weights": "checkpoint" if a.checkpoint else f"synthetic-{device.type}-seed{a.seed}",
+        "weights": weights_label(a, device),
         "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
         "torch": torch.__version__, "tp": tp, "ep": a.ep, "world": world,
         "dist_backend": (torch.distributed.get_backend() if world > 1 else None),
@@ -572,6 +600,10 @@ def bench_variant(a, v: str, model, ref_model, prompts, base: dict, rank: int, w
         if a.compare_to is not None:
             res = compare_run(a.compare_to, a, rec, executor, prompts, tokens)
             rec["compare"] = res
+            if rank == 0 and res["passed"]:
+                log.info("compare passed (%s): median logits rel. err %.3g, argmax agreement %.2f, requests with "
+                         "equal greedy tokens %d/%d", v, res["logits_relerr_median"], res["argmax_agreement"],
+                         res["greedy"]["requests_equal"], res["greedy"]["requests"])
             if rank == 0 and not res["passed"]:
                 status = 1
                 log.error("compare failed (%s): median logits rel. err %.3g (tol %.3g), argmax agreement %.2f, "
@@ -580,6 +612,9 @@ def bench_variant(a, v: str, model, ref_model, prompts, base: dict, rank: int, w
         if a.check:
             res = check_against_reference(a, executor, ref_model, prompts, tokens, rank)
             rec["check"] = res
+            if rank == 0 and res["passed"]:
+                log.info("check passed (%s): median logits rel. err %.3g, argmax agreement %.2f", v,
+                         res["logits_relerr_median"], res["argmax_agreement"])
             if rank == 0 and not res["passed"]:
                 status = 1
                 log.error("check failed (%s): median logits rel. err %.3g (tol %.3g), argmax agreement %.2f, "

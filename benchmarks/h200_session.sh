@@ -4,17 +4,21 @@
 # tests : GPU pytest of the kernels, CUDA-graph capture and the GPU runtime -> $OUT/junit.xml, $OUT/pytest.log
 #         (PYTEST_ARGS overrides the files; it is re-parsed by the shell: PYTEST_ARGS='tests/a.py -k "x and not y"')
 # bench : benchmarks/bench_kernels.py (KDA decode/prefill, graph, MLA, MoE) -> $OUT/bench.jsonl + roofline.png
-# decode: benchmarks/bench_decode.py on k3-slice (synthetic weights on the device) -> $OUT/decode.jsonl
+# decode: benchmarks/bench_decode.py on k3-slice, B=16 (synthetic weights on the device; DECODE_ARGS overrides)
 # tp    : (several GPUs) bench_decode TP=1 on cuda:0 saved, then TP=EP=N over NCCL for N = 2, 4, .. <= GPUs compared
 #         with it (logits, greedy tokens) -> $OUT/decode_tp.jsonl (TP_ARGS overrides the model/run arguments)
 # fla-core travels as a wheel in .whl/ (not in git): python3 -m pip download fla-core==0.6.0 --no-deps -d .whl
-set -u
+set -u -o pipefail          # a failing benchmark fails the script through its `| tee | tail`
 usage() { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; }
 case "${1:-}" in
   tests|bench|decode|tp) ;;
   -h|--help) usage; exit 0 ;;
   *) echo "error: say what to run: tests, bench, decode or tp" >&2; usage >&2; exit 2 ;;
 esac
+if [ "$1" = tp ]; then
+  G=$(nvidia-smi -L 2>/dev/null | wc -l)
+  [ "$G" -ge 2 ] || { echo "error: tp needs 2 or more GPUs, this machine has $G" >&2; exit 2; }
+fi
 if ! ls .whl/*.whl >/dev/null 2>&1; then
   echo "error: .whl/ holds no wheels; on a machine with network run: pip download fla-core==0.6.0 --no-deps -d .whl" >&2
   exit 2
@@ -32,17 +36,19 @@ case "$1" in
     J=""; [ -f "${JUNIT:-}" ] && J="--junit $JUNIT"
     timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/bench_kernels.py --out "$OUT/bench.jsonl" $J ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
   decode)
-    timeout "${DECODE_TIMEOUT:-540}" python3 benchmarks/bench_decode.py --out "$OUT/decode.jsonl" ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" | tail -40 ;;
+    timeout "${DECODE_TIMEOUT:-540}" python3 benchmarks/bench_decode.py --out "$OUT/decode.jsonl" \
+      ${DECODE_ARGS:---preset k3-slice --device cuda --batch 16 --prompt-len 512 --steps 32 --ops torch,kernels} \
+      2>&1 | tee "$OUT/decode.log" | tail -40 ;;
   tp)
-    G=$(nvidia-smi -L | wc -l)
-    [ "$G" -ge 2 ] || { echo "error: tp needs 2 or more GPUs, this machine has $G" >&2; exit 2; }
+    rc=0
     A=${TP_ARGS:---preset k3-slice --batch 16 --prompt-len 512 --steps 32 --ops kernels --profile-steps 8}
     rm -f /tmp/tp1.pt
     timeout "${TP_TIMEOUT:-270}" python3 benchmarks/bench_decode.py --device cuda:0 $A --save-logits /tmp/tp1.pt \
-      --out "$OUT/decode_tp.jsonl" 2>&1 | tee "$OUT/tp1.log" | tail -5
+      --out "$OUT/decode_tp.jsonl" 2>&1 | tee "$OUT/tp1.log" | tail -5 || rc=1
     for ((n = 2; n <= G; n *= 2)); do
       timeout "${TP_TIMEOUT:-270}" python3 -m torch.distributed.run --standalone --nproc-per-node $n \
         benchmarks/bench_decode.py --device cuda --tp $n --ep $n $A --compare-to /tmp/tp1.pt \
-        --out "$OUT/decode_tp.jsonl" 2>&1 | tee "$OUT/tp$n.log" | tail -5
-    done ;;
+        --out "$OUT/decode_tp.jsonl" 2>&1 | tee "$OUT/tp$n.log" | tail -5 || rc=1
+    done
+    exit $rc ;;
 esac

@@ -5,7 +5,8 @@
 
 One bar per record (label: TP, eager/graphs): the median step time, split into the GPU time of the NCCL kernels
 (from --kernel-profile; waiting for the slower rank included), the other kernels' GPU time, and the rest of the
-step (the GPU idle: host launches, Python, sampling); see `parts`. Records without a kernel profile are drawn as one bar.
+step (the GPU idle: host launches, Python, sampling); see `parts`. Records without a kernel profile (e.g. CPU
+runs) are drawn as one grey bar; matplotlib is needed (`pip install matplotlib`).
 """
 from __future__ import annotations
 
@@ -39,9 +40,11 @@ def main(argv=None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     recs = [json.loads(line) for p in a.jsonl for line in p.read_text().splitlines() if line.strip()]
+    recs = [r for r in recs if r.get("bench") == "decode"]
     if not recs:
-        ap.error("no records in the given files")
-    labels = [f"TP={r['tp']} {'graphs' if r.get('cuda_graphs') else 'eager'}\n{r['step_ms_median']:.1f} ms" for r in recs]
+        ap.error("no bench_decode records (\"bench\": \"decode\") in the given files")
+    labels = [f"TP={r['tp']} {'graphs' if r.get('cuda_graphs') else 'eager'}"
+              + (f" {r['label']}" if r.get("label") else "") + f"\n{r['step_ms_median']:.1f} ms" for r in recs]
     nccl, gpu, idle = zip(*(parts(r) for r in recs))
     fig, ax = plt.subplots(figsize=(1.6 * len(recs) + 2, 4.5))
     x = range(len(recs))
@@ -52,9 +55,11 @@ def main(argv=None) -> int:
     ax.set_xticklabels(labels, fontsize=8)
     ax.set_ylabel("decode step, ms (median)")
     r0 = recs[0]
-    ax.set_title(f"{r0['model']} decode, B={r0['batch']}, prompt {r0['prompt_len']}, ops {r0['ops']} ({r0.get('gpu', '')})",
+    where = r0.get("gpu") or r0.get("device", "")
+    ax.set_title(f"{r0['model']} decode, B={r0['batch']}, prompt {r0['prompt_len']}, ops {r0['ops']} ({where})",
                  fontsize=9)
-    ax.legend(fontsize=7)
+    ax.set_ylim(0, 1.3 * max(r["step_ms_median"] for r in recs))
+    ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     import io
     import sys

@@ -65,7 +65,8 @@ class DecodeGraphs:
         self.max_batch, self.max_blocks = max_batch, max_blocks
         dev = model.device
         if capture and dev.type != "cuda":
-            raise ValueError(f"CUDA graphs need the model on a CUDA device; it is on {dev}")
+            raise ValueError(f"CUDA graphs need the model on a CUDA device; it is on {dev} (pass device 'cuda' "
+                             "and ops 'kernels', or leave CUDA graphs off)")
         i32 = dict(dtype=torch.int32, device=dev)
         self.ids = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.slots = torch.zeros(max_batch, **i32)

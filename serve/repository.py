@@ -197,6 +197,18 @@ def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backe
     if max_context is not None and int(max_context) < 1:
         raise RepositoryError(f"max_context={max_context} must be >= 1 (or omitted)")
     resolved = resolve_backend(engines, backend)
+    if device is not None:
+        from runtime.distributed import parse_device
+        try:
+            parse_device(device)
+        except ValueError as e:
+            raise RepositoryError(f"--device: {e}") from e
+    if resolved == "onnxruntime" and device is not None and str(device).strip().lower() != "cpu":
+        raise RepositoryError(f"--device {device}: the onnxruntime backend runs on the CPU provider; serve a "
+                              "checkpoint with the torch backend for the GPU")
+    if (ops is not None or cuda_graphs) and resolved != "torch":
+        raise RepositoryError(f"--ops / --cuda-graphs apply to the torch backend; {engines} is served by the "
+                              f"{resolved} backend")
     model_dir = out / name
     if model_dir.exists():
         if not overwrite:

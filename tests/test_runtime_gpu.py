@@ -457,8 +457,7 @@ def test_bench_decode_tp2_collectives_on_gpu0(tmp_path):
 
 
 two_gpus = pytest.mark.skipif(DEV_TYPE != "cuda" or torch.cuda.device_count() < 2,
-                              reason="needs 2 CUDA GPUs (NCCL puts one rank per GPU); run on the device tool's "
-                                     "nvidia-h200-x2 kind")
+                              reason="needs 2 CUDA GPUs (NCCL puts one rank per GPU)")
 
 
 @two_gpus
@@ -733,6 +732,26 @@ def test_kernel_ops_in_place_through_the_runtime_under_the_interpreter(micro_ckp
     in fp32 there), so the tokens equal the reference's exactly."""
     out = _run_interpreted(_INTERP, micro_ckpt, tmp_path)
     assert out.startswith("True"), out
+
+
+def test_bench_decode_compare_mistakes_fail_before_the_run(tmp_path):
+    """--compare-to with another batch, seed or ops, a file that is not a --save-logits file, the same file for
+    --save-logits, and a negative --kernel-profile: exit 2 with the field named, before any model is built."""
+    saved, junk = tmp_path / "tp1.pt", tmp_path / "junk.json"
+    base = [sys.executable, "benchmarks/bench_decode.py", "--preset", "k3-tiny", "--device", "cpu", "--batch", "2",
+            "--prompt-len", "6", "--steps", "1", "--warmup", "0"]
+    r = subprocess.run(base + ["--save-logits", str(saved)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0 and saved.is_file(), r.stderr
+    junk.write_text("{}")
+    for extra, msg in ((["--batch", "3"], "saved prompts differ"), (["--seed", "1"], "saved weights"),
+                       (["--ops", "torch"], "no saved run of ops ['torch']"),
+                       (["--save-logits", str(saved)], "name the same file"),
+                       (["--kernel-profile", "-1"], "--kernel-profile = -1")):
+        r = subprocess.run(base + ["--compare-to", str(saved)] + extra, capture_output=True, text=True, cwd=ROOT,
+                           timeout=600)
+        assert r.returncode == 2 and msg in r.stderr and "building" not in r.stderr, (extra, r.stderr)
+    r = subprocess.run(base + ["--compare-to", str(junk)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 2 and "not a bench_decode --save-logits file" in r.stderr, r.stderr
 
 
 def test_bench_decode_cpu_single_and_tp2(tmp_path):

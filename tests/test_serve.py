@@ -339,6 +339,12 @@ def test_repository_writer_config_validates(tmp_path):
     assert (params["device"], params["ops"], params["cuda_graphs"]) == ("cuda", "kernels", "true")
     with pytest.raises(repo_mod.RepositoryError, match="cuda_graphs needs --device cuda"):
         repo_mod.write_repository(engines, tmp_path / "repo3", "torch", device="cpu", ops="kernels", cuda_graphs=True)
+    with pytest.raises(repo_mod.RepositoryError, match="--device: device = 'gpu'"):
+        repo_mod.write_repository(engines, tmp_path / "repo4", "torch", device="gpu")
+    with pytest.raises(repo_mod.RepositoryError, match="onnxruntime backend"):
+        repo_mod.write_repository(engines, tmp_path / "repo5", "onnxruntime", device="cuda")
+    with pytest.raises(repo_mod.RepositoryError, match="torch backend"):
+        repo_mod.write_repository(engines, tmp_path / "repo6", "onnxruntime", ops="kernels")
 
 
 def test_repository_backend_precedence(tmp_path):
