@@ -242,24 +242,28 @@ class LLM:
         return self.executor.enable_cuda_graphs(cache.pools, math.ceil(sched.max_batch / m) * m, width,
                                                 capture=capture)
 
+    def _found(self) -> str:
+        """What resolve_model_dir found, for error messages: "checkpoint=DIR, onnx=none, ..."."""
+        return ", ".join(f"{k}={v if v is not None else 'none'}" for k, v in self.paths.items())
+
     def _make_executor(self, backend: str, device=None, ops=None, profile_comm: bool = False):
         p = self.paths
         if backend == "torch":
             if p["checkpoint"] is None:
                 raise FileNotFoundError(f"backend 'torch' needs a checkpoint (config.json + model.safetensors.index.json); "
-                                        f"found none in {p}")
+                                        f"found none ({self._found()})")
             from runtime.executor import TorchExecutor
             return TorchExecutor(p["checkpoint"], tp=self.tp, ep=self.ep, rank=self.rank, device=device, ops=ops,
                                  profile_comm=profile_comm)
         if backend == "onnxruntime":
             if p["onnx"] is None:
-                raise FileNotFoundError(f"backend 'onnxruntime' needs an ONNX export directory with index.json; found none ({p})")
+                raise FileNotFoundError(f"backend 'onnxruntime' needs an ONNX export directory with index.json; found none ({self._found()})")
             from runtime.executor import OnnxRuntimeExecutor
             return OnnxRuntimeExecutor(p["onnx"], rank=self.rank)
         if backend == "tensorrt":
             from runtime.executor import TensorRTExecutor
             if p["engines"] is None:
-                raise FileNotFoundError(f"backend 'tensorrt' needs an engine directory with manifest.json; found none ({p})")
+                raise FileNotFoundError(f"backend 'tensorrt' needs an engine directory with manifest.json; found none ({self._found()})")
             from runtime.distributed import resolve_device
             idx = resolve_device(device).index if device is not None else 0
             return TensorRTExecutor(p["engines"], p["onnx"], device=idx or 0, rank=self.rank)
