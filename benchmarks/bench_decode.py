@@ -463,13 +463,12 @@ def check_saved(path: Path, variants: list[str], rec: dict, prompts) -> dict:
     return {v: data[v] for v in variants}
 
 
-def compare_run(path: Path, a, rec: dict, executor, prompts, tokens) -> dict | None:
-    """--compare-to: teacher-force the saved run's sequences through this model and compare logits with the saved
-    ones; compare the greedy tokens both runs generated from the same prompts. Returns the metrics on rank 0 (None
+def compare_run(saved: dict, a, executor, tokens) -> dict | None:
+    """--compare-to: teacher-force the saved run's sequences (`saved`: one ops variant's entry, already checked by
+    `check_saved` against this run) through this model and compare logits with the saved ones; compare the greedy
+    tokens both runs generated from the same prompts. Every rank calls it. Returns the metrics on rank 0 (None
     elsewhere); "passed" follows --check-tol / --check-agree and, with --compare-tokens, needs every request's
-    greedy tokens equal. Raises ValueError when the file has no run of this ops variant, or its model, weights,
-    block size or prompts differ (every rank reads the file, so all ranks raise alike)."""
-    saved = check_saved(path, [rec["ops"]], rec, prompts)[rec["ops"]]
+    greedy tokens equal."""
     seqs, k = saved["seqs"], saved["k"]
     test = teacher_forced_logits(executor, seqs, k, a.block_size)
     if executor.comm.rank != 0:
@@ -520,8 +519,9 @@ def main(argv=None) -> int:
             resolve_ops(v, device)
         if a.cuda_graphs and (device.type != "cuda" or variants != ["kernels"]):
             raise ValueError("--cuda-graphs: needs a CUDA device and --ops kernels (the pools are updated in place)")
+        saved_runs = {}
         if a.compare_to is not None:                # before the run: a mismatch would only show at its end
-            check_saved(a.compare_to, variants, {"model": str(a.checkpoint) if a.checkpoint else cfg.name,
+            saved_runs = check_saved(a.compare_to, variants, {"model": str(a.checkpoint) if a.checkpoint else cfg.name,
                                                  "weights": weights_label(a, device), "block_size": a.block_size},
                         prompts_for(a, cfg.vocab_size))
         if a.save_logits is not None and a.save_logits.exists():
@@ -569,8 +569,9 @@ def main(argv=None) -> int:
     status = 0
     try:
         for v in variants:
-            status = max(status, bench_variant(a, v, model, ref_model, prompts, base, rank, world, progress))
-    except ValueError as e:                     # a --compare-to file that does not match this run
+            status = max(status, bench_variant(a, v, model, ref_model, prompts, base, rank, world, progress,
+                                               saved_runs.get(v)))
+    except ValueError as e:                     # e.g. a block size the GPU kernels cannot use
         print(f"error: {e}", file=sys.stderr)
         status = 2
     finally:
@@ -578,10 +579,12 @@ def main(argv=None) -> int:
     return status
 
 
-def bench_variant(a, v: str, model, ref_model, prompts, base: dict, rank: int, world: int, progress: bool) -> int:
-    """Time one ops variant, then --save-logits / --compare-to / --check; rank 0 prints and appends the record.
-    Returns 0, or 1 when a comparison failed. The executor (and its CUDA graphs) is closed before returning, also
-    on errors (a graph holding NCCL kernels must go before the process group). ValueError from --compare-to."""
+def bench_variant(a, v: str, model, ref_model, prompts, base: dict, rank: int, world: int, progress: bool,
+                  saved: dict | None = None) -> int:
+    """Time one ops variant, then --save-logits / --compare-to (against `saved`, the checked --compare-to entry of
+    this variant) / --check; rank 0 prints and appends the record. Returns 0, or 1 when a comparison failed. The
+    executor (and its CUDA graphs) is closed before returning, also on errors (a graph holding NCCL kernels must go
+    before the process group). ValueError from the runtime (e.g. an unusable --block-size)."""
     from runtime.executor import TorchExecutor
     executor = TorchExecutor(model, ops=v)
     status = 0
@@ -597,8 +600,8 @@ def bench_variant(a, v: str, model, ref_model, prompts, base: dict, rank: int, w
             rec["per_rank"] = everyone
         if a.save_logits is not None:
             save_run(a.save_logits, a, rec, executor, prompts, tokens)
-        if a.compare_to is not None:
-            res = compare_run(a.compare_to, a, rec, executor, prompts, tokens)
+        if saved is not None:
+            res = compare_run(saved, a, executor, tokens)
             rec["compare"] = res
             if rank == 0 and res["passed"]:
                 log.info("compare passed (%s): median logits rel. err %.3g, argmax agreement %.2f, requests with "

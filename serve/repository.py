@@ -180,8 +180,10 @@ def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backe
     ``cuda_graphs`` becomes ``LLM(cuda_graphs=True)`` (decode steps replayed from CUDA graphs; CUDA, ops "kernels").
 
     Raises:
-        RepositoryError: ``engines`` is not a directory, the backend is unknown, a limit is < 1, or
-            ``out/<name>`` exists and ``overwrite`` is false.
+        RepositoryError: ``engines`` is not a directory, the backend is unknown, a limit is < 1, ``device`` is
+            malformed (or not "cpu" for onnxruntime), ``ops`` / ``cuda_graphs`` are given for a backend other than
+            torch, ``cuda_graphs`` lacks a CUDA ``device`` and ``ops="kernels"``, or ``out/<name>`` exists and
+            ``overwrite`` is false.
     """
     engines = pathlib.Path(engines).resolve()
     out = pathlib.Path(out).resolve()

@@ -12,17 +12,26 @@ def tiny_cfg():
     return load_config("k3-tiny")
 
 
+def _checkpoint(tmp_path_factory, cfg, name: str, seed: int):
+    """Write `cfg`'s synthetic checkpoint through the real checkpoint writer; returns its directory."""
+    from model.synthetic import write_synthetic
+    return write_synthetic(cfg, tmp_path_factory.mktemp(name) / "ckpt", seed=seed)
+
+
+def _model(ckpt):
+    from model.reference import K3Model
+    return K3Model.from_checkpoint(ckpt)
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory, tiny_cfg):
-    """Path of a k3-tiny synthetic checkpoint (seed 0) written through the real checkpoint writer."""
-    from model.synthetic import write_synthetic
-    return write_synthetic(tiny_cfg, tmp_path_factory.mktemp("k3tiny") / "ckpt", seed=0)
+    """Path of a k3-tiny synthetic checkpoint (seed 0)."""
+    return _checkpoint(tmp_path_factory, tiny_cfg, "k3tiny", 0)
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_ckpt):
-    from model.reference import K3Model
-    return K3Model.from_checkpoint(tiny_ckpt)
+    return _model(tiny_ckpt)
 
 
 @pytest.fixture(scope="session")
@@ -41,14 +50,12 @@ def micro_cfg():
 @pytest.fixture(scope="session")
 def micro_ckpt(tmp_path_factory, micro_cfg):
     """Path of the micro config's synthetic checkpoint (seed 1)."""
-    from model.synthetic import write_synthetic
-    return write_synthetic(micro_cfg, tmp_path_factory.mktemp("micro") / "ckpt", seed=1)
+    return _checkpoint(tmp_path_factory, micro_cfg, "micro", 1)
 
 
 @pytest.fixture(scope="session")
 def micro_model(micro_ckpt):
-    from model.reference import K3Model
-    return K3Model.from_checkpoint(micro_ckpt)
+    return _model(micro_ckpt)
 
 
 def _build(ckpt, out, *extra):
