@@ -242,6 +242,11 @@ if "graph" in ONLY:
             out(what="cuda_graph_decode_step", H=H, error=repr(e)[:400])
 
 # ------------------------------------------------------------------ MoE
+# MoE variants timed against the default (dequant 1 = the runs 2-5 inline PTX, 2 = the default since run 6 with
+# fewer integer ops; K/N tiles, warps and stages change registers per thread and so CTAs per SM)
+MOE_VARIANTS = [dict(dequant=1), dict(block_k=128), dict(block_n13=64, block_n2=64), dict(block_n2=64),
+                dict(num_stages=4), dict(num_stages=2), dict(num_warps=8), dict(dequant=1, block_k=128),
+                dict(impl="dot_scaled")]
 if "moe" in ONLY:
     E, D, I, KK = 112, 3584, 3072, 16
     try:
@@ -282,8 +287,8 @@ if "moe" in ONLY:
             bf_bytes = touched * 3 * D * I * 2
             res = {}
             best = None
-            cfgs = [dict(), dict(impl="dot_scaled"), dict(impl="dot_scaled", block_m=16),
-                    dict(impl="dot_scaled", block_n13=128, block_n2=128, num_warps=8)]
+            cfgs = [dict()] + MOE_VARIANTS + ([dict(block_m=16), dict(block_m=64, block_k=64)] if T >= 128 else
+                                              [dict(block_m=64)])
             us_default = float("nan")
             for cfg in cfgs:
                 if not ok:
@@ -357,6 +362,13 @@ if "kda_prefill" in ONLY and HAVE_FLA:
             stages["our_conv_pass"] = lambda: kda_k._conv_prefill_kernel[(triton.cdiv(T, 32), triton.cdiv(3 * P, K))](
                 d["qkv"], d["conv_w"], conv, slots, seq, cu, y, T, d["qkv"].stride(0), D=3 * P, P=P, BT=32, BD=K,
                 L2NORM=True, num_warps=4)
+            for bt_, nw_ in ((64, 4), (64, 8), (128, 8), (16, 4)):
+                stages[f"our_conv_pass_BT{bt_}_w{nw_}"] = (
+                    lambda bt_=bt_, nw_=nw_: kda_k._conv_prefill_kernel[(triton.cdiv(T, bt_), triton.cdiv(3 * P, K))](
+                        d["qkv"], d["conv_w"], conv, slots, seq, cu, y, T, d["qkv"].stride(0), D=3 * P, P=P, BT=bt_,
+                        BD=K, L2NORM=True, num_warps=nw_))
+            stages["ours_graph_safe"] = lambda: kda_k.kda_prefill(**d, state=state, conv=conv, cu_seqlens=cu, slots=slots,
+                                                                  num_heads=H, head_dim=K, graph_safe=True)
             o_n = torch.randn(T, H, K, device=dev).bfloat16(); out_n = torch.empty(T, P, device=dev).bfloat16()
             stages["our_norm_pass"] = lambda: kda_k._gated_norm_kernel[(triton.cdiv(T, 16), H)](
                 o_n, d["g"], d["o_norm_w"], out_n, T, d["g"].stride(0), out_n.stride(0), 1e-5, H=H, K=K, BT=16,

@@ -293,10 +293,13 @@ def moe_ref(x, ids, w, w13p, w13s, w2p, w2s, off):
     return y
 
 
-@pytest.mark.parametrize("impl", ["legacy", "dot_scaled"])
-@pytest.mark.parametrize("E,RL,I,T,k,bk", [(6, 64, 64, 5, 3, 32), (6, 128, 64, 5, 3, None)] + (
-    [(16, 512, 256, 9, 6, 128)] if HAS_CUDA else []))   # bk None: the default tile (k3-tiny's I = 64 < 128)
+@pytest.mark.parametrize("impl", ["legacy", "dot_scaled"] + (
+    ["legacy:1"] if HAS_CUDA else []))   # legacy:N = the inline-PTX dequant variant N (GPU only)
+@pytest.mark.parametrize("E,RL,I,T,k,bk", [(6, 64, 64, 5, 3, 32), (6, 128, 64, 5, 3, None), (4, 64, 64, 20, 4, None)] + (
+    [(16, 512, 256, 9, 6, 128), (8, 256, 128, 40, 4, None)] if HAS_CUDA else []))
+# bk None: the default tile (k3-tiny's I = 64 < 128); T*k/E > 16: the default 64-row token tile
 def test_mxfp4_moe(E, RL, I, T, k, bk, impl):
+    impl, _, dq = impl.partition(":")
     g = torch.Generator().manual_seed(5)
     w13p = torch.randint(0, 256, (E, 2 * I, RL // 2), dtype=torch.uint8, generator=g)
     w13s = torch.randint(121, 127, (E, 2 * I, RL // 32), dtype=torch.uint8, generator=g)
@@ -313,7 +316,8 @@ def test_mxfp4_moe(E, RL, I, T, k, bk, impl):
     G = Guarded()
     y = moe_k.mxfp4_moe(*(G(a.to(DEV)) for a in (x, ids, w, w13p, w13s, w2p, w2s)),
                         expert_offset=off, block_k=bk, block_n13=32 if not HAS_CUDA else 64,
-                        block_n2=32 if not HAS_CUDA else 64, impl=impl, out=G.empty(T, RL, dtype=torch.float32))
+                        block_n2=32 if not HAS_CUDA else 64, impl=impl, dequant=int(dq) if dq else None,
+                        out=G.empty(T, RL, dtype=torch.float32))
     G.check()
     assert y.dtype == torch.float32
     assert relerr(y, r) < 1e-2   # h is rounded to bf16 between the two GEMMs

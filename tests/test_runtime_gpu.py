@@ -544,7 +544,8 @@ def test_block_size_rule_and_nccl_environment(monkeypatch):
 def test_moe_block_k_divides_both_inner_dims():
     """The MoE kernel's K loops have no column mask: the tile must divide Rl and I (k3-tiny I = 64, TP=2: 32)."""
     from plugins.moe.kernels import default_block_k
-    assert default_block_k(3584, 3072) == 128 and default_block_k(3584, 384) == 128
+    assert default_block_k(3584, 3072) == 64 and default_block_k(3584, 384) == 64
+    assert default_block_k(3584, 3072, block_m=64) == 128 and default_block_k(3584, 384, block_m=64) == 128
     assert default_block_k(128, 64) == 64 and default_block_k(128, 32) == 32 and default_block_k(96, 64) == 32
     with pytest.raises(ValueError, match="multiples of 32"):
         default_block_k(128, 48)
@@ -641,7 +642,7 @@ from runtime.api import LLM, SamplingParams
 ps = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [9] * 20]
 out = []
 for ops in ("reference", "kernels"):
-    with LLM(sys.argv[1], ops=ops, max_batch=2, max_num_tokens=9, max_context=64) as llm:
+    with LLM(sys.argv[1], ops=ops, max_batch=2, max_num_tokens=9, max_context=64, device='cpu') as llm:
         out.append([o.token_ids for o in llm.generate(ps, SamplingParams(max_tokens=3, ignore_eos=True))])
 print(out[0] == out[1], out)
 '''
@@ -667,7 +668,8 @@ ps = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [9] * 12, [17, 18, 19], [1, 2, 3, 4, 5, 6
 params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (4, 2, 5, 3, 4)]   # batches shrink: padding rows
 out, stats = [], []
 for ops, pad in (("reference", None), ("kernels", None), ("kernels", 4)):
-    with LLM(sys.argv[1], ops=ops, max_batch=5, max_num_tokens=64, max_context=64, decode_pad_multiple=pad) as llm:
+    with LLM(sys.argv[1], ops=ops, max_batch=5, max_num_tokens=64, max_context=64, decode_pad_multiple=pad,
+             device='cpu') as llm:
         if ops == "kernels":     # the graphs' padded static-buffer path, run eagerly (no CUDA here)
             g = llm._enable_graphs(capture=False)
         out.append([o.token_ids for o in llm.generate(ps, params)])

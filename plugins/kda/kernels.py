@@ -380,14 +380,15 @@ def kda_prefill_workspace_bytes(num_tokens: int, num_seqs: int, num_heads: int, 
 
 def kda_prefill(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, cu_seqlens, slots, *,
                 num_heads: int, head_dim: int, lower_bound: float = -5.0, norm_eps: float = 1e-5, out=None,
-                graph_safe: bool | None = None, workspace: torch.Tensor | None = None):
+                graph_safe: bool = True, workspace: torch.Tensor | None = None):
     """KdaPrefill: varlen packed prefill continuing from the slots' state/conv history; in place.
 
     workspace: optional uint8 scratch (size: :func:`kda_prefill_workspace_bytes`) for the token map, the conv
     output, the gathered initial states and the int64 cu_seqlens. graph_safe: call fla's chunk_kda with
     `use_graph=True, max_num_seqs=N` (chunk indices built on the device with a fixed shape; no host sync).
-    Default: graph-safe when a workspace is given or the stream is being captured. The TensorRT plugin passes
-    graph_safe=True. fla allocates its intermediates through torch's caching allocator either way."""
+    Default True: also the faster path on the H200 (run 6, T=32768: 3149 vs 3516 us at 12 heads, 14679 vs
+    15669 at 96); False builds fla's chunk indices on the host (a device sync). fla allocates its intermediates
+    through torch's caching allocator either way."""
     T = qkv.shape[0]
     H, K = num_heads, head_dim
     P = H * K
@@ -396,8 +397,6 @@ def kda_prefill(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, cu_
     assert qkv.shape[1] == D and f.shape == (T, P) and b.shape == (T, H) and g.shape == (T, P)
     assert cu_seqlens.shape[0] == N + 1
     dev = qkv.device
-    if graph_safe is None:
-        graph_safe = workspace is not None or (dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
     qkv, f, b, g = _check_last_contig(qkv, f, b, g)
     conv_w = conv_w.contiguous()
     cu32 = cu_seqlens.to(torch.int32)

@@ -105,14 +105,75 @@ def _dequant_asm(p, sb):
 
 
 @triton.jit
+def _dequant_asm2(p, s):
+    """GPU decode, fewer integer ops than `_dequant_asm`: p uint8 [BN, BKH] packed; s uint8 [BN, BKH] the E8M0
+    exponent of each byte's group. Per 32-bit word (4 bytes, 8 weights): one prmt spreads two bytes into the two
+    bf16 lanes; even codes (low nibbles): magnitude bits << 6 to bf16 bits 8:6 and sign << 12 to bit 15, one lop3
+    `(a<<6 | a<<12) & 0x81C081C0` (the two shifted copies never overlap inside that mask); odd codes (high nibbles):
+    the same on `a & 0x00F000F0` with << 2 and << 8. The result is the E2M1 value times 2^-126 (0.5 is a bf16
+    subnormal), so mul.bf16x2 by 2^126 makes it exact; the scale 2^(s-127) is `s << 7` as bf16 bits (E8M0 s <= 254).
+    About 3.5 instructions per weight instead of about 5."""
+    lo, hi = tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 a, x, y, z, sc, bias;
+        mov.b32 bias, 0x7E807E80;
+        prmt.b32 a, $4, 0, 0x4140;
+        prmt.b32 sc, $5, 0, 0x4140;
+        shl.b32 sc, sc, 7;
+        shl.b32 x, a, 6;
+        shl.b32 y, a, 12;
+        or.b32 x, x, y;
+        and.b32 x, x, 0x81C081C0;
+        mul.rn.bf16x2 x, x, bias;
+        mul.rn.bf16x2 $0, x, sc;
+        and.b32 z, a, 0x00F000F0;
+        shl.b32 x, z, 2;
+        shl.b32 y, z, 8;
+        or.b32 x, x, y;
+        and.b32 x, x, 0x81C081C0;
+        mul.rn.bf16x2 x, x, bias;
+        mul.rn.bf16x2 $2, x, sc;
+        prmt.b32 a, $4, 0, 0x4342;
+        prmt.b32 sc, $5, 0, 0x4342;
+        shl.b32 sc, sc, 7;
+        shl.b32 x, a, 6;
+        shl.b32 y, a, 12;
+        or.b32 x, x, y;
+        and.b32 x, x, 0x81C081C0;
+        mul.rn.bf16x2 x, x, bias;
+        mul.rn.bf16x2 $1, x, sc;
+        and.b32 z, a, 0x00F000F0;
+        shl.b32 x, z, 2;
+        shl.b32 y, z, 8;
+        or.b32 x, x, y;
+        and.b32 x, x, 0x81C081C0;
+        mul.rn.bf16x2 x, x, bias;
+        mul.rn.bf16x2 $3, x, sc;
+        }
+        """,
+        constraints="=r,=r,=r,=r,r,r",
+        args=[p, s],
+        dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True,
+        pack=4,
+    )
+    return lo, hi
+
+
+@triton.jit
 def _load_wtile(w_ptr, s_ptr, rows, rmask, j0, stride_w, stride_s,
-                BN: tl.constexpr, BKH: tl.constexpr, USE_ASM: tl.constexpr, CDT: tl.constexpr):
-    """Dequantized (lo, hi) [BN, BKH] tiles of rows `rows`, packed columns j0 .. j0+BKH."""
+                BN: tl.constexpr, BKH: tl.constexpr, DQ: tl.constexpr, CDT: tl.constexpr):
+    """Dequantized (lo, hi) [BN, BKH] tiles of rows `rows`, packed columns j0 .. j0+BKH.
+    DQ: 0 plain Triton (interpreter), 1 `_dequant_asm`, 2 `_dequant_asm2` (GPU)."""
     jj = tl.arange(0, BKH)
     p = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + (j0 + jj)[None, :], mask=rmask[:, None], other=0)
     gg = tl.arange(0, BKH // 16)
     s = tl.load(s_ptr + rows[:, None].to(tl.int64) * stride_s + (j0 // 16 + gg)[None, :], mask=rmask[:, None], other=127)
-    if USE_ASM:
+    if DQ == 2:
+        se = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, BKH // 16, 16)), (BN, BKH))
+        lo, hi = _dequant_asm2(p, se)
+    elif DQ == 1:
         sb = (s.to(tl.int32) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
         sb = tl.reshape(tl.broadcast_to(sb[:, :, None], (BN, BKH // 16, 16)), (BN, BKH))
         lo, hi = _dequant_asm(p, sb)
@@ -122,6 +183,15 @@ def _load_wtile(w_ptr, s_ptr, rows, rmask, j0, stride_w, stride_s,
         lo = lo.to(CDT)
         hi = hi.to(CDT)
     return lo, hi
+
+
+@triton.jit
+def _load_x_split(base, rows, rmask, k0, stride, BM: tl.constexpr, BK: tl.constexpr):
+    """(even, odd) columns [BM, BK/2] of rows `rows` of a row-major matrix, columns k0 .. k0+BK: one contiguous
+    [BM, BK] load split in registers (two stride-2 loads were 35% slower on the H200, benchmarks/RESULTS.md run 6)."""
+    kk = tl.arange(0, BK)
+    xv = tl.load(base + rows[:, None] * stride + (k0 + kk)[None, :], mask=rmask[:, None], other=0.0)
+    return tl.split(tl.reshape(xv, (BM, BK // 2, 2)))
 
 
 @triton.jit
@@ -137,7 +207,7 @@ def _moe_w13_kernel(
     x_ptr, tok_ptr, offs_ptr, w_ptr, s_ptr, h_ptr,
     stride_x, stride_we, stride_w, stride_se, stride_s, stride_h,
     I, RL, beta, lbeta,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr, CDT: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DQ: tl.constexpr, CDT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     e = tl.program_id(1)
@@ -150,7 +220,6 @@ def _moe_w13_kernel(
     nmask = nn < I
     wg = w_ptr + e.to(tl.int64) * stride_we
     sg = s_ptr + e.to(tl.int64) * stride_se
-    jj = tl.arange(0, BKH)
     for m0 in range(lo_off, hi_off, BM):
         mm = m0 + tl.arange(0, BM)
         mmask = mm < hi_off
@@ -158,12 +227,15 @@ def _moe_w13_kernel(
         acc_g = tl.zeros([BM, BN], dtype=tl.float32)
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
         for j0 in range(0, RL // 2, BKH):
-            xe = tl.load(x_ptr + tok[:, None] * stride_x + (2 * (j0 + jj))[None, :], mask=mmask[:, None], other=0.0).to(CDT)
-            xo = tl.load(x_ptr + tok[:, None] * stride_x + (2 * (j0 + jj) + 1)[None, :], mask=mmask[:, None], other=0.0).to(CDT)
-            glo, ghi = _load_wtile(wg, sg, nn, nmask, j0, stride_w, stride_s, BN, BKH, USE_ASM, CDT)
-            acc_g += tl.dot(xe, tl.trans(glo)) + tl.dot(xo, tl.trans(ghi))
-            ulo, uhi = _load_wtile(wg, sg, nn + I, nmask, j0, stride_w, stride_s, BN, BKH, USE_ASM, CDT)
-            acc_u += tl.dot(xe, tl.trans(ulo)) + tl.dot(xo, tl.trans(uhi))
+            xe, xo = _load_x_split(x_ptr, tok, mmask, 2 * j0, stride_x, BM, BK)
+            xe = xe.to(CDT)
+            xo = xo.to(CDT)
+            glo, ghi = _load_wtile(wg, sg, nn, nmask, j0, stride_w, stride_s, BN, BKH, DQ, CDT)
+            acc_g = tl.dot(xe, tl.trans(glo), acc_g)
+            acc_g = tl.dot(xo, tl.trans(ghi), acc_g)
+            ulo, uhi = _load_wtile(wg, sg, nn + I, nmask, j0, stride_w, stride_s, BN, BKH, DQ, CDT)
+            acc_u = tl.dot(xe, tl.trans(ulo), acc_u)
+            acc_u = tl.dot(xo, tl.trans(uhi), acc_u)
         hval = _situ(acc_g, acc_u, beta, lbeta)
         tl.store(h_ptr + mm[:, None].to(tl.int64) * stride_h + nn[None, :], hval.to(h_ptr.dtype.element_ty),
                  mask=mmask[:, None] & nmask[None, :])
@@ -174,7 +246,7 @@ def _moe_w2_kernel(
     h_ptr, pair_ptr, wts_ptr, offs_ptr, w_ptr, s_ptr, y_ptr,
     stride_h, stride_we, stride_w, stride_se, stride_s, stride_y,
     I, RL,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr, CDT: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DQ: tl.constexpr, CDT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     e = tl.program_id(1)
@@ -187,16 +259,15 @@ def _moe_w2_kernel(
     nmask = nn < RL
     wg = w_ptr + e.to(tl.int64) * stride_we
     sg = s_ptr + e.to(tl.int64) * stride_se
-    jj = tl.arange(0, BKH)
     for m0 in range(lo_off, hi_off, BM):
         mm = m0 + tl.arange(0, BM)
         mmask = mm < hi_off
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for j0 in range(0, I // 2, BKH):
-            he = tl.load(h_ptr + mm[:, None].to(tl.int64) * stride_h + (2 * (j0 + jj))[None, :], mask=mmask[:, None], other=0.0)
-            ho = tl.load(h_ptr + mm[:, None].to(tl.int64) * stride_h + (2 * (j0 + jj) + 1)[None, :], mask=mmask[:, None], other=0.0)
-            wlo, whi = _load_wtile(wg, sg, nn, nmask, j0, stride_w, stride_s, BN, BKH, USE_ASM, CDT)
-            acc += tl.dot(he.to(CDT), tl.trans(wlo)) + tl.dot(ho.to(CDT), tl.trans(whi))
+            he, ho = _load_x_split(h_ptr, mm.to(tl.int64), mmask, 2 * j0, stride_h, BM, BK)
+            wlo, whi = _load_wtile(wg, sg, nn, nmask, j0, stride_w, stride_s, BN, BKH, DQ, CDT)
+            acc = tl.dot(he.to(CDT), tl.trans(wlo), acc)
+            acc = tl.dot(ho.to(CDT), tl.trans(whi), acc)
         pair = tl.load(pair_ptr + mm, mask=mmask, other=0).to(tl.int64)
         wt = tl.load(wts_ptr + pair, mask=mmask, other=0.0)
         tl.store(y_ptr + pair[:, None] * stride_y + nn[None, :], acc * wt[:, None], mask=mmask[:, None] & nmask[None, :])
@@ -364,16 +435,20 @@ def mxfp4_moe_workspace_bytes(num_tokens: int, top_k: int, num_experts: int, int
 
 
 def _pick_block_m(T, k, E):
+    """Token tile of the grouped GEMMs from the mean (token, choice) pairs per local expert: one 16-row tile
+    when an expert gets few tokens (decode), else 64 rows so each weight tile is dequantized once for more tokens
+    (H200 run 6, T=256 over 112 experts, 37 per expert: 1598 us at 64 rows, 2403 at 32, 2859 at 16)."""
     avg = triton.cdiv(T * k, max(E, 1))
-    return 16 if avg <= 12 else (32 if avg <= 24 else 64)
+    return 16 if avg <= 16 else 64
 
 
-def default_block_k(latent: int, inter: int) -> int:
-    """K tile of `mxfp4_moe`: the largest power of two <= 128 (and >= 32, the MXFP4 group) dividing both the
-    latent width Rl (inner dim of w13) and the expert width I (inner dim of w2). The K loops load whole tiles
-    without a column mask, so a tile that does not divide a row would read past it: k3-tiny (I = 64) and its
-    TP=2 expert slices (I = 32). 128 for K3 (Rl 3584, I 3072). ValueError when no such tile exists."""
-    bk = 128
+def default_block_k(latent: int, inter: int, block_m: int = 16) -> int:
+    """K tile of `mxfp4_moe`: the largest power of two <= 64 for 16/32-row token tiles, <= 128 for 64-row tiles
+    (H200 run 6: T=64 1012 us at 64 vs 1055 at 128; T=256 with 64 rows 1598 at 128 vs 1770 at 64), and >= 32 (the
+    MXFP4 group), dividing both the latent width Rl (inner dim of w13) and the expert width I (inner dim of w2).
+    The K loops load whole tiles without a column mask, so a tile that does not divide a row would read past it:
+    k3-tiny (I = 64) and its TP=2 expert slices (I = 32). ValueError when no such tile exists."""
+    bk = 128 if block_m >= 64 else 64
     while bk > 32 and (latent % bk or inter % bk):
         bk //= 2
     if latent % bk or inter % bk:
@@ -386,11 +461,17 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
               situ_beta: float = 4.0, situ_linear_beta: float = 25.0, block_m: int | None = None,
               block_n13: int | None = None, block_n2: int | None = None, block_k: int | None = None,
               impl: str = "legacy", num_warps: int = 4, num_stages: int | None = None,
-              use_asm: bool | None = None, out=None, workspace: torch.Tensor | None = None):
-    """Mxfp4Moe: y [T, Rl] fp32 = sum over local choices of w * w2_e(SiTU(w1_e x, w3_e x)).
-    impl "legacy" (default): inline-PTX dequant to a bf16 tile, x as the LHS (block_n 128);
-    impl "dot_scaled": weights as the scaled-dot LHS (see _moe_w13_ds_kernel). On the H200 (run 3,
-    benchmarks/RESULTS.md) dot_scaled was slower (T=64: 2842 us vs 1989 us), so it is opt-in.
+              dequant: int | None = None, out=None, workspace: torch.Tensor | None = None):
+    """Mxfp4Moe (MODEL.md §7.2, §8.3): y [T, Rl] fp32 = sum over local choices of w * w2_e(SiTU(w1_e x, w3_e x)).
+    x [T, Rl] bf16/fp32; topk_ids [T, k] int (global expert ids; ids outside expert_offset .. +E contribute 0);
+    topk_w [T, k] fp32; w13_packed [E, 2I, Rl/2] uint8 (E2M1 pairs, low nibble = even column), w13_scale
+    [E, 2I, Rl/32] uint8 (E8M0); w2_packed [E, Rl, I/2], w2_scale [E, Rl, I/32] likewise.
+    impl "legacy" (default): inline-PTX dequant to bf16 tiles in registers, x as the LHS (block_n 128);
+    dequant: 2 (GPU default, `_dequant_asm2`), 1 (`_dequant_asm`, runs 2-5), 0 plain Triton (the interpreter;
+    the only choice off the GPU, ValueError otherwise). E8M0 0 (2^-127) decodes as 0 on the GPU paths.
+    impl "dot_scaled": weights as the scaled-dot LHS (see _moe_w13_ds_kernel). On the H200 (runs 3 and 6,
+    benchmarks/RESULTS.md) dot_scaled was slower (T=64: 2511 us vs 1055 us), so it is opt-in.
+    block_m: token tile (None = `_pick_block_m`: 16 for decode-sized batches, 64 when experts get > 16 pairs);
     block_k: K tile (None = :func:`default_block_k`, a tile that divides both inner widths);
     out: optional [T, Rl] fp32 destination; workspace: optional uint8 scratch (size:
     :func:`mxfp4_moe_workspace_bytes`) holding the sort buffers, h and the per-pair outputs. Every launch has a
@@ -400,7 +481,8 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
     E, I2, _ = w13_packed.shape
     I = I2 // 2
     dev = x.device
-    block_k = block_k or default_block_k(RL, I)
+    block_m = block_m or _pick_block_m(T, k, E)
+    block_k = block_k or default_block_k(RL, I, 64 if impl == "dot_scaled" else block_m)
     x = x if x.stride(-1) == 1 else x.contiguous()
     if out is None:
         out = torch.empty(T, RL, dtype=torch.float32, device=dev)
@@ -413,8 +495,7 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
     h = ws.empty((T * k, I), _h_dtype(dev, impl))
     ypair = ws.empty((T * k, RL), torch.float32)   # rows of local pairs only are written, and only those read
     if impl == "dot_scaled":
-        BM = block_m or _pick_block_m(T, k, E)
-        BK = block_k
+        BM, BK = block_m, block_k
         BN13 = block_n13 or 64      # 4 warps = one wgmma warpgroup; no register spills at BM <= 64 (ptxas, sm_90)
         BN2 = block_n2 or 64
         ns = num_stages or 4
@@ -429,21 +510,25 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
             ypair.stride(0), I, RL, BM=BM, BN=BN2, BK=BK, num_warps=num_warps, num_stages=ns)
     else:
         assert impl == "legacy", impl
-        if use_asm is None:
-            use_asm = dev.type == "cuda" and not _INTERPRET
+        on_gpu = dev.type == "cuda" and not _INTERPRET
+        if dequant is None:
+            dequant = 2 if on_gpu else 0
+        if dequant not in (0, 1, 2) or (dequant and not on_gpu):
+            raise ValueError(f"mxfp4_moe: dequant={dequant!r} must be 0 (plain Triton) or 1, 2 (inline PTX, GPU only)")
         cdt = tl.bfloat16 if dev.type == "cuda" else tl.float32   # interpreter: fp32 math (its bf16 dot is unreliable)
-        BM = block_m or 16
+        BM = block_m
         block_n13, block_n2 = block_n13 or 128, block_n2 or 128
         _moe_w13_kernel[(triton.cdiv(I, block_n13), E)](
             x, tok, offs, w13_packed, w13_scale, h,
             x.stride(0), w13_packed.stride(0), w13_packed.stride(1), w13_scale.stride(0), w13_scale.stride(1),
             h.stride(0), I, RL, float(situ_beta), float(situ_linear_beta),
-            BM=BM, BN=block_n13, BK=block_k, USE_ASM=use_asm, CDT=cdt, num_warps=4, num_stages=num_stages or 3)
+            BM=BM, BN=block_n13, BK=block_k, DQ=dequant, CDT=cdt, num_warps=num_warps,
+            num_stages=num_stages or 3)
         _moe_w2_kernel[(triton.cdiv(RL, block_n2), E)](
             h, order, wts, offs, w2_packed, w2_scale, ypair,
             h.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-            ypair.stride(0), I, RL, BM=BM, BN=block_n2, BK=block_k, USE_ASM=use_asm, CDT=cdt, num_warps=4,
-            num_stages=num_stages or 3)
+            ypair.stride(0), I, RL, BM=BM, BN=block_n2, BK=block_k, DQ=dequant, CDT=cdt,
+            num_warps=num_warps, num_stages=num_stages or 3)
     ids = topk_ids if topk_ids.dtype == torch.int32 and topk_ids.is_contiguous() else \
         topk_ids.to(torch.int32).contiguous()
     BR = min(256, triton.next_power_of_2(RL))
