@@ -323,6 +323,29 @@ def test_mxfp4_moe(E, RL, I, T, k, bk, impl):
     assert relerr(y, r) < 1e-2   # h is rounded to bf16 between the two GEMMs
 
 
+@pytest.mark.skipif(not HAS_CUDA, reason="the folded-scale dequant is inline PTX (GPU only)")
+@pytest.mark.parametrize("dequant", [3, 2])
+def test_mxfp4_moe_scales_above_one(dequant):
+    """Experts whose E8M0 exponents exceed 128 (scales > 2^1) take the two-multiply dequant, the others the folded
+    one (dequant 3 picks per program); every expert equals the fp64 reference either way."""
+    E, RL, I, T, k = 4, 256, 128, 12, 3
+    g = torch.Generator().manual_seed(9)
+    w13p = torch.randint(0, 256, (E, 2 * I, RL // 2), dtype=torch.uint8, generator=g)
+    w13s = torch.randint(110, 126, (E, 2 * I, RL // 32), dtype=torch.uint8, generator=g)
+    w2p = torch.randint(0, 256, (E, RL, I // 2), dtype=torch.uint8, generator=g)
+    w2s = torch.randint(110, 122, (E, RL, I // 32), dtype=torch.uint8, generator=g)
+    w13s[1, 5, 3] = 131          # expert 1: one gate row group above 2^1; expert 3: its whole w2 a factor 2^12 up
+    w2s[3] += 12
+    x = torch.randn(T, RL, generator=g).to(torch.bfloat16) * 0.05
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).int()
+    w = torch.rand(T, k, generator=g)
+    r = moe_ref(x, ids, w, w13p, w13s, w2p, w2s, 0)
+    y = moe_k.mxfp4_moe(*(a.to(DEV) for a in (x, ids, w, w13p, w13s, w2p, w2s)), dequant=dequant).cpu()
+    big = (ids == 3).any(1)
+    assert 0 < int(big.sum()) < T
+    assert relerr(y[big], r[big]) < 1e-2 and relerr(y[~big], r[~big]) < 1e-2
+
+
 @pytest.mark.parametrize("groups,topk_group,scale", [(1, 1, 1.0), (4, 2, 2.5)])
 def test_router(groups, topk_group, scale):
     """The GPU router equals the noaux_tc reference (ids as sets, weights per id), grouped top-k included."""

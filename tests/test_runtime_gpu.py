@@ -643,7 +643,9 @@ ps = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [9] * 20]
 out = []
 for ops in ("reference", "kernels"):
     with LLM(sys.argv[1], ops=ops, max_batch=2, max_num_tokens=9, max_context=64, device='cpu') as llm:
-        out.append([o.token_ids for o in llm.generate(ps, SamplingParams(max_tokens=3, ignore_eos=True))])
+        res = llm.generate(ps, SamplingParams(max_tokens=3, ignore_eos=True))
+        assert all(o.finish_reason == "length" for o in res), [(o.finish_reason, o.error) for o in res]
+        out.append([o.token_ids for o in res])
 print(out[0] == out[1], out)
 '''
 
@@ -672,7 +674,9 @@ for ops, pad in (("reference", None), ("kernels", None), ("kernels", 4)):
              device='cpu') as llm:
         if ops == "kernels":     # the graphs' padded static-buffer path, run eagerly (no CUDA here)
             g = llm._enable_graphs(capture=False)
-        out.append([o.token_ids for o in llm.generate(ps, params)])
+        res = llm.generate(ps, params)
+        assert all(o.finish_reason == "length" for o in res), [(o.finish_reason, o.error) for o in res]
+        out.append([o.token_ids for o in res])
         llm.cache.check_consistent()
         if ops == "kernels":
             stats.append((g.buckets, g.replays, g.padded_rows))

@@ -7,7 +7,8 @@ kda_prefill: Triton varlen conv (with history from the slot pool) + conv-history
              `chunk_kda` (in-kernel gate / L2 / beta, safe_gate, state_v_first, cu_seqlens, initial/final
              state gathered/scattered through slots by Triton copies), then a Triton gated-RMSNorm kernel. Where
              fla or CUDA is unavailable (CPU CI) the delta rule falls back to a torch token recurrence.
-             `graph_safe=True` (the TensorRT plugin): token->sequence map on the device, scratch from `workspace=`
+             `graph_safe=True` (the default; the TensorRT plugin passes it too): token->sequence map on the
+             device, scratch from `workspace=`
              (`kda_prefill_workspace_bytes`), `chunk_kda(use_graph=True, max_num_seqs=N)`; fla's intermediates
              still come from torch's caching allocator (plugins/trt_common.py says what that means for capture).
 
@@ -381,7 +382,12 @@ def kda_prefill_workspace_bytes(num_tokens: int, num_seqs: int, num_heads: int, 
 def kda_prefill(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, cu_seqlens, slots, *,
                 num_heads: int, head_dim: int, lower_bound: float = -5.0, norm_eps: float = 1e-5, out=None,
                 graph_safe: bool = True, workspace: torch.Tensor | None = None):
-    """KdaPrefill: varlen packed prefill continuing from the slots' state/conv history; in place.
+    """KdaPrefill (MODEL.md §4): varlen packed prefill continuing from the slots' state/conv history; in place.
+
+    qkv [T, 3P], f [T, P], b [T, H], g [T, P] act (bf16 or fp32); conv_w [3P, 4], A_log [H], dt_bias [P],
+    o_norm_w [K] fp32; state [S, H, K, K] fp32 (Sᵀ per head), conv [S, 3P, 3] act; cu_seqlens [N+1] int (every
+    length >= 1), slots [N] int32 (P = H*K; schema: plugins/kda/reference.py). Returns (out [T, P] act, state,
+    conv): the pools updated in place. AssertionError on mismatched shapes.
 
     workspace: optional uint8 scratch (size: :func:`kda_prefill_workspace_bytes`) for the token map, the conv
     output, the gathered initial states and the int64 cu_seqlens. graph_safe: call fla's chunk_kda with

@@ -212,8 +212,10 @@ def mla_decode(q_abs, latent, cache, block_tables, context_lens, *, num_heads: i
                out=None, num_splits: int | None = None, block_h: int | None = None, block_n: int | None = None,
                num_stages: int | None = None, num_warps: int | None = None, programs_per_sm: int = 8,
                workspace: torch.Tensor | None = None):
-    """MlaDecode: writes latent[b] at context_lens[b], attends over context_lens[b]+1 latents.
-    Returns (out_latent [B, H, R] in q_abs dtype, cache).
+    """MlaDecode (MODEL.md §5.3): writes latent[b] at context_lens[b], attends over context_lens[b]+1 latents.
+    q_abs [B, H, R+Dr] (q_nope·W_UK ‖ q_pe), latent [B, R+Dr] act; cache [NB, BS, R+Dr] act (block 0 = padding
+    sentinel); block_tables [B, MB] int32; context_lens [B] int32; R = kv_lora_rank (schema:
+    plugins/mla/reference.py). Returns (out_latent [B, H, R] in q_abs dtype, cache) — the cache updated in place.
 
     workspace: optional uint8 scratch (size: :func:`mla_decode_workspace_bytes`); the split partials are carved
     from it (with a smaller workspace the split count is reduced to fit). Inputs already contiguous, in the cache
@@ -491,8 +493,10 @@ def mla_prefill(q, latent, kv_b, cache, block_tables, cu_seqlens, context_lens, 
                 qk_nope_head_dim: int, v_head_dim: int, kv_lora_rank: int, scale: float, out=None,
                 graph_safe: bool | None = None, workspace: torch.Tensor | None = None, block_m: int | None = None,
                 block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None):
-    """MlaPrefill: writes the new latents, then causal attention over context + new tokens.
-    Returns (out [T, H*Dv] in q dtype, cache).
+    """MlaPrefill (MODEL.md §5.2): writes the new latents, then causal attention over context + new tokens.
+    q [T, H, Dn+Dr], latent [T, R+Dr], kv_b [H*(Dn+Dv), R] act; cache [NB, BS, R+Dr] act; block_tables [N, MB],
+    cu_seqlens [N+1], context_lens [N] int32 (schema: plugins/mla/reference.py). Returns (out [T, H*Dv] in q dtype,
+    cache) — the cache updated in place.
 
     graph_safe=False: per sequence, gather + up-project the latents, torch SDPA (reads cu_seqlens/context_lens on
     the host). graph_safe=True: absorbed Triton path (q_nope through W_UK, paged attention over the latents,

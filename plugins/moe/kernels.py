@@ -104,75 +104,94 @@ def _dequant_asm(p, sb):
     return lo, hi
 
 
+def _asm2_text(folded: bool) -> str:
+    """PTX of `_dequant_asm2`: the same steps for bytes 0-1 (prmt selector 0x4140 -> outputs $0 even columns, $2
+    odd) and bytes 2-3 (0x4342 -> $1, $3). folded: one mul.bf16x2 by 2^(s-1) (bits `s*128 + 0x3F00` per lane,
+    valid for s <= 128) instead of 2^126 then 2^(s-127)."""
+    if folded:
+        scale, rebias = "mad.lo.u32 sc, sc, 128, 0x3F003F00;", ""
+    else:
+        scale, rebias = "shl.b32 sc, sc, 7;", "mul.rn.bf16x2 x, x, bias;"
+
+    def half(sel, even, odd):
+        return f"""
+        prmt.b32 a, $4, 0, {sel};
+        prmt.b32 sc, $5, 0, {sel};
+        {scale}
+        shl.b32 x, a, 6;
+        shl.b32 y, a, 12;
+        or.b32 x, x, y;
+        and.b32 x, x, 0x81C081C0;
+        {rebias}
+        mul.rn.bf16x2 {even}, x, sc;
+        and.b32 z, a, 0x00F000F0;
+        shl.b32 x, z, 2;
+        shl.b32 y, z, 8;
+        or.b32 x, x, y;
+        and.b32 x, x, 0x81C081C0;
+        {rebias}
+        mul.rn.bf16x2 {odd}, x, sc;"""
+    return ("""
+        {
+        .reg .b32 a, x, y, z, sc, bias;
+        mov.b32 bias, 0x7E807E80;""" + half("0x4140", "$0", "$2") + half("0x4342", "$1", "$3") + """
+        }
+        """)
+
+
+_ASM2 = tl.constexpr(_asm2_text(False))    # a jit function reads a global only as a constexpr
+_ASM2_FOLDED = tl.constexpr(_asm2_text(True))
+
+
 @triton.jit
-def _dequant_asm2(p, s):
+def _dequant_asm2(p, s, FOLDED: tl.constexpr):
     """GPU decode, fewer integer ops than `_dequant_asm`: p uint8 [BN, BKH] packed; s uint8 [BN, BKH] the E8M0
     exponent of each byte's group. Per 32-bit word (4 bytes, 8 weights): one prmt spreads two bytes into the two
     bf16 lanes; even codes (low nibbles): magnitude bits << 6 to bf16 bits 8:6 and sign << 12 to bit 15, one lop3
     `(a<<6 | a<<12) & 0x81C081C0` (the two shifted copies never overlap inside that mask); odd codes (high nibbles):
     the same on `a & 0x00F000F0` with << 2 and << 8. The result is the E2M1 value times 2^-126 (0.5 is a bf16
-    subnormal), so mul.bf16x2 by 2^126 makes it exact; the scale 2^(s-127) is `s << 7` as bf16 bits (E8M0 s <= 254).
-    About 3.5 instructions per weight instead of about 5."""
-    lo, hi = tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 a, x, y, z, sc, bias;
-        mov.b32 bias, 0x7E807E80;
-        prmt.b32 a, $4, 0, 0x4140;
-        prmt.b32 sc, $5, 0, 0x4140;
-        shl.b32 sc, sc, 7;
-        shl.b32 x, a, 6;
-        shl.b32 y, a, 12;
-        or.b32 x, x, y;
-        and.b32 x, x, 0x81C081C0;
-        mul.rn.bf16x2 x, x, bias;
-        mul.rn.bf16x2 $0, x, sc;
-        and.b32 z, a, 0x00F000F0;
-        shl.b32 x, z, 2;
-        shl.b32 y, z, 8;
-        or.b32 x, x, y;
-        and.b32 x, x, 0x81C081C0;
-        mul.rn.bf16x2 x, x, bias;
-        mul.rn.bf16x2 $2, x, sc;
-        prmt.b32 a, $4, 0, 0x4342;
-        prmt.b32 sc, $5, 0, 0x4342;
-        shl.b32 sc, sc, 7;
-        shl.b32 x, a, 6;
-        shl.b32 y, a, 12;
-        or.b32 x, x, y;
-        and.b32 x, x, 0x81C081C0;
-        mul.rn.bf16x2 x, x, bias;
-        mul.rn.bf16x2 $1, x, sc;
-        and.b32 z, a, 0x00F000F0;
-        shl.b32 x, z, 2;
-        shl.b32 y, z, 8;
-        or.b32 x, x, y;
-        and.b32 x, x, 0x81C081C0;
-        mul.rn.bf16x2 x, x, bias;
-        mul.rn.bf16x2 $3, x, sc;
-        }
-        """,
-        constraints="=r,=r,=r,=r,r,r",
-        args=[p, s],
-        dtype=(tl.bfloat16, tl.bfloat16),
-        is_pure=True,
-        pack=4,
-    )
+    subnormal), so mul.bf16x2 by 2^126 makes it exact; the scale 2^(s-127) is `s << 7` as bf16 bits (E8M0 s <= 254;
+    s = 0 gives 0). FOLDED (only when every s <= 128): one multiply by 2^(s-1) does both. About 3.5 instructions
+    per weight (3 folded) instead of about 5 (`_asm2_text`)."""
+    if FOLDED:
+        lo, hi = tl.inline_asm_elementwise(asm=_ASM2_FOLDED, constraints="=r,=r,=r,=r,r,r", args=[p, s],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        lo, hi = tl.inline_asm_elementwise(asm=_ASM2, constraints="=r,=r,=r,=r,r,r", args=[p, s],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     return lo, hi
+
+
+@triton.jit
+def _scale_max(sg, rows, rmask, stride_s, NG, BN: tl.constexpr, SG: tl.constexpr):
+    """Largest E8M0 exponent in rows `rows` (all NG groups) of one expert's scales, SG groups per load (SG divides
+    NG: no column mask, so the loads vectorize)."""
+    m = tl.zeros([BN, SG], dtype=tl.int32)
+    for g0 in range(0, NG, SG):
+        gg = g0 + tl.arange(0, SG)
+        m = tl.maximum(m, tl.load(sg + rows[:, None].to(tl.int64) * stride_s + gg[None, :], mask=rmask[:, None],
+                                  other=0).to(tl.int32))
+    return tl.max(tl.max(m, axis=1), axis=0)
+
+
+def _scan_groups(ng: int) -> int:
+    """Groups per load of `_scale_max`: the largest power of two <= 16 dividing ng."""
+    return next(g for g in (16, 8, 4, 2, 1) if ng % g == 0)
 
 
 @triton.jit
 def _load_wtile(w_ptr, s_ptr, rows, rmask, j0, stride_w, stride_s,
                 BN: tl.constexpr, BKH: tl.constexpr, DQ: tl.constexpr, CDT: tl.constexpr):
     """Dequantized (lo, hi) [BN, BKH] tiles of rows `rows`, packed columns j0 .. j0+BKH.
-    DQ: 0 plain Triton (interpreter), 1 `_dequant_asm`, 2 `_dequant_asm2` (GPU)."""
+    DQ: 0 plain Triton (interpreter), 1 `_dequant_asm`, 2 `_dequant_asm2`, 3 its folded form (GPU; only for
+    scales <= 128: the kernels pick 2 or 3 per program with `_scale_max`)."""
     jj = tl.arange(0, BKH)
     p = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + (j0 + jj)[None, :], mask=rmask[:, None], other=0)
     gg = tl.arange(0, BKH // 16)
     s = tl.load(s_ptr + rows[:, None].to(tl.int64) * stride_s + (j0 // 16 + gg)[None, :], mask=rmask[:, None], other=127)
-    if DQ == 2:
+    if DQ >= 2:
         se = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, BKH // 16, 16)), (BN, BKH))
-        lo, hi = _dequant_asm2(p, se)
+        lo, hi = _dequant_asm2(p, se, DQ == 3)
     elif DQ == 1:
         sb = (s.to(tl.int32) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
         sb = tl.reshape(tl.broadcast_to(sb[:, :, None], (BN, BKH // 16, 16)), (BN, BKH))
@@ -203,11 +222,45 @@ def _situ(g, u, beta, lbeta):
 
 
 @triton.jit
+def _w13_tile(x_ptr, tok, mmask, stride_x, wg, sg, nn, nmask, stride_w, stride_s, I, RL,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DQ: tl.constexpr, CDT: tl.constexpr):
+    """fp32 (gate, up) [BM, BN] accumulators of x[tok] · W13ᵀ over the whole K = RL for rows nn of one expert."""
+    BKH: tl.constexpr = BK // 2
+    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    for j0 in range(0, RL // 2, BKH):
+        xe, xo = _load_x_split(x_ptr, tok, mmask, 2 * j0, stride_x, BM, BK)
+        xe = xe.to(CDT)
+        xo = xo.to(CDT)
+        glo, ghi = _load_wtile(wg, sg, nn, nmask, j0, stride_w, stride_s, BN, BKH, DQ, CDT)
+        acc_g = tl.dot(xe, tl.trans(glo), acc_g)
+        acc_g = tl.dot(xo, tl.trans(ghi), acc_g)
+        ulo, uhi = _load_wtile(wg, sg, nn + I, nmask, j0, stride_w, stride_s, BN, BKH, DQ, CDT)
+        acc_u = tl.dot(xe, tl.trans(ulo), acc_u)
+        acc_u = tl.dot(xo, tl.trans(uhi), acc_u)
+    return acc_g, acc_u
+
+
+@triton.jit
+def _w2_tile(h_ptr, mm, mmask, stride_h, wg, sg, nn, nmask, stride_w, stride_s, I,
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DQ: tl.constexpr, CDT: tl.constexpr):
+    """fp32 [BM, BN] accumulator of h[mm] · W2ᵀ over the whole K = I for rows nn of one expert."""
+    BKH: tl.constexpr = BK // 2
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for j0 in range(0, I // 2, BKH):
+        he, ho = _load_x_split(h_ptr, mm.to(tl.int64), mmask, 2 * j0, stride_h, BM, BK)
+        wlo, whi = _load_wtile(wg, sg, nn, nmask, j0, stride_w, stride_s, BN, BKH, DQ, CDT)
+        acc = tl.dot(he.to(CDT), tl.trans(wlo), acc)
+        acc = tl.dot(ho.to(CDT), tl.trans(whi), acc)
+    return acc
+
+
+@triton.jit
 def _moe_w13_kernel(
     x_ptr, tok_ptr, offs_ptr, w_ptr, s_ptr, h_ptr,
     stride_x, stride_we, stride_w, stride_se, stride_s, stride_h,
     I, RL, beta, lbeta,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DQ: tl.constexpr, CDT: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DQ: tl.constexpr, CDT: tl.constexpr, SG: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     e = tl.program_id(1)
@@ -215,27 +268,27 @@ def _moe_w13_kernel(
     hi_off = tl.load(offs_ptr + e + 1)
     if hi_off <= lo_off:
         return
-    BKH: tl.constexpr = BK // 2
     nn = pid_n * BN + tl.arange(0, BN)
     nmask = nn < I
     wg = w_ptr + e.to(tl.int64) * stride_we
     sg = s_ptr + e.to(tl.int64) * stride_se
+    if DQ == 3:   # one multiply per weight pair when this program's scales allow it (uniform branch)
+        fold = tl.maximum(_scale_max(sg, nn, nmask, stride_s, RL // 32, BN, SG),
+                          _scale_max(sg, nn + I, nmask, stride_s, RL // 32, BN, SG)) <= 128
     for m0 in range(lo_off, hi_off, BM):
         mm = m0 + tl.arange(0, BM)
         mmask = mm < hi_off
         tok = tl.load(tok_ptr + mm, mask=mmask, other=0).to(tl.int64)
-        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-        for j0 in range(0, RL // 2, BKH):
-            xe, xo = _load_x_split(x_ptr, tok, mmask, 2 * j0, stride_x, BM, BK)
-            xe = xe.to(CDT)
-            xo = xo.to(CDT)
-            glo, ghi = _load_wtile(wg, sg, nn, nmask, j0, stride_w, stride_s, BN, BKH, DQ, CDT)
-            acc_g = tl.dot(xe, tl.trans(glo), acc_g)
-            acc_g = tl.dot(xo, tl.trans(ghi), acc_g)
-            ulo, uhi = _load_wtile(wg, sg, nn + I, nmask, j0, stride_w, stride_s, BN, BKH, DQ, CDT)
-            acc_u = tl.dot(xe, tl.trans(ulo), acc_u)
-            acc_u = tl.dot(xo, tl.trans(uhi), acc_u)
+        if DQ == 3:
+            if fold:
+                acc_g, acc_u = _w13_tile(x_ptr, tok, mmask, stride_x, wg, sg, nn, nmask, stride_w, stride_s, I, RL,
+                                         BM, BN, BK, 3, CDT)
+            else:
+                acc_g, acc_u = _w13_tile(x_ptr, tok, mmask, stride_x, wg, sg, nn, nmask, stride_w, stride_s, I, RL,
+                                         BM, BN, BK, 2, CDT)
+        else:
+            acc_g, acc_u = _w13_tile(x_ptr, tok, mmask, stride_x, wg, sg, nn, nmask, stride_w, stride_s, I, RL,
+                                     BM, BN, BK, DQ, CDT)
         hval = _situ(acc_g, acc_u, beta, lbeta)
         tl.store(h_ptr + mm[:, None].to(tl.int64) * stride_h + nn[None, :], hval.to(h_ptr.dtype.element_ty),
                  mask=mmask[:, None] & nmask[None, :])
@@ -246,7 +299,7 @@ def _moe_w2_kernel(
     h_ptr, pair_ptr, wts_ptr, offs_ptr, w_ptr, s_ptr, y_ptr,
     stride_h, stride_we, stride_w, stride_se, stride_s, stride_y,
     I, RL,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DQ: tl.constexpr, CDT: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DQ: tl.constexpr, CDT: tl.constexpr, SG: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     e = tl.program_id(1)
@@ -254,20 +307,22 @@ def _moe_w2_kernel(
     hi_off = tl.load(offs_ptr + e + 1)
     if hi_off <= lo_off:
         return
-    BKH: tl.constexpr = BK // 2
     nn = pid_n * BN + tl.arange(0, BN)
     nmask = nn < RL
     wg = w_ptr + e.to(tl.int64) * stride_we
     sg = s_ptr + e.to(tl.int64) * stride_se
+    if DQ == 3:
+        fold = _scale_max(sg, nn, nmask, stride_s, I // 32, BN, SG) <= 128
     for m0 in range(lo_off, hi_off, BM):
         mm = m0 + tl.arange(0, BM)
         mmask = mm < hi_off
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for j0 in range(0, I // 2, BKH):
-            he, ho = _load_x_split(h_ptr, mm.to(tl.int64), mmask, 2 * j0, stride_h, BM, BK)
-            wlo, whi = _load_wtile(wg, sg, nn, nmask, j0, stride_w, stride_s, BN, BKH, DQ, CDT)
-            acc = tl.dot(he.to(CDT), tl.trans(wlo), acc)
-            acc = tl.dot(ho.to(CDT), tl.trans(whi), acc)
+        if DQ == 3:
+            if fold:
+                acc = _w2_tile(h_ptr, mm, mmask, stride_h, wg, sg, nn, nmask, stride_w, stride_s, I, BM, BN, BK, 3, CDT)
+            else:
+                acc = _w2_tile(h_ptr, mm, mmask, stride_h, wg, sg, nn, nmask, stride_w, stride_s, I, BM, BN, BK, 2, CDT)
+        else:
+            acc = _w2_tile(h_ptr, mm, mmask, stride_h, wg, sg, nn, nmask, stride_w, stride_s, I, BM, BN, BK, DQ, CDT)
         pair = tl.load(pair_ptr + mm, mask=mmask, other=0).to(tl.int64)
         wt = tl.load(wts_ptr + pair, mask=mmask, other=0.0)
         tl.store(y_ptr + pair[:, None] * stride_y + nn[None, :], acc * wt[:, None], mask=mmask[:, None] & nmask[None, :])
@@ -437,7 +492,9 @@ def mxfp4_moe_workspace_bytes(num_tokens: int, top_k: int, num_experts: int, int
 def _pick_block_m(T, k, E):
     """Token tile of the grouped GEMMs from the mean (token, choice) pairs per local expert: one 16-row tile
     when an expert gets few tokens (decode), else 64 rows so each weight tile is dequantized once for more tokens
-    (H200 run 6, T=256 over 112 experts, 37 per expert: 1598 us at 64 rows, 2403 at 32, 2859 at 16)."""
+    (H200 run 6, T=256 over 112 experts, 37 per expert: 1598 us at 64 rows, 2403 at 32, 2859 at 16). Under expert
+    parallelism T*k counts the other ranks' pairs too, so this overestimates the load by the EP size: pass
+    `block_m` explicitly there (the op does not know the global expert count)."""
     avg = triton.cdiv(T * k, max(E, 1))
     return 16 if avg <= 16 else 64
 
@@ -461,14 +518,18 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
               situ_beta: float = 4.0, situ_linear_beta: float = 25.0, block_m: int | None = None,
               block_n13: int | None = None, block_n2: int | None = None, block_k: int | None = None,
               impl: str = "legacy", num_warps: int = 4, num_stages: int | None = None,
-              dequant: int | None = None, out=None, workspace: torch.Tensor | None = None):
+              dequant: int | None = None, maxnreg: int | None = None, out=None,
+              workspace: torch.Tensor | None = None):
     """Mxfp4Moe (MODEL.md §7.2, §8.3): y [T, Rl] fp32 = sum over local choices of w * w2_e(SiTU(w1_e x, w3_e x)).
     x [T, Rl] bf16/fp32; topk_ids [T, k] int (global expert ids; ids outside expert_offset .. +E contribute 0);
     topk_w [T, k] fp32; w13_packed [E, 2I, Rl/2] uint8 (E2M1 pairs, low nibble = even column), w13_scale
     [E, 2I, Rl/32] uint8 (E8M0); w2_packed [E, Rl, I/2], w2_scale [E, Rl, I/32] likewise.
     impl "legacy" (default): inline-PTX dequant to bf16 tiles in registers, x as the LHS (block_n 128);
-    dequant: 2 (GPU default, `_dequant_asm2`), 1 (`_dequant_asm`, runs 2-5), 0 plain Triton (the interpreter;
-    the only choice off the GPU, ValueError otherwise). E8M0 0 (2^-127) decodes as 0 on the GPU paths.
+    dequant: 3 (GPU default for 16/32-row token tiles: `_dequant_asm2` with one multiply per weight pair in every
+    program whose scales are all <= 2^1, checked per program), 2 (`_dequant_asm2` always with two; the GPU default
+    for 64-row tiles), 1 (`_dequant_asm`, runs 2-5), 0
+    plain Triton (the interpreter; the only choice off the GPU, ValueError otherwise). E8M0 0 (2^-127) decodes as 0
+    on the unfolded GPU paths. maxnreg: optional register cap per thread for the two GEMM kernels.
     impl "dot_scaled": weights as the scaled-dot LHS (see _moe_w13_ds_kernel). On the H200 (runs 3 and 6,
     benchmarks/RESULTS.md) dot_scaled was slower (T=64: 2511 us vs 1055 us), so it is opt-in.
     block_m: token tile (None = `_pick_block_m`: 16 for decode-sized batches, 64 when experts get > 16 pairs);
@@ -511,24 +572,26 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
     else:
         assert impl == "legacy", impl
         on_gpu = dev.type == "cuda" and not _INTERPRET
-        if dequant is None:
-            dequant = 2 if on_gpu else 0
-        if dequant not in (0, 1, 2) or (dequant and not on_gpu):
-            raise ValueError(f"mxfp4_moe: dequant={dequant!r} must be 0 (plain Triton) or 1, 2 (inline PTX, GPU only)")
+        if dequant is None:   # folded scales with 64-row tiles ran 1.45x slower on the H200 (RESULTS.md run 6)
+            dequant = (3 if block_m < 64 else 2) if on_gpu else 0
+        if dequant not in (0, 1, 2, 3) or (dequant and not on_gpu):
+            raise ValueError(f"mxfp4_moe: dequant={dequant!r} must be 0 (plain Triton) or 1, 2, 3 (inline PTX, GPU "
+                             "only)")
         cdt = tl.bfloat16 if dev.type == "cuda" else tl.float32   # interpreter: fp32 math (its bf16 dot is unreliable)
         BM = block_m
+        regs = {} if maxnreg is None else {"maxnreg": int(maxnreg)}
         block_n13, block_n2 = block_n13 or 128, block_n2 or 128
         _moe_w13_kernel[(triton.cdiv(I, block_n13), E)](
             x, tok, offs, w13_packed, w13_scale, h,
             x.stride(0), w13_packed.stride(0), w13_packed.stride(1), w13_scale.stride(0), w13_scale.stride(1),
             h.stride(0), I, RL, float(situ_beta), float(situ_linear_beta),
-            BM=BM, BN=block_n13, BK=block_k, DQ=dequant, CDT=cdt, num_warps=num_warps,
-            num_stages=num_stages or 3)
+            BM=BM, BN=block_n13, BK=block_k, DQ=dequant, CDT=cdt, SG=_scan_groups(RL // 32), num_warps=num_warps,
+            num_stages=num_stages or 3, **regs)
         _moe_w2_kernel[(triton.cdiv(RL, block_n2), E)](
             h, order, wts, offs, w2_packed, w2_scale, ypair,
             h.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-            ypair.stride(0), I, RL, BM=BM, BN=block_n2, BK=block_k, DQ=dequant, CDT=cdt,
-            num_warps=num_warps, num_stages=num_stages or 3)
+            ypair.stride(0), I, RL, BM=BM, BN=block_n2, BK=block_k, DQ=dequant, CDT=cdt, SG=_scan_groups(I // 32),
+            num_warps=num_warps, num_stages=num_stages or 3, **regs)
     ids = topk_ids if topk_ids.dtype == torch.int32 and topk_ids.is_contiguous() else \
         topk_ids.to(torch.int32).contiguous()
     BR = min(256, triton.next_power_of_2(RL))
@@ -539,7 +602,9 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
 
 def route(x, gate_w, correction_bias, *, top_k: int = 16, num_expert_group: int = 1, topk_group: int = 1,
           routed_scaling_factor: float = 1.0):
-    """fp32 router (§7.2): returns (topk_ids int32 [T, k], topk_w fp32 [T, k])."""
+    """fp32 router (MODEL.md §7.2, noaux_tc): x [T, d] any float dtype, gate_w [E, d], correction_bias [E] (used
+    for the selection only); sigmoid scores, optional group stage (num_expert_group groups ranked by their top-2
+    sum, topk_group kept), top-k, renormalized and scaled. Returns (topk_ids int32 [T, k], topk_w fp32 [T, k])."""
     z = x.float() @ gate_w.float().t()
     s = torch.sigmoid(z)
     sel = s + correction_bias.float()
