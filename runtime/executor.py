@@ -350,6 +350,7 @@ class TensorRTExecutor(GraphExecutor):
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
         self.engines: dict[str, tuple] = {}
+        self.stream = torch.cuda.Stream(self.device)
         for segs in self.segments.values():
             for g in segs:
                 plan = plans.get(g["path"])
@@ -359,8 +360,19 @@ class TensorRTExecutor(GraphExecutor):
                 if engine is None:
                     raise RuntimeError(f"{self.dir / plan}: TensorRT could not deserialize the engine "
                                        "(version/GPU mismatch?)")
-                self.engines[g["id"]] = (engine, engine.create_execution_context())
-        self.stream = torch.cuda.Stream(self.device)
+                ctx = engine.create_execution_context()
+                profile = self.profile_for(g, engine.num_optimization_profiles)
+                if profile and not ctx.set_optimization_profile_async(profile, self.stream.cuda_stream):
+                    raise RuntimeError(f"{self.dir / plan}: cannot select optimization profile {profile}")
+                self.engines[g["id"]] = (engine, ctx)
+        self.stream.synchronize()
+
+    @staticmethod
+    def profile_for(graph: dict, num_profiles: int) -> int:
+        """Optimization profile a graph's context runs with (engines/build.py builds [prefill, decode]): 1 for a
+        layer's decode graph when its engine has that profile, else 0 (prefill graphs; embed/head, which serve both
+        phases and whose prefill range covers decode batches)."""
+        return 1 if graph.get("kind") == "layer" and graph.get("graph") == "decode" and num_profiles > 1 else 0
 
     _TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int32": torch.int32,
               "int64": torch.int64}

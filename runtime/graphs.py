@@ -8,7 +8,8 @@ with its all-reduces, head) once per batch bucket and replays it:
 
 * buckets: batch sizes 1, 2, 4, ... up to `max_batch` (and `max_batch` itself); a batch of B runs in the
   smallest bucket >= B, the extra rows are padding rows (token 0, slot 0, context 0, block-table column 0 = block 0:
-  MODEL.md §9 sentinels), which touch only slot 0 and block 0 (a padding row attends over the one latent it writes);
+  MODEL.md §9 sentinels), which touch only block 0 (a padding row attends over the one latent it writes there);
+  the KDA decode kernel leaves slot 0 untouched (masked stores), the other ops never index it;
 * static inputs: ids [Bmax] int64, slots, context_lens [Bmax] int32, block tables [Bmax, max_blocks] int32,
   cu_seqlens = 0..Bmax, logits rows 0..B; a step copies the batch into the first rows (block-table columns past the
   batch's width keep stale ids: a sequence never reads past its own blocks), sets the padding rows, replays the

@@ -457,6 +457,21 @@ def test_tensorrt_backend_says_why_it_cannot_run(tmp_path):
         TensorRTExecutor(tmp_path)
 
 
+def test_tensorrt_decode_graphs_run_with_the_decode_profile():
+    """engines/build.py builds [prefill, decode] profiles; a layer's decode graph selects profile 1 (its own T = B
+    range), everything else profile 0, and a single-profile engine always 0. (Engine execution itself cannot run
+    here: no full TensorRT.)"""
+    from engines.build import default_profile_dims
+    from runtime.executor import TensorRTExecutor
+    prefill, decode = default_profile_dims(max_batch=8, max_num_tokens=256)
+    assert decode["T"] == (1, 8, 8) and prefill["T"] == (1, 256, 256)     # index 1 = the decode range
+    pick = TensorRTExecutor.profile_for
+    assert pick({"kind": "layer", "graph": "decode"}, 2) == 1
+    assert pick({"kind": "layer", "graph": "prefill"}, 2) == 0
+    assert pick({"kind": "embed"}, 2) == 0 and pick({"kind": "head"}, 2) == 0
+    assert pick({"kind": "layer", "graph": "decode"}, 1) == 0
+
+
 def test_graph_executor_rejects_a_zero_length_sequence():
     """The ONNX function bodies cannot raise, so the executor validates packed offsets before running graphs."""
     from model.reference import Batch

@@ -41,12 +41,13 @@ def _conv_silu(x, hist, w, sel3):
 
 
 @triton.jit
-def _store_hist(conv_base, ch, win, j4):
-    """New conv history of channels ch = window[:, 1:4] (the last three raw inputs)."""
+def _store_hist(conv_base, ch, win, j4, slot):
+    """New conv history of channels ch = window[:, 1:4] (the last three raw inputs); nothing for slot 0."""
     cdt = conv_base.dtype.element_ty
-    tl.store(conv_base + ch * 3 + 0, tl.sum(tl.where((j4 == 1)[None, :], win, 0.0), axis=1).to(cdt))
-    tl.store(conv_base + ch * 3 + 1, tl.sum(tl.where((j4 == 2)[None, :], win, 0.0), axis=1).to(cdt))
-    tl.store(conv_base + ch * 3 + 2, tl.sum(tl.where((j4 == 3)[None, :], win, 0.0), axis=1).to(cdt))
+    m = (ch * 0 + slot) != 0           # a tensor comparison: the interpreter rejects scalar-combined masks
+    tl.store(conv_base + ch * 3 + 0, tl.sum(tl.where((j4 == 1)[None, :], win, 0.0), axis=1).to(cdt), mask=m)
+    tl.store(conv_base + ch * 3 + 1, tl.sum(tl.where((j4 == 2)[None, :], win, 0.0), axis=1).to(cdt), mask=m)
+    tl.store(conv_base + ch * 3 + 2, tl.sum(tl.where((j4 == 3)[None, :], win, 0.0), axis=1).to(cdt), mask=m)
 
 
 @triton.jit
@@ -66,6 +67,7 @@ def _kda_decode_kernel(
     iv = tl.program_id(2)
     NV: tl.constexpr = K // BV
     slot = tl.load(slots_ptr + t).to(tl.int64)
+    # slot 0 = the padding sentinel (CUDA-graph padding rows): its pools stay untouched (masked stores below)
     ck = tl.arange(0, K)
     cvv = iv * BV + tl.arange(0, BV)
     j4 = tl.arange(0, 4)
@@ -84,7 +86,7 @@ def _kda_decode_kernel(
     yq, winq = _conv_silu(xq, hq, tl.load(convw_ptr + cq[:, None] * 4 + j4[None, :]), sel3)
     yk, wink = _conv_silu(xk, hk, tl.load(convw_ptr + ckk[:, None] * 4 + j4[None, :]), sel3)
     yv, winv = _conv_silu(xv, hv, tl.load(convw_ptr + cv[:, None] * 4 + j4[None, :]), sel3)
-    _store_hist(conv_base, cv, winv, j4)              # v history: channels owned by this program only
+    _store_hist(conv_base, cv, winv, j4, slot)        # v history: channels owned by this program only
 
     q = yq * (1.0 / tl.sqrt(tl.sum(yq * yq, axis=0) + 1e-6)) * scale
     k = yk * (1.0 / tl.sqrt(tl.sum(yk * yk, axis=0) + 1e-6))
@@ -99,11 +101,11 @@ def _kda_decode_kernel(
     S = S * alpha[None, :]
     u = yv - tl.sum(S * k[None, :], axis=1)                               # [BV]
     S = S + (beta * u)[:, None] * k[None, :]
-    tl.store(s_ptrs, S)
+    tl.store(s_ptrs, S, mask=(cvv[:, None] * 0 + slot) != 0)
     o = tl.sum(S * q[None, :], axis=1)                                    # [BV]
     if NV == 1:
-        _store_hist(conv_base, cq, winq, j4)
-        _store_hist(conv_base, ckk, wink, j4)
+        _store_hist(conv_base, cq, winq, j4, slot)
+        _store_hist(conv_base, ckk, wink, j4, slot)
         rs = 1.0 / tl.sqrt(tl.sum(o * o, axis=0) / K + norm_eps)
         w = tl.load(onw_ptr + cvv)
         gv = tl.load(g_ptr + t * stride_g + h * K + cvv).to(tl.float32)
@@ -113,8 +115,8 @@ def _kda_decode_kernel(
         tl.store(oa + cvv, o)
         prev = tl.atomic_add(cnt_ptr + t * H + h, 1, sem="acq_rel")
         if prev == NV - 1:
-            _store_hist(conv_base, cq, winq, j4)
-            _store_hist(conv_base, ckk, wink, j4)
+            _store_hist(conv_base, cq, winq, j4, slot)
+            _store_hist(conv_base, ckk, wink, j4, slot)
             of = tl.load(oa + ck, volatile=True)
             wf = tl.load(onw_ptr + ck)
             gf = tl.load(g_ptr + t * stride_g + h * K + ck).to(tl.float32)
@@ -168,7 +170,8 @@ def kda_decode(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slot
 
     qkv [B, 3P], f [B, P], b [B, H], g [B, P] act; conv_w [3P, 4], A_log [H], dt_bias [P], o_norm_w [K] fp32;
     state [S, H, K, K] fp32 (Sᵀ per head), conv [S, 3P, 3] act; slots [B] int32. Returns (out [B, P] act, state,
-    conv) — the same pool tensors. `block_v`: V tile (None = the measured default, `_decode_block_v`).
+    conv) — the same pool tensors. Rows on slot 0 (the padding sentinel, e.g. CUDA-graph padding rows) compute
+    an output but write neither pool, so slot 0 stays untouched (the fp32 reference does write it). `block_v`: V tile (None = the measured default, `_decode_block_v`).
     `workspace`: optional uint8 device buffer of >= `kda_decode_workspace_bytes(...)` bytes for the split
     kernel's scratch (CUDA-graph / TensorRT enqueue: nothing is allocated then). AssertionError on bad shapes."""
     B = qkv.shape[0]
