@@ -9,7 +9,8 @@ Layout (``format`` 1)::
          "config_hash": "...", "options": {...},                # build options that went into config_hash
          "compute_capability": ["sm86"], "profiles": [{"x": [[1, 8], [16, 8], [256, 8]]}, ...],
          "inputs": [{"name", "shape", "dtype", "is_shape_tensor"}], "outputs": [...],
-         "plugins": {"kimi::KdaPrefill": "1"}, "plan_bytes": 123, "plan_sha256": "...",
+         "plugins": {"kimi::KdaPrefill": {"version": "1", "impl": "plugin" | "function-body" | "unknown"}},
+         "plan_bytes": 123, "plan_sha256": "...",
          "verified": "engine" | "network", "notes": [...]}}}
 
 ``verified`` says how the I/O metadata was checked: ``"engine"`` = read back from the deserialized engine (needs a

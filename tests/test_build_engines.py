@@ -90,6 +90,10 @@ def check_engines(out: Path) -> None:
         assert len(e["options"]["profiles"]) == 2, g["id"]               # prefill and decode
         assert e["compute_capability"] == ["sm86"]
         assert (out / "engines" / e.get("plan", g["path"].replace(".onnx", ".plan"))).is_file()
+        # no plugin is registered with TensorRT-RTX: every kimi node was lowered through its function body
+        assert all(p["impl"] == "function-body" for p in e["plugins"].values()), (g["id"], e["plugins"])
+    kimi = {op for e in by_onnx.values() for op in e["plugins"]}
+    assert {"kimi::KdaDecode", "kimi::MlaDecode", "kimi::Mxfp4Moe"} <= kimi, kimi
 
 
 def test_rerun_does_no_work_and_force_redoes(tiny_build_tp1, tiny_ckpt, tmp_path):
