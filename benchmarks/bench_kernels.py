@@ -1,25 +1,37 @@
 """One-H200-run benchmark: our Triton kernels vs the peers at K3 per-rank shapes (TP=8: 12 heads; TP=1: 96).
 
-Usage (GPU): PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out benchmarks/results/bench.jsonl [--junit junit.xml]
+Usage (GPU; or `bash benchmarks/h200_session.sh bench`, which sets up fla-core and $OUT):
+    PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/bench.jsonl [--junit $OUT/junit.xml] [--only ...]
 Each record: what, shape, us, peer_us, ratio (peer/ours, >1 = we are faster), bytes, GBps, pct_copy, correct.
 Speeds are reported only for kernels whose correctness check passed in the same run (in-script check at the bench
-shape; plus the pytest junit results when given).
+shape; plus the pytest junit results when given). A roofline PNG is written beside --out.
 """
 import argparse, json, math, os, sys, time, xml.etree.ElementTree as ET
-import torch, triton
-from triton.testing import do_bench
+
+FAMILIES = "kda_decode,graph,mla,moe,kda_prefill"
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("--out", default="/tmp/k3deploy_bench/bench.jsonl",
+                help="JSON lines output; roofline.png goes beside it (default: %(default)s)")
+ap.add_argument("--junit", default=None,
+                help="junit XML of a pytest run of tests/test_kernels.py in the same session: a failed test family "
+                     "marks its kernels' records correct=false")
+ap.add_argument("--only", default=FAMILIES,
+                help=f"comma-separated families to run (default: all = {FAMILIES}); record names: kda_decode, "
+                     "cuda_graph_decode_step, mla_decode, mxfp4_moe, kda_prefill")
+args = ap.parse_args()
+ONLY = set(args.only.split(","))
+if ONLY - set(FAMILIES.split(",")):
+    ap.error(f"--only: unknown {sorted(ONLY - set(FAMILIES.split(',')))}; choose from {FAMILIES}")
+
+import torch, triton                                  # noqa: E402  (after --help, which needs neither)
+from triton.testing import do_bench                   # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from plugins.kda import kernels as kda_k   # noqa: E402
 from plugins.mla import kernels as mla_k   # noqa: E402
 from plugins.moe import kernels as moe_k   # noqa: E402
 
-ap = argparse.ArgumentParser()
-ap.add_argument("--out", default="benchmarks/results/bench.jsonl")
-ap.add_argument("--junit", default=None)
-ap.add_argument("--only", default="kda_decode,graph,mla,moe,kda_prefill")
-args = ap.parse_args()
-ONLY = set(args.only.split(","))
+os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 dev = "cuda"
 fout = open(args.out, "w")
 RECS = []

@@ -261,11 +261,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m serve.repository",
         description="Write a Triton model repository with the decoupled Python-backend model 'k3' "
-                    "(TensorRT-LLM tensor names) that serves DIR through runtime.api.")
+                    "(TensorRT-LLM tensor names) that serves the --engines directory through runtime.api.")
     p.add_argument("--engines", required=True, help="checkpoint or engine directory loaded by runtime.api.LLM")
     p.add_argument("--out", required=True, help="model repository directory to write")
     p.add_argument("--backend", choices=BACKENDS, default=None,
-                   help="runtime backend when DIR/manifest.json has no 'backend' key (default torch)")
+                   help="runtime backend when the --engines directory's manifest.json has no 'backend' key (default torch)")
     p.add_argument("--name", default=DEFAULT_MODEL_NAME, help="model name (default %(default)s)")
     p.add_argument("--max-batch", type=int, default=8, help="LLM(max_batch=...) (default %(default)s)")
     p.add_argument("--max-num-tokens", type=int, default=256, help="LLM(max_num_tokens=...) (default %(default)s)")
