@@ -350,6 +350,9 @@ def main(argv=None) -> int:
     """CLI entry: every failure becomes one `error: ...` line and exit status 2 (1 for a mismatch)."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    if not args.verbose:   # onnxscript / onnx_ir log each graph rewrite at INFO: hundreds of lines per export
+        for name in ("onnxscript", "onnx_ir"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     try:
         return build(args)
     except (BuildError, CheckpointError, ConfigError, ValueError, FileNotFoundError) as e:
