@@ -171,7 +171,8 @@ def kda_decode(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slot
     qkv [B, 3P], f [B, P], b [B, H], g [B, P] act; conv_w [3P, 4], A_log [H], dt_bias [P], o_norm_w [K] fp32;
     state [S, H, K, K] fp32 (Sᵀ per head), conv [S, 3P, 3] act; slots [B] int32. Returns (out [B, P] act, state,
     conv) — the same pool tensors. Rows on slot 0 (the padding sentinel, e.g. CUDA-graph padding rows) compute
-    an output but write neither pool, so slot 0 stays untouched (the fp32 reference does write it). `block_v`: V tile (None = the measured default, `_decode_block_v`).
+    an output but write neither pool, so slot 0 stays untouched (the fp32 reference does write it).
+    `block_v`: V tile (None = the measured default, `_decode_block_v`).
     `workspace`: optional uint8 device buffer of >= `kda_decode_workspace_bytes(...)` bytes for the split
     kernel's scratch (CUDA-graph / TensorRT enqueue: nothing is allocated then). AssertionError on bad shapes."""
     B = qkv.shape[0]

@@ -457,12 +457,11 @@ def _moe_combine_kernel(ypair_ptr, ids_ptr, y_ptr, RL, E, expert_offset, stride_
     tl.store(y_ptr + t.to(tl.int64) * stride_y + cc, tl.sum(yp, axis=0), mask=cm)
 
 
-def _sort_pairs(topk_ids, E, expert_offset, ws):
-    """(order, tok, offs) of the (token, choice) pairs sorted by local expert (see _moe_sort_kernel)."""
-    T, k = topk_ids.shape
+def _sort_pairs(ids, E, expert_offset, ws):
+    """(order, tok, offs) of the (token, choice) pairs of ids [T, k] int32 (contiguous) sorted by local expert
+    (see _moe_sort_kernel)."""
+    T, k = ids.shape
     M = T * k
-    ids = topk_ids if topk_ids.dtype == torch.int32 and topk_ids.is_contiguous() else \
-        topk_ids.to(torch.int32).contiguous()
     order = ws.empty((M,), torch.int32)
     tok = ws.empty((M,), torch.int32)
     offs = ws.empty((E + 1,), torch.int32)
@@ -527,9 +526,9 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
     impl "legacy" (default): inline-PTX dequant to bf16 tiles in registers, x as the LHS (block_n 128);
     dequant: 3 (GPU default for 16/32-row token tiles: `_dequant_asm2` with one multiply per weight pair in every
     program whose scales are all <= 2^1, checked per program), 2 (`_dequant_asm2` always with two; the GPU default
-    for 64-row tiles), 1 (`_dequant_asm`, runs 2-5), 0
-    plain Triton (the interpreter; the only choice off the GPU, ValueError otherwise). E8M0 0 (2^-127) decodes as 0
-    on the unfolded GPU paths. maxnreg: optional register cap per thread for the two GEMM kernels.
+    for 64-row tiles), 1 (`_dequant_asm`, runs 2-5), 0 plain Triton (the interpreter; the only choice off the GPU,
+    ValueError otherwise). E8M0 0 (2^-127) decodes as 0 on the unfolded GPU paths.
+    maxnreg: optional register cap per thread for the two GEMM kernels (run 6: 168 within noise of none).
     impl "dot_scaled": weights as the scaled-dot LHS (see _moe_w13_ds_kernel). On the H200 (runs 3 and 6,
     benchmarks/RESULTS.md) dot_scaled was slower (T=64: 2511 us vs 1055 us), so it is opt-in.
     block_m: token tile (None = `_pick_block_m`: 16 for decode-sized batches, 64 when experts get > 16 pairs);
@@ -550,7 +549,9 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
     if T == 0:
         return out
     ws = Workspace(workspace, dev, "mxfp4_moe")
-    order, tok, offs = _sort_pairs(topk_ids, E, int(expert_offset), ws)
+    ids = topk_ids if topk_ids.dtype == torch.int32 and topk_ids.is_contiguous() else \
+        topk_ids.to(torch.int32).contiguous()
+    order, tok, offs = _sort_pairs(ids, E, int(expert_offset), ws)
     wts = topk_w.reshape(-1)
     wts = wts if wts.dtype == torch.float32 and wts.is_contiguous() else wts.to(torch.float32).contiguous()
     h = ws.empty((T * k, I), _h_dtype(dev, impl))
@@ -592,8 +593,6 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
             h.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
             ypair.stride(0), I, RL, BM=BM, BN=block_n2, BK=block_k, DQ=dequant, CDT=cdt, SG=_scan_groups(I // 32),
             num_warps=num_warps, num_stages=num_stages or 3, **regs)
-    ids = topk_ids if topk_ids.dtype == torch.int32 and topk_ids.is_contiguous() else \
-        topk_ids.to(torch.int32).contiguous()
     BR = min(256, triton.next_power_of_2(RL))
     _moe_combine_kernel[(T, triton.cdiv(RL, BR))](ypair, ids, out, RL, E, int(expert_offset), out.stride(0),
                                                  K=k, BK=triton.next_power_of_2(k), BR=BR, num_warps=4)
