@@ -135,7 +135,7 @@ def test_kda_decode_multi_step(H, K, act):
         assert relerr(o, ro) < (1e-5 if act == torch.float32 else 2e-2)
 
 
-@pytest.mark.parametrize("H,K,act,lens", [(2, 16, torch.float32, [2, 5, 13])] + (
+@pytest.mark.parametrize("H,K,act,lens", [(2, 16, torch.float32, [2, 5, 13]), (2, 16, torch.float32, [2, 70, 33])] + (
     [(12, 128, torch.bfloat16, [1, 3, 70, 130]), (24, 128, torch.bfloat16, [65, 2]), (48, 128, torch.bfloat16, [3, 64]),
      (96, 128, torch.bfloat16, [2, 67])] if HAS_CUDA else
     [(2, 32, torch.bfloat16, [1, 3, 9])]))
@@ -161,6 +161,23 @@ def test_kda_prefill(H, K, act, lens):
     assert relerr(cv[u], rc[u]) < 1e-6
     unused = [s for s in range(S) if s not in set(slots.tolist())]
     assert torch.isnan(st[unused].cpu()).all() and torch.isnan(cv[unused].cpu().float()).all()
+
+
+def test_kda_state_rows_through_slots():
+    """The state gather/scatter around fla's chunk_kda: gather then scatter is the identity on the slots used,
+    leaves the other slots alone, and the gathered rows equal the pool rows."""
+    H, K, S = 3, 32, 6
+    pool = torch.randn(S, H, K, K, device=DEV)
+    slots = torch.tensor([4, 1, 3], dtype=torch.int32, device=DEV)
+    G = Guarded()
+    src, dst = G(pool.clone()), G.empty(3, H, K, K, dtype=torch.float32)
+    kda_k._copy_rows(src, dst, G(slots), gather=True)
+    assert torch.equal(dst, pool[slots.long()])
+    back = G(torch.full_like(pool, float("nan")))
+    kda_k._copy_rows(dst, back, G(slots), gather=False)
+    G.check()
+    assert torch.equal(back[slots.long()], pool[slots.long()])
+    assert torch.isnan(back[[0, 2, 5]]).all()
 
 
 # ------------------------------------------------------------------------------------------------- MLA
