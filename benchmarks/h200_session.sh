@@ -8,8 +8,10 @@
 # tp    : (several GPUs) bench_decode TP=1 on cuda:0 saved, then TP=EP=N over NCCL for N = 2, 4, .. <= GPUs compared
 #         with it (logits, greedy tokens) -> $OUT/decode_tp.jsonl (TP_ARGS overrides the model/run arguments)
 # fla-core travels as a wheel in .whl/ (not in git): python3 -m pip download fla-core==0.6.0 --no-deps -d .whl
+# Triton autotune results (fla autotunes for minutes on a fresh machine) are saved to $OUT/autotune.tgz; carry them
+# into the next call as .autotune/ (not in git): mkdir -p .autotune && tar xzf <files_at>/autotune.tgz -C .autotune
 set -u -o pipefail          # a failing benchmark fails the script through its `| tee | tail`
-usage() { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; }
 case "${1:-}" in
   tests|bench|decode|tp) ;;
   -h|--help) usage; exit 0 ;;
@@ -24,6 +26,15 @@ if ! ls .whl/*.whl >/dev/null 2>&1; then
   exit 2
 fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# Triton keys each *.autotune.json by its version, the GPU target, the kernel source and the tuning key: a result
+# from an earlier machine of the same kind is reused, one that does not match is ignored
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache}
+mkdir -p "$TRITON_CACHE_DIR"
+if [ -d .autotune ]; then cp -r .autotune/. "$TRITON_CACHE_DIR"/; fi
+save_autotune() {
+  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$OUT/autotune.tgz" -T -) || true
+}
+trap save_autotune EXIT
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
