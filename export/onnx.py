@@ -144,7 +144,8 @@ def layer_fn(cfg: K3Config, l: int, layer: DecoderLayer, graph: str, segment: st
         if isinstance(m, LatentMoE):
             ids, wts = m.route(x)
             out["moe_latent_partial"] = ops.mxfp4_moe(m.down(x), ids.int(), wts, **m.experts, expert_offset=m.expert_offset,
-                                                      situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta)
+                                                      situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta,
+                                                      num_experts=cfg.num_experts)
             if m.shared is not None:
                 out["mlp_partial"] = m.shared.partial(x)
         else:

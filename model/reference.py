@@ -260,7 +260,7 @@ class LatentMoE:
         c = self.cfg
         ids, wts = self.route(x)
         yl = ops.mxfp4_moe(self.down(x), ids.int(), wts, **self.experts, expert_offset=self.expert_offset,
-                               situ_beta=c.situ_beta, situ_linear_beta=c.situ_linear_beta)
+                               situ_beta=c.situ_beta, situ_linear_beta=c.situ_linear_beta, num_experts=c.num_experts)
         y = self.shared.partial(x) if self.shared is not None else None
         yl = comm.all_reduce(yl)
         y_shared = comm.all_reduce(y) if y is not None else 0.0

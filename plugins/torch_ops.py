@@ -47,10 +47,10 @@ class TorchOps:
 
     @staticmethod
     def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *, expert_offset: int = 0,
-                  situ_beta: float = 4.0, situ_linear_beta: float | None = 25.0):
+                  situ_beta: float = 4.0, situ_linear_beta: float | None = 25.0, num_experts: int = 0):
         lb = 0.0 if situ_linear_beta is None else float(situ_linear_beta)
         return torch.ops.kimi.mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale,
-                                        int(expert_offset), float(situ_beta), lb)
+                                        int(expert_offset), float(situ_beta), lb, int(num_experts))
 
 
 def _kernels(op: str):
@@ -99,7 +99,7 @@ class KernelOps:
 
     @staticmethod
     def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *, expert_offset: int = 0,
-                  situ_beta: float = 4.0, situ_linear_beta: float | None = 25.0):
+                  situ_beta: float = 4.0, situ_linear_beta: float | None = 25.0, num_experts: int = 0):
         return _kernels("moe").mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale,
                                          expert_offset=int(expert_offset), situ_beta=float(situ_beta),
-                                         situ_linear_beta=situ_linear_beta)
+                                         situ_linear_beta=situ_linear_beta, num_experts=int(num_experts))

@@ -135,7 +135,8 @@ def test_kda_decode_multi_step(H, K, act):
         assert relerr(o, ro) < (1e-5 if act == torch.float32 else 2e-2)
 
 
-@pytest.mark.parametrize("H,K,act,lens", [(2, 16, torch.float32, [2, 5, 13]), (2, 16, torch.float32, [2, 70, 33])] + (
+@pytest.mark.parametrize("H,K,act,lens", [(2, 16, torch.float32, [2, 5, 13]), (2, 16, torch.float32, [2, 70, 33]),
+                                          (2, 16, torch.float32, [31, 5, 1, 2, 40])] + (
     [(12, 128, torch.bfloat16, [1, 3, 70, 130]), (24, 128, torch.bfloat16, [65, 2]), (48, 128, torch.bfloat16, [3, 64]),
      (96, 128, torch.bfloat16, [2, 67])] if HAS_CUDA else
     [(2, 32, torch.bfloat16, [1, 3, 9])]))
@@ -161,6 +162,24 @@ def test_kda_prefill(H, K, act, lens):
     assert relerr(cv[u], rc[u]) < 1e-6
     unused = [s for s in range(S) if s not in set(slots.tolist())]
     assert torch.isnan(st[unused].cpu()).all() and torch.isnan(cv[unused].cpu().float()).all()
+
+
+def test_kda_prefill_bad_token_stays_in_its_sequence():
+    """An inf in the last token of one sequence must not reach the next sequence packed after it (its conv
+    taps read the slot's history there, not that token): the next sequence's output and state stay finite and
+    equal the reference."""
+    H, K, lens = 2, 16, [10, 20]
+    N, T, S = 2, 30, 4
+    slots = torch.tensor([3, 1], dtype=torch.int32)
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32)
+    d, state, conv = _kda_inputs(T, H, K, S, torch.float32, seed=3)
+    d["qkv"][9] = float("inf")
+    ro, rs, _ = kda_ref.kda_prefill(**d, state=state.clone(), conv=conv.clone(), cu_seqlens=cu, slots=slots,
+                                    num_heads=H, head_dim=K)
+    o, st, _ = kda_k.kda_prefill(**{k: v.to(DEV) for k, v in d.items()}, state=state.to(DEV), conv=conv.to(DEV),
+                                 cu_seqlens=cu.to(DEV), slots=slots.to(DEV), num_heads=H, head_dim=K)
+    assert torch.isfinite(ro[10:]).all() and torch.isfinite(o[10:]).all() and torch.isfinite(st[1]).all()
+    assert relerr(o[10:], ro[10:]) < (3e-2 if HAS_CUDA else 1e-5) and relerr(st[1], rs[1]) < (2e-2 if HAS_CUDA else 1e-5)
 
 
 def test_kda_state_rows_through_slots():
@@ -341,6 +360,48 @@ def test_mxfp4_moe(E, RL, I, T, k, bk, impl):
     G.check()
     assert y.dtype == torch.float32
     assert relerr(y, r) < 1e-2   # h is rounded to bf16 between the two GEMMs
+
+
+def test_dequant_odd_nibble_multiply_identity():
+    """`_dequant_asm2`'s odd-code step on the GPU: for every byte pair spread into the two bf16 lanes
+    (a = b0 | b1 << 16), (z * 0x104) & 0x81C081C0 with z = a & 0x00F000F0 equals (z<<2 | z<<8) & 0x81C081C0, and
+    each lane read as bf16 times 2^126 is the high nibble's E2M1 value (MODEL.md §8.3)."""
+    assert "mul.lo.u32 x, z, 0x104;" in moe_k._asm2_text(True) and "mul.lo.u32 x, z, 0x104;" in moe_k._asm2_text(False)
+    b = torch.arange(256, dtype=torch.int64)
+    a = (b[:, None] | (b[None, :] << 16)).reshape(-1)
+    z = a & 0x00F000F0
+    got = (z * 0x104) & 0x81C081C0
+    assert torch.equal(got, ((z << 2) | (z << 8)) & 0x81C081C0)
+    e2m1 = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
+    for lane, src in ((got & 0xFFFF, a & 0xFF), (got >> 16, (a >> 16) & 0xFF)):
+        val = (lane.to(torch.int32) << 16).view(torch.float32).double() * 2.0 ** 126
+        assert torch.equal(val, e2m1[src >> 4])
+
+
+def test_mxfp4_moe_token_tile_counts_all_ranks_experts(monkeypatch):
+    """num_experts (the global routed expert count) sets the token tile under EP: at EP=8 of 896 experts a
+    T=256 decode batch puts ~5 pairs on each expert (16-row tiles), not 37 (the local count's estimate). A
+    num_experts below expert_offset + E is refused, naming the attribute, by the kernel and the reference."""
+    assert moe_k._pick_block_m(256, 16, 112) == 64 and moe_k._pick_block_m(256, 16, 896) == 16
+    assert moe_k._pick_block_m(64, 16, 112) == 16
+    seen = []
+    pick = moe_k._pick_block_m
+    monkeypatch.setattr(moe_k, "_pick_block_m", lambda T, k, n: seen.append(n) or pick(T, k, n))
+    g = torch.Generator().manual_seed(1)
+    E, RL, I, T, k = 2, 64, 64, 3, 2
+    args = (torch.randn(T, RL, generator=g), torch.tensor([[4, 5], [5, 9], [0, 4]], dtype=torch.int32),
+            torch.rand(T, k, generator=g), torch.randint(0, 256, (E, 2 * I, RL // 2), dtype=torch.uint8, generator=g),
+            torch.full((E, 2 * I, RL // 32), 120, dtype=torch.uint8),
+            torch.randint(0, 256, (E, RL, I // 2), dtype=torch.uint8, generator=g),
+            torch.full((E, RL, I // 32), 120, dtype=torch.uint8))
+    args = tuple(a.to(DEV) for a in args)
+    y = moe_k.mxfp4_moe(*args, expert_offset=4, num_experts=16)
+    y0 = moe_k.mxfp4_moe(*args, expert_offset=4)
+    assert seen == [16, E] and torch.equal(y, y0)   # the hint changes the schedule only
+    assert relerr(y, moe_ref_mod.mxfp4_moe(*(a.cpu() for a in args), expert_offset=4, num_experts=16)) < 1e-2
+    for fn in (moe_k.mxfp4_moe, moe_ref_mod.mxfp4_moe):
+        with pytest.raises(ValueError, match="num_experts=5 is below expert_offset"):
+            fn(*args, expert_offset=4, num_experts=5)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="the folded-scale dequant is inline PTX (GPU only)")

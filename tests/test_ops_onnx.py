@@ -167,9 +167,11 @@ def moe_inputs(T=5, E=4, k=2, Rl=64, I=32, offset=0, n_global=8, seed=0):
 def test_mxfp4_moe(T, offset, lbeta):
     """EP partial sums (experts offset..offset+3 of 8 global), T = 1, and situ_linear_beta None (attribute 0.0)."""
     inp = moe_inputs(T=T, offset=offset)
-    attrs = dict(expert_offset=offset, situ_beta=4.0, situ_linear_beta=0.0 if lbeta is None else lbeta)
+    attrs = dict(expert_offset=offset, situ_beta=4.0, situ_linear_beta=0.0 if lbeta is None else lbeta,
+                 num_experts=8 if offset else 0)
     got = run_body("Mxfp4Moe", inp, {"y": (torch.float32, 2)}, attrs)
-    exp = moe_ref.mxfp4_moe(*inp.values(), expert_offset=offset, situ_beta=4.0, situ_linear_beta=lbeta)
+    exp = moe_ref.mxfp4_moe(*inp.values(), expert_offset=offset, situ_beta=4.0, situ_linear_beta=lbeta,
+                            num_experts=attrs["num_experts"])
     np.testing.assert_allclose(got[0], exp.numpy(), atol=ATOL, rtol=RTOL)
 
 

@@ -213,8 +213,8 @@ def kda_decode(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slot
 # --------------------------------------------------------------------------------------------------
 # Prefill
 # --------------------------------------------------------------------------------------------------
-# conv pass launch: token tile BT, warps (H200 run 7, T=32768, 12 heads: BT 32 / 4 warps 268 us, BT 16 286 us;
-# a pipelined loop over 8 or 16 tiles per program 377-674 us)
+# conv pass launch: token tile BT, warps (H200 run 7, T=32768 in one sequence, 12 heads: BT 32 / 4 warps 271 us,
+# BT 16 289 us, BT 64 / 8 warps 620 us; a pipelined loop over 8 or 16 tiles per program 377-674 us)
 _CONV_CFG = dict(BT=32, num_warps=4)
 
 
@@ -235,15 +235,16 @@ def _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, mask, cmask, j: tl.constex
 
 
 @triton.jit
-def _conv_hist_fix(qkv_ptr, convw_ptr, conv_ptr, slot, pos, tt, cc, stride_qkv, m2, cmask, D: tl.constexpr,
+def _conv_hist_tap(qkv_ptr, convw_ptr, conv_ptr, slot, pos, tt, cc, stride_qkv, m2, cmask, D: tl.constexpr,
                    j: tl.constexpr):
-    """Correction of tap j for tokens with pos-3+j < 0: (history column pos+j - x_{t-3+j}) * w[:, j], so that
-    the tap reads the slot's conv history instead of the previous sequence's tokens."""
+    """Tap j for a tile holding a sequence start: x_{t-3+j} from the packed input where pos-3+j >= 0, else the
+    slot's conv history column pos+j (a select, never a difference: another sequence's inf/NaN cannot leak in)."""
     p = pos - 3 + j
     hm = m2 & (p < 0)[:, None]
     hv = tl.load(conv_ptr + slot[:, None] * (D * 3) + cc[None, :] * 3 + (p + 3)[:, None], mask=hm, other=0.0)
-    return hv.to(tl.float32) * tl.load(convw_ptr + cc * 4 + j, mask=cmask, other=0.0)[None, :] - \
-        _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, hm, cmask, j)
+    w = tl.load(convw_ptr + cc * 4 + j, mask=cmask, other=0.0)[None, :]
+    xw = _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2 & (p >= 0)[:, None], cmask, j)
+    return tl.where(hm, hv.to(tl.float32) * w, xw)
 
 
 @triton.jit
@@ -273,9 +274,10 @@ def _conv_prefill_kernel(
     pos = tt - tl.load(cu_ptr + seq, mask=tmask, other=0)
     if tl.min(tl.where(tmask, pos, 3), axis=0) < 3:
         slot = tl.load(slots_ptr + seq, mask=tmask, other=0).to(tl.int64)
-        acc += _conv_hist_fix(qkv_ptr, convw_ptr, conv_ptr, slot, pos, tt, cc, stride_qkv, m2, cmask, D, 0)
-        acc += _conv_hist_fix(qkv_ptr, convw_ptr, conv_ptr, slot, pos, tt, cc, stride_qkv, m2, cmask, D, 1)
-        acc += _conv_hist_fix(qkv_ptr, convw_ptr, conv_ptr, slot, pos, tt, cc, stride_qkv, m2, cmask, D, 2)
+        acc = _conv_hist_tap(qkv_ptr, convw_ptr, conv_ptr, slot, pos, tt, cc, stride_qkv, m2, cmask, D, 0)
+        acc += _conv_hist_tap(qkv_ptr, convw_ptr, conv_ptr, slot, pos, tt, cc, stride_qkv, m2, cmask, D, 1)
+        acc += _conv_hist_tap(qkv_ptr, convw_ptr, conv_ptr, slot, pos, tt, cc, stride_qkv, m2, cmask, D, 2)
+        acc += _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 3)
     y = acc * _sigmoid(acc)
     if L2NORM:   # BD == head_dim: this block is one head of q, k or v; L2-normalize q and k rows
         nrm = 1.0 / tl.sqrt(tl.sum(y * y, axis=1) + 1e-6)

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from plugins.moe.reference import check_num_experts
 from plugins.workspace import Workspace, plan_bytes
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -147,10 +148,11 @@ def _dequant_asm2(p, s, FOLDED: tl.constexpr):
     exponent of each byte's group. Per 32-bit word (4 bytes, 8 weights): one prmt spreads two bytes into the two
     bf16 lanes; even codes (low nibbles): magnitude bits << 6 to bf16 bits 8:6 and sign << 12 to bit 15, one lop3
     `(a<<6 | a<<12) & 0x81C081C0` (the two shifted copies never overlap inside that mask); odd codes (high nibbles):
-    `(z * 0x104) & 0x81C081C0` with z = `a & 0x00F000F0` (z<<2 | z<<8 as one multiply: the copies never overlap). The result is the E2M1 value times 2^-126 (0.5 is a bf16
-    subnormal), so mul.bf16x2 by 2^126 makes it exact; the scale 2^(s-127) is `s << 7` as bf16 bits (E8M0 s <= 254;
-    s = 0 gives 0). FOLDED (only when every s <= 128): one multiply by 2^(s-1) does both. About 3.5 instructions
-    per weight (3 folded) instead of about 5 (`_asm2_text`)."""
+    `(z * 0x104) & 0x81C081C0` with z = `a & 0x00F000F0` (z<<2 | z<<8 as one multiply: the copies never overlap,
+    so no carry; `test_dequant_odd_nibble_multiply_identity`). The result is the E2M1 value times 2^-126 (0.5 is a
+    bf16 subnormal), so mul.bf16x2 by 2^126 makes it exact; the scale 2^(s-127) is `s << 7` as bf16 bits (E8M0
+    s <= 254; s = 0 gives 0). FOLDED (only when every s <= 128): one multiply by 2^(s-1) does both. About 3.5
+    instructions per weight (3 folded) instead of about 5 (`_dequant_asm`)."""
     if FOLDED:
         lo, hi = tl.inline_asm_elementwise(asm=_ASM2_FOLDED, constraints="=r,=r,=r,=r,r,r", args=[p, s],
                                            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
@@ -486,13 +488,13 @@ def mxfp4_moe_workspace_bytes(num_tokens: int, top_k: int, num_experts: int, int
                        ((M, intermediate_size), _h_dtype(dev, impl)), ((M, hidden_size), torch.float32)])
 
 
-def _pick_block_m(T, k, E):
-    """Token tile of the grouped GEMMs from the mean (token, choice) pairs per local expert: one 16-row tile
-    when an expert gets few tokens (decode), else 64 rows so each weight tile is dequantized once for more tokens
-    (H200 run 6, T=256 over 112 experts, 37 per expert: 1598 us at 64 rows, 2403 at 32, 2859 at 16). Under expert
-    parallelism T*k counts the other ranks' pairs too, so this overestimates the load by the EP size: pass
-    `block_m` explicitly there (the op does not know the global expert count)."""
-    avg = triton.cdiv(T * k, max(E, 1))
+def _pick_block_m(T, k, num_experts):
+    """Token tile of the grouped GEMMs from the mean (token, choice) pairs per expert, T*k / num_experts with
+    the GLOBAL routed expert count (under EP the T*k pairs spread over all ranks' experts): one 16-row tile when an
+    expert gets few tokens (decode), else 64 rows so each weight tile is dequantized once for more tokens (H200
+    run 6, T=256 over 112 experts, 37 per expert: 1598 us at 64 rows, 2403 at 32, 2859 at 16; at 9 per expert
+    16 rows: T=64 920 us vs 1580 at 64 rows)."""
+    avg = triton.cdiv(T * k, max(num_experts, 1))
     return 16 if avg <= 16 else 64
 
 
@@ -512,8 +514,9 @@ def default_block_k(latent: int, inter: int, block_m: int = 16) -> int:
 
 
 def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *, expert_offset: int = 0,
-              situ_beta: float = 4.0, situ_linear_beta: float = 25.0, block_m: int | None = None,
-              block_n13: int | None = None, block_n2: int | None = None, block_k: int | None = None,
+              situ_beta: float = 4.0, situ_linear_beta: float = 25.0, num_experts: int = 0,
+              block_m: int | None = None, block_n13: int | None = None, block_n2: int | None = None,
+              block_k: int | None = None,
               impl: str = "legacy", num_warps: int = 4, num_stages: int | None = None,
               dequant: int | None = None, maxnreg: int | None = None, out=None,
               workspace: torch.Tensor | None = None):
@@ -529,6 +532,8 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
     maxnreg: optional register cap per thread for the two GEMM kernels (run 6: 168 within noise of none).
     impl "dot_scaled": weights as the scaled-dot LHS (see _moe_w13_ds_kernel). On the H200 (runs 3 and 6,
     benchmarks/RESULTS.md) dot_scaled was slower (T=64: 2511 us vs 1055 us), so it is opt-in.
+    num_experts: routed experts over all EP ranks (0 = E, no EP): the token-tile choice divides T*k by it;
+    ValueError when set below expert_offset + E (plugins.moe.reference.check_num_experts).
     block_m: token tile (None = `_pick_block_m`: 16 for decode-sized batches, 64 when experts get > 16 pairs);
     block_k: K tile (None = :func:`default_block_k`, a tile that divides both inner widths);
     out: optional [T, Rl] fp32 destination; workspace: optional uint8 scratch (size:
@@ -539,7 +544,7 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
     E, I2, _ = w13_packed.shape
     I = I2 // 2
     dev = x.device
-    block_m = block_m or _pick_block_m(T, k, E)
+    block_m = block_m or _pick_block_m(T, k, check_num_experts(num_experts, int(expert_offset), E))
     block_k = block_k or default_block_k(RL, I, 64 if impl == "dot_scaled" else block_m)
     x = x if x.stride(-1) == 1 else x.contiguous()
     if out is None:

@@ -32,13 +32,15 @@ MXFP4_MOE_SCHEMA = make_schema(
     [("x", "T"), ("topk_ids", "tensor(int32)"), ("topk_w", "tensor(float)"), ("w13_packed", "tensor(uint8)"),
      ("w13_scale", "tensor(uint8)"), ("w2_packed", "tensor(uint8)"), ("w2_scale", "tensor(uint8)")],
     [("y", "tensor(float)")],
-    [("expert_offset", int, 0), ("situ_beta", float, 4.0), ("situ_linear_beta", float, 25.0)],
+    [("expert_offset", int, 0), ("situ_beta", float, 4.0), ("situ_linear_beta", float, 25.0), ("num_experts", int, 0)],
     "MXFP4 routed experts, EP partial sum (docs/DESIGN.md)")
 
 
 @onnxscript.script(KIMI, default_opset=op)
 def Mxfp4Moe(x: FLOAT, topk_ids: INT32, topk_w: FLOAT, w13_packed: UINT8, w13_scale: UINT8, w2_packed: UINT8,
-             w2_scale: UINT8, expert_offset: int = 0, situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
+             w2_scale: UINT8, expert_offset: int = 0, situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
+             num_experts: int = 0):
+    # num_experts only guides the GPU kernels' token tile (plugins/moe/reference.py); the body ignores it
     i0 = op.Constant(value_ints=[0])
     i1 = op.Constant(value_ints=[1])
     last = op.Constant(value_ints=[-1])
@@ -89,11 +91,11 @@ def Mxfp4Moe(x: FLOAT, topk_ids: INT32, topk_w: FLOAT, w13_packed: UINT8, w13_sc
 
 
 def mxfp4_moe_onnx(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, expert_offset: int = 0,
-                   situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
+                   situ_beta: float = 4.0, situ_linear_beta: float = 25.0, num_experts: int = 0):
     """Dynamo translation of torch.ops.kimi.mxfp4_moe: one Mxfp4Moe node."""
     return emit(MXFP4_MOE_SCHEMA, (x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale),
                 dict(expert_offset=int(expert_offset), situ_beta=float(situ_beta),
-                     situ_linear_beta=float(situ_linear_beta)), 1)
+                     situ_linear_beta=float(situ_linear_beta), num_experts=int(num_experts)), 1)
 
 
 SPECS = {"Mxfp4Moe": OnnxOpSpec("Mxfp4Moe", MXFP4_MOE_SCHEMA, Mxfp4Moe, "mxfp4_moe", mxfp4_moe_onnx)}

@@ -22,15 +22,15 @@ def _lbeta(v: float):
 @torch.library.custom_op("kimi::mxfp4_moe", mutates_args=())
 def mxfp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, w13_packed: torch.Tensor,
               w13_scale: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, expert_offset: int = 0,
-              situ_beta: float = 4.0, situ_linear_beta: float = 25.0) -> torch.Tensor:
+              situ_beta: float = 4.0, situ_linear_beta: float = 25.0, num_experts: int = 0) -> torch.Tensor:
     """Mxfp4Moe -> y [T, Rl] f32 (EP partial sum over this rank's experts)."""
     return ref.mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, expert_offset=expert_offset,
-                         situ_beta=situ_beta, situ_linear_beta=_lbeta(situ_linear_beta))
+                         situ_beta=situ_beta, situ_linear_beta=_lbeta(situ_linear_beta), num_experts=num_experts)
 
 
 @mxfp4_moe.register_fake
 def _(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, expert_offset=0, situ_beta=4.0,
-      situ_linear_beta=25.0):
+      situ_linear_beta=25.0, num_experts=0):
     return x.new_empty(x.shape[0], x.shape[1], dtype=torch.float32)
 
 
@@ -41,10 +41,10 @@ def _register_cuda() -> None:
     if hasattr(kernels, "mxfp4_moe"):
         @mxfp4_moe.register_kernel("cuda")
         def _(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, expert_offset=0, situ_beta=4.0,
-              situ_linear_beta=25.0):
+              situ_linear_beta=25.0, num_experts=0):
             return kernels.mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale,
                                      expert_offset=expert_offset, situ_beta=situ_beta,
-                                     situ_linear_beta=_lbeta(situ_linear_beta))
+                                     situ_linear_beta=_lbeta(situ_linear_beta), num_experts=num_experts)
 
 
 _register_cuda()

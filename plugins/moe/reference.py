@@ -12,7 +12,9 @@ Schema (ONNX domain `kimi`, plugin_namespace `kimi`, plugin_version `1`; docs/DE
         w2_scale   [E, Rl, I/32]    u8
         y          [T, Rl]          f32    Σ_k w_k · w2_e(SiTU(w1_e x, w3_e x)) over choices with
                                           expert_offset <= id < expert_offset + E (others add 0: EP partial sum)
-        attributes: expert_offset (0), situ_beta (4.0), situ_linear_beta (25.0)
+        attributes: expert_offset (0), situ_beta (4.0), situ_linear_beta (25.0), num_experts (0: routed experts
+                    over all EP ranks, a scheduling hint for the GPU kernels; 0 = E, no expert parallelism; when
+                    set, >= expert_offset + E. y does not depend on it)
 
 The router is plain ONNX in graphs; `route` here is its definition.
 """
@@ -55,10 +57,22 @@ def route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, *, top_k: i
     return ids, w * scaling
 
 
+def check_num_experts(num_experts: int, expert_offset: int, local_experts: int) -> int:
+    """The Mxfp4Moe attribute num_experts (0 = no EP: this rank's E): returns the global routed expert count.
+    ValueError naming the attribute when it is set below expert_offset + E."""
+    if num_experts and num_experts < expert_offset + local_experts:
+        raise ValueError(f"Mxfp4Moe: num_experts={num_experts} is below expert_offset + local experts = "
+                         f"{expert_offset} + {local_experts}; set it to the model's routed expert count "
+                         "(config num_experts) or 0")
+    return num_experts or local_experts
+
+
 def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *, expert_offset: int = 0,
-              situ_beta: float = 4.0, situ_linear_beta: float | None = 25.0) -> torch.Tensor:
-    """Mxfp4Moe (schema above). Returns y [T, Rl] f32 (the weighted sum over the local experts' choices)."""
+              situ_beta: float = 4.0, situ_linear_beta: float | None = 25.0, num_experts: int = 0) -> torch.Tensor:
+    """Mxfp4Moe (schema above). Returns y [T, Rl] f32 (the weighted sum over the local experts' choices).
+    ValueError on a num_experts below expert_offset + E (:func:`check_num_experts`)."""
     E, two_i = w13_packed.shape[:2]
+    check_num_experts(num_experts, expert_offset, E)
     I = two_i // 2
     xf = x.to(acc())
     y = torch.zeros(x.shape[0], x.shape[1], dtype=acc(), device=x.device)

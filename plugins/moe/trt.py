@@ -2,7 +2,8 @@
 
 Contract: docs/DESIGN.md. Inputs ``x [T,Rl] act, topk_ids [T,k] i32, topk_w [T,k] f32, w13_packed [E,2I,Rl/2] u8,
 w13_scale [E,2I,Rl/32] u8, w2_packed [E,Rl,I/2] u8, w2_scale [E,Rl,I/32] u8``; output ``y [T,Rl] f32`` (EP partial
-sum over local experts). Fields: expert_offset (INT32, default 0), situ_beta (4.0), situ_linear_beta (25.0).
+sum over local experts). Fields: expert_offset (INT32, default 0), situ_beta (4.0), situ_linear_beta (25.0), num_experts
+(INT32, 0).
 enqueue calls ``plugins.moe.kernels.mxfp4_moe`` (on-device counting sort, fixed grids) with ``workspace=`` carved
 from TensorRT's workspace (size: ``mxfp4_moe_workspace_bytes`` on the profile's max dims); a JIT Python plugin
 (sort + two grouped GEMMs + combine = four launches). ``Mxfp4MoePlugin`` / ``Mxfp4MoePluginCreator`` are built on
@@ -27,7 +28,7 @@ MXFP4_MOE = OpSpec(
      ("w2_scale", U8)),
     (("y", F32),),
     (AttrSpec("expert_offset", "int", 0), AttrSpec("situ_beta", "float", 4.0),
-     AttrSpec("situ_linear_beta", "float", 25.0)),
+     AttrSpec("situ_linear_beta", "float", 25.0), AttrSpec("num_experts", "int", 0)),
     lambda a: [Like(0)],
     "plugins.moe.kernels:mxfp4_moe",
     workspace=_workspace,
