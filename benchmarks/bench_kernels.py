@@ -29,8 +29,14 @@ if ROUNDS < 1:
 if ONLY - set(FAMILIES.split(",")):
     ap.error(f"--only: unknown {sorted(ONLY - set(FAMILIES.split(',')))}; choose from {FAMILIES}")
 
-import torch, triton                                  # noqa: E402  (after --help, which needs neither)
-from triton.testing import do_bench                   # noqa: E402
+try:                                                  # after --help, which needs neither
+    import torch, triton                              # noqa: E402
+    from triton.testing import do_bench               # noqa: E402
+except ImportError as e:
+    sys.exit(f"error: bench_kernels.py needs torch and Triton on a CUDA GPU ({e}); install the gpu extra: "
+             "pip install -e '.[gpu]'")
+if not torch.cuda.is_available():
+    sys.exit("error: bench_kernels.py needs a CUDA GPU (torch.cuda.is_available() is False here)")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from plugins.kda import kernels as kda_k   # noqa: E402

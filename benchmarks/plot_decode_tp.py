@@ -36,7 +36,10 @@ def main(argv=None) -> int:
     ap.add_argument("jsonl", nargs="+", type=Path, help="bench_decode --out files")
     ap.add_argument("--out", type=Path, required=True, help="PNG to write")
     a = ap.parse_args(argv)
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        ap.error("needs matplotlib: pip install -e '.[bench]'")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     recs = [json.loads(line) for p in a.jsonl for line in p.read_text().splitlines() if line.strip()]

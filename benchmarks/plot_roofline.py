@@ -45,7 +45,10 @@ def main():
     a = ap.parse_args()
     if a.only and len(a.only) != len(a.runs):
         ap.error(f"--only given {len(a.only)} times for {len(a.runs)} files: give it once per file or not at all")
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        ap.error("needs matplotlib: pip install -e '.[bench]'")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

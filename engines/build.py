@@ -169,22 +169,32 @@ def parse_target_cc(target_cc: str | Sequence[str] | None) -> list[str]:
     return out
 
 
+def check_target_cc(trt_info: TrtInfo, targets: list[str]) -> list[str]:
+    """The ahead-of-time targets a TensorRT-RTX build will use (``parse_target_cc`` names; [] -> ["CURRENT"] on a
+    GPU machine). ValueError naming target_cc when a target is not one the installed TensorRT-RTX knows, or when
+    none is given without a GPU. Full TensorRT: [] (it builds for the GPU it runs on)."""
+    if not trt_info.is_rtx:
+        return []
+    members = trt_info.module.ComputeCapability.__members__
+    supported = [m.lower() for m in members if m.startswith("SM")]
+    if not targets:
+        if cuda_device_count() == 0:
+            raise ValueError(f"TensorRT-RTX without a GPU needs target_cc (e.g. 'sm86'); supported: {supported}")
+        return ["CURRENT"]
+    for t in targets:
+        if t not in members:
+            raise ValueError(f"target_cc {t.lower()!r} not supported by TensorRT-RTX {trt_info.version}; supported: "
+                             f"{supported} (SM90/Hopper is not)")
+    return targets
+
+
 def _set_compute_capability(trt_info: TrtInfo, config, targets: list[str]) -> list[str]:
-    trt = trt_info.module
     if not trt_info.is_rtx:
         if targets:
             logger.warning("target_cc %s ignored: full TensorRT builds for the GPU it runs on", targets)
         return ["current"]
-    members = trt.ComputeCapability.__members__
-    if not targets:
-        if cuda_device_count() == 0:
-            raise ValueError("TensorRT-RTX without a GPU needs target_cc (e.g. 'sm86'); "
-                             f"supported: {[m.lower() for m in members if m.startswith('SM')]}")
-        targets = ["CURRENT"]
-    for t in targets:
-        if t not in members:
-            raise ValueError(f"target_cc {t.lower()!r} not supported by TensorRT-RTX {trt_info.version}; supported: "
-                             f"{[m.lower() for m in members if m.startswith('SM')]} (SM90/Hopper is not)")
+    members = trt_info.module.ComputeCapability.__members__
+    targets = check_target_cc(trt_info, targets)
     config.num_compute_capabilities = len(targets)
     for i, t in enumerate(targets):
         config.set_compute_capability(members[t], i)

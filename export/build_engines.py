@@ -224,6 +224,12 @@ def build(args) -> int:
     except OSError as e:
         raise BuildError(f"--out {out}: not writable ({e.strerror}); choose a directory you can write") from e
     backend = pick_backend(args.backend)
+    if backend == "tensorrt-rtx" and args.target_cc:   # refuse an unbuildable target now, not at step 5
+        from engines.build import check_target_cc, load_trt, parse_target_cc
+        try:
+            check_target_cc(load_trt(backend), parse_target_cc(args.target_cc))
+        except ValueError as e:
+            raise BuildError(f"--target-cc: {e}") from e
     pipe = Pipeline(out, args.force)
     fp = checkpoint_fingerprint(ckpt)
 

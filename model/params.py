@@ -152,7 +152,11 @@ def main(argv: list[str] | None = None) -> int:
               "or a checkpoint directory, one 'name: value' line each. --modules also builds the reference model on\n"
               "the meta device (no memory; ~30 s for K3) and prints the parameters its modules hold.")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    rep = report_for(argv[0])
+    try:
+        rep = report_for(argv[0])
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     for k, v in rep.items():
         print(f"{k}: {v}")
     if modules:

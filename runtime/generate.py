@@ -61,7 +61,10 @@ def _main(argv: list[str] | None = None) -> int:
                 ids = [int(x) for x in a.prompt_ids.replace(" ", "").split(",") if x != ""]
             except ValueError:
                 ap.error(f"--prompt-ids {a.prompt_ids!r}: expected comma-separated integers")
-        rank, _ = init_from_env(a.device if a.backend == "torch" else None, a.dist_backend)
+        rank, world = init_from_env(a.device if a.backend == "torch" else None, a.dist_backend)
+        if a.ep > 1 and world == 1:
+            ap.error(f"--ep {a.ep}: expert parallelism needs one process per rank: run under "
+                     f"torchrun --standalone --nproc-per-node {a.ep} -m runtime.generate ...")
         llm = LLM(a.model, backend=a.backend, max_batch=1, max_context=a.max_context, ep=a.ep, device=a.device,
                   ops=a.ops, cuda_graphs=a.cuda_graphs)
         if a.prompt is not None:

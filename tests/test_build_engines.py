@@ -141,7 +141,7 @@ def _copy_ckpt(src: Path, dst: Path) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("case", ["missing_shard", "truncated_shard", "no_config", "tp", "ep"])
+@pytest.mark.parametrize("case", ["missing_shard", "truncated_shard", "no_config", "tp", "ep", "target_cc"])
 def test_error_paths(case, tiny_ckpt, tmp_path):
     ck = _copy_ckpt(tiny_ckpt, tmp_path / "ck")
     args = ["--checkpoint", ck, "--out", tmp_path / "out"]
@@ -159,9 +159,13 @@ def test_error_paths(case, tiny_ckpt, tmp_path):
     elif case == "tp":
         args += ["--tp", 3]
         want = "tp = 3"
-    else:
+    elif case == "ep":
         args += ["--tp", 2, "--ep", 3]
         want = "ep = 3"
+    else:   # refused before step 1, not after the export
+        pytest.importorskip("tensorrt_rtx_bindings", reason="the target check needs the rtx extra")
+        args += ["--backend", "tensorrt-rtx", "--target-cc", "sm90"]
+        want = "--target-cc: target_cc 'sm90' not supported"
     r = run_cli(*args)
     assert r.returncode == 2, r.stdout + r.stderr
     assert want in r.stderr

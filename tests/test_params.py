@@ -79,6 +79,9 @@ def test_cli_prints_name_value_lines(capsys, tiny_dir):
     kv = dict(line.split(": ") for line in capsys.readouterr().out.strip().splitlines())
     assert int(kv["file_data_bytes"]) == int(kv["checkpoint_bytes"])
     assert main([]) == 2
+    capsys.readouterr()
+    assert main(["no-such-preset"]) == 2   # one error line, no traceback
+    assert capsys.readouterr().err.startswith("error: no-such-preset: neither a preset")
 
 
 @pytest.mark.parametrize("preset", ["k3-tiny", "k3"])

@@ -396,6 +396,10 @@ def test_cli_prints_generated_ids(tiny_ckpt, tiny_model):
     h = subprocess.run([sys.executable, "-m", "runtime.generate", "--help"], capture_output=True, text=True, cwd=ROOT,
                        env=env, timeout=WAIT)
     assert h.returncode == 0 and "--prompt-ids" in h.stdout
+    e = subprocess.run([sys.executable, "-m", "runtime.generate", "--model", str(tiny_ckpt), "--backend", "torch",
+                        "--ep", "2", "--prompt-ids", "1"], capture_output=True, text=True, cwd=ROOT, env=env,
+                       timeout=WAIT)
+    assert e.returncode == 2 and "torchrun --standalone --nproc-per-node 2" in e.stderr, e.stderr
 
 
 # ---- tokenizer -------------------------------------------------------------------------------------------
