@@ -407,6 +407,19 @@ if "kda_prefill" in ONLY and HAVE_FLA:
                                                                 output_final_state=True, use_gate_in_kernel=True,
                                                                 A_log=alog, dt_bias=dtb, safe_gate=True,
                                                                 lower_bound=-5.0, state_v_first=True, cu_seqlens=cu64),
+                # leads of run 7 (RESULTS.md): is the beta-sigmoid cost fp32 beta itself? is varlen the spread?
+                "ours_flags_fp32_beta_pre": lambda: chunk_kda(q, kk, v, fr, be.float(), initial_state=h0,
+                                                              output_final_state=True, use_gate_in_kernel=True,
+                                                              A_log=alog, dt_bias=dtb, safe_gate=True,
+                                                              lower_bound=-5.0, state_v_first=True, cu_seqlens=cu64),
+                "ours_flags_no_varlen": lambda: chunk_kda(q, kk, v, fr, br, initial_state=h0, output_final_state=True,
+                                                          use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                                          A_log=alog, dt_bias=dtb, safe_gate=True, lower_bound=-5.0,
+                                                          state_v_first=True),
+                "ours_flags_bf16_beta_no_varlen": lambda: chunk_kda(q, kk, v, fr, be, initial_state=h0,
+                                                                    output_final_state=True, use_gate_in_kernel=True,
+                                                                    A_log=alog, dt_bias=dtb, safe_gate=True,
+                                                                    lower_bound=-5.0, state_v_first=True),
             }
             # our own passes alone
             y = torch.empty(3, T, P, dtype=torch.bfloat16, device=dev)
@@ -415,6 +428,12 @@ if "kda_prefill" in ONLY and HAVE_FLA:
                 name = "our_conv_pass" + "".join(f"_{k_}{v_}" for k_, v_ in cfg.items())
                 stages[name] = lambda cfg=cfg: kda_k._conv_prefill(d["qkv"], d["conv_w"], conv, slots, seq, cu, y, T,
                                                                    3 * P, P, K, cfg=cfg)
+            # the same T as 256 prompts of 128 tokens: every 4th tile takes the history branch
+            seq_m = (torch.arange(T, device=dev) // 128).int()
+            cu_m = torch.arange(0, T + 1, 128, device=dev).int()
+            slots_m = torch.full((T // 128,), 2, dtype=torch.int32, device=dev)
+            stages["our_conv_pass_256x128"] = lambda: kda_k._conv_prefill(d["qkv"], d["conv_w"], conv, slots_m, seq_m,
+                                                                          cu_m, y, T, 3 * P, P, K)
             stages["ours_host_index_path"] = lambda: kda_k.kda_prefill(**d, state=state, conv=conv, cu_seqlens=cu,
                                                                        slots=slots, num_heads=H, head_dim=K,
                                                                        graph_safe=False)
