@@ -163,17 +163,17 @@ if "kda_decode" in ONLY:
                 for _ in range(ROUNDS):
                     for name, fn_v in fns.items():
                         times[name].append(bench(fn_v, rep=50) * 1e3)
-                peer_ts = times.pop("peer", [float("nan")])
-                peer = statistics.median(peer_ts) / 1e3
+                peer_ts = times.pop("peer", None)
+                peer = statistics.median(peer_ts) / 1e3 if peer_ts else float("nan")
+                spreads = {name: [min(ts), max(ts)] for name, ts in times.items()}
                 for name, ts in times.items():
                     res[name] = statistics.median(ts)
-                    res[name + " spread"] = [min(ts), max(ts)]
                 best = min(((statistics.median(ts) / 1e3, n) for n, ts in times.items()), default=None)
                 ms = res["{}"] / 1e3 if (ok and "{}" in times) else float("nan")   # headline = the defaults
                 out(what="kda_decode", H=H, B=B, correct=ok, err_o=err_o, err_state=err_s, us=ms * 1e3, variants=res,
                     best_variant=best[1] if best else None, us_best=best[0] * 1e3 if best else None,
                     peer="fla fused_recurrent_kda (recurrence only)", peer_us=peer * 1e3, ratio=peer / ms,
-                    peer_spread=[min(peer_ts), max(peer_ts)], rounds=ROUNDS,
+                    spreads=spreads, peer_spread=[min(peer_ts), max(peer_ts)] if peer_ts else None, rounds=ROUNDS,
                     bytes=nbytes, GBps=nbytes / ms / 1e6, pct_copy=100 * nbytes / ms / 1e6 / COPY)
                 del d, state, conv
             except Exception as e:
@@ -387,6 +387,7 @@ if "kda_prefill" in ONLY and HAVE_FLA:
             fr = torch.randn(1, T, H, K, device=dev).bfloat16(); br = torch.randn(1, T, H, device=dev).bfloat16()
             alog, dtb = d["A_log"], d["dt_bias"]
             cu64 = cu.long()
+            be32 = be.float()
             stages = {
                 "pregated_safe_gate": lambda: chunk_kda(q, kk, v, gg, be, initial_state=h0, output_final_state=True,
                                                         safe_gate=True, lower_bound=-5.0),
@@ -408,7 +409,7 @@ if "kda_prefill" in ONLY and HAVE_FLA:
                                                                 A_log=alog, dt_bias=dtb, safe_gate=True,
                                                                 lower_bound=-5.0, state_v_first=True, cu_seqlens=cu64),
                 # leads of run 7 (RESULTS.md): is the beta-sigmoid cost fp32 beta itself? is varlen the spread?
-                "ours_flags_fp32_beta_pre": lambda: chunk_kda(q, kk, v, fr, be.float(), initial_state=h0,
+                "ours_flags_fp32_beta_pre": lambda: chunk_kda(q, kk, v, fr, be32, initial_state=h0,
                                                               output_final_state=True, use_gate_in_kernel=True,
                                                               A_log=alog, dt_bias=dtb, safe_gate=True,
                                                               lower_bound=-5.0, state_v_first=True, cu_seqlens=cu64),

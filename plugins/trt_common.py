@@ -85,11 +85,12 @@ _CLASS_DTYPES = {ACT: ACT_DTYPES, F32: ("float32",), I32: ("int32",), U8: ("uint
 class AttrSpec:
     """One op attribute. ``kind`` is ``"int"`` (ONNX INT -> plugin field INT32) or ``"float"`` (FLOAT32).
 
-    ``default`` of ``None`` means required."""
+    ``default`` of ``None`` means required; ``minimum``: the smallest value the op accepts (None = any)."""
 
     name: str
     kind: str
     default: float | int | None = None
+    minimum: float | int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +148,8 @@ class OpSpec:
 def fields_from_attrs(spec: OpSpec, attrs: Mapping[str, Any]) -> list[tuple[str, np.ndarray, str]]:
     """Attributes -> ``[(name, 1-element array, kind)]`` in spec order (int -> int32, float -> float32).
 
-    Raises ValueError naming the attribute when it is missing without default, unknown, or an int >= 2**31."""
+    Raises ValueError naming the attribute when it is missing without default, unknown, an int >= 2**31, or below
+    its ``minimum``."""
     unknown = set(attrs) - set(spec.field_names)
     if unknown:
         raise ValueError(f"{spec.name}: unknown attribute(s) {sorted(unknown)}; expected {spec.field_names}")
@@ -156,6 +158,7 @@ def fields_from_attrs(spec: OpSpec, attrs: Mapping[str, Any]) -> list[tuple[str,
         value = attrs.get(a.name, a.default)
         if value is None:
             raise ValueError(f"{spec.name}: attribute {a.name!r} is required (set it on the ONNX node)")
+        _check_minimum(spec, a, value)
         if a.kind == "int":
             if int(value) != value or not -(2**31) <= int(value) < 2**31:
                 raise ValueError(f"{spec.name}: attribute {a.name!r}={value!r} must be an int32 (TRT narrows INT to INT32)")
@@ -165,11 +168,18 @@ def fields_from_attrs(spec: OpSpec, attrs: Mapping[str, Any]) -> list[tuple[str,
     return out
 
 
+def _check_minimum(spec: OpSpec, a: AttrSpec, value) -> None:
+    if a.minimum is not None and value < a.minimum:
+        raise ValueError(f"{spec.name}: attribute {a.name!r}={value!r} is below its minimum {a.minimum}; fix it on the "
+                         "ONNX node")
+
+
 def attrs_from_fields(spec: OpSpec, fields: Iterable[tuple[str, Any]]) -> dict[str, Any]:
     """``[(name, data)]`` (TensorRT PluginFields or :func:`fields_from_attrs` output) -> attribute dict.
 
     Unknown names are ignored (the ONNX parser only forwards declared names anyway); missing names take the
-    default; a missing required attribute or empty data raises ValueError naming the field."""
+    default; a missing required attribute, empty data or a value below its ``minimum`` raises ValueError naming the
+    field."""
     kinds = {a.name: a.kind for a in spec.attrs}
     got: dict[str, Any] = {}
     for name, data in fields:
@@ -185,6 +195,7 @@ def attrs_from_fields(spec: OpSpec, fields: Iterable[tuple[str, Any]]) -> dict[s
                 raise ValueError(f"{spec.name}: plugin field {a.name!r} is missing and has no default; "
                                  f"set attribute {a.name!r} on the ONNX node")
             got[a.name] = a.default
+        _check_minimum(spec, a, got[a.name])
     return got
 
 

@@ -58,6 +58,11 @@ def test_fields_errors_name_the_field():
         fields_from_attrs(MXFP4_MOE, {"experts": 3})
     with pytest.raises(ValueError, match="'num_heads' is missing"):
         attrs_from_fields(KDA_DECODE, [("head_dim", np.array([4], np.int32))])
+    for bad in ("num_experts", "expert_offset"):   # refused when the engine is built, not at enqueue
+        with pytest.raises(ValueError, match=f"'{bad}'=-1 is below its minimum 0"):
+            fields_from_attrs(MXFP4_MOE, {bad: -1})
+        with pytest.raises(ValueError, match=f"'{bad}'=-1 is below its minimum 0"):
+            attrs_from_fields(MXFP4_MOE, [(bad, np.array([-1], np.int32))])
     # INT attributes arrive as INT32, FLOAT as FLOAT32; unknown fields (plugin_namespace...) are ignored
     got = attrs_from_fields(KDA_DECODE, [("num_heads", np.array([3], np.int32)), ("head_dim", np.array([8], np.int32)),
                                          ("norm_eps", np.array([1e-6], np.float32)), ("plugin_version", b"1")])

@@ -49,6 +49,7 @@ def test_index_and_files(export_dir, ckpt):
     cfg = load_config(ckpt)
     assert idx["format_version"] == 1 and idx["config_hash"] == cfg.config_hash() and idx["opset"] == 20
     assert len(idx["graphs"]) == 2 + 2 * cfg.num_hidden_layers
+    moe_nodes = 0
     for g in idx["graphs"]:
         path = export_dir / g["path"]
         assert path.is_file() and Path(str(path) + ".data").is_file()
@@ -64,6 +65,11 @@ def test_index_and_files(export_dir, ckpt):
             assert kinds <= fnames and kinds
             assert all({"plugin_namespace", "plugin_version"} <= {a.name for a in n.attribute}
                        for n in m.graph.node if n.domain == "kimi")
+            for n in m.graph.node:   # the global expert count reaches the MoE kernels' token-tile choice
+                if n.op_type == "Mxfp4Moe":
+                    assert onnx.helper.get_node_attr_value(n, "num_experts") == cfg.num_experts
+                    moe_nodes += 1
+    assert moe_nodes > 0
     dims = {d for g in idx["graphs"] for io in g["inputs"] for d in io["shape"] if isinstance(d, str)}
     assert dims == {"T", "B", "N", "N1", "S", "NB", "BS", "MB", "M"}
 

@@ -266,10 +266,11 @@ def _conv_prefill_kernel(
     tt = pid_t * BT + tl.arange(0, BT)
     tmask = tt < T
     m2 = tmask[:, None] & cmask[None, :]
+    x3 = _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 3)     # x_t: never from the history
     acc = _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 0)
     acc += _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 1)
     acc += _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 2)
-    acc += _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 3)
+    acc += x3
     seq = tl.load(seq_ptr + tt, mask=tmask, other=0)
     pos = tt - tl.load(cu_ptr + seq, mask=tmask, other=0)
     if tl.min(tl.where(tmask, pos, 3), axis=0) < 3:
@@ -277,7 +278,7 @@ def _conv_prefill_kernel(
         acc = _conv_hist_tap(qkv_ptr, convw_ptr, conv_ptr, slot, pos, tt, cc, stride_qkv, m2, cmask, D, 0)
         acc += _conv_hist_tap(qkv_ptr, convw_ptr, conv_ptr, slot, pos, tt, cc, stride_qkv, m2, cmask, D, 1)
         acc += _conv_hist_tap(qkv_ptr, convw_ptr, conv_ptr, slot, pos, tt, cc, stride_qkv, m2, cmask, D, 2)
-        acc += _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 3)
+        acc += x3
     y = acc * _sigmoid(acc)
     if L2NORM:   # BD == head_dim: this block is one head of q, k or v; L2-normalize q and k rows
         nrm = 1.0 / tl.sqrt(tl.sum(y * y, axis=1) + 1e-6)

@@ -544,7 +544,8 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
     E, I2, _ = w13_packed.shape
     I = I2 // 2
     dev = x.device
-    block_m = block_m or _pick_block_m(T, k, check_num_experts(num_experts, int(expert_offset), E))
+    n_global = check_num_experts(num_experts, int(expert_offset), E)    # validated even with block_m given
+    block_m = block_m or _pick_block_m(T, k, n_global)
     block_k = block_k or default_block_k(RL, I, 64 if impl == "dot_scaled" else block_m)
     x = x if x.stride(-1) == 1 else x.contiguous()
     if out is None:
