@@ -388,39 +388,26 @@ if "kda_prefill" in ONLY and HAVE_FLA:
             alog, dtb = d["A_log"], d["dt_bias"]
             cu64 = cu.long()
             be32 = be.float()
+            ours_kw = dict(initial_state=h0, output_final_state=True, use_gate_in_kernel=True, A_log=alog, dt_bias=dtb,
+                           safe_gate=True, lower_bound=-5.0, state_v_first=True, cu_seqlens=cu64)
+
+            def ours_call(beta, **kw):   # chunk_kda under our op's flags (ours_kw), some of them overridden
+                return lambda: chunk_kda(q, kk, v, fr, beta, **{**ours_kw, **kw})
             stages = {
                 "pregated_safe_gate": lambda: chunk_kda(q, kk, v, gg, be, initial_state=h0, output_final_state=True,
                                                         safe_gate=True, lower_bound=-5.0),
                 "gate_in_kernel_safe": lambda: chunk_kda(q, kk, v, fr, be, initial_state=h0, output_final_state=True,
                                                          use_gate_in_kernel=True, A_log=alog, dt_bias=dtb,
                                                          safe_gate=True, lower_bound=-5.0),
-                "ours_flags": lambda: chunk_kda(q, kk, v, fr, br, initial_state=h0, output_final_state=True,
-                                                use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, A_log=alog,
-                                                dt_bias=dtb, safe_gate=True, lower_bound=-5.0, state_v_first=True,
-                                                cu_seqlens=cu64),
+                "ours_flags": ours_call(br, use_beta_sigmoid_in_kernel=True),
                 "pregated_varlen": lambda: chunk_kda(q, kk, v, gg, be, initial_state=h0, output_final_state=True,
                                                      cu_seqlens=cu64),
-                "ours_flags_k_first": lambda: chunk_kda(q, kk, v, fr, br, initial_state=h0, output_final_state=True,
-                                                        use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                                                        A_log=alog, dt_bias=dtb, safe_gate=True, lower_bound=-5.0,
-                                                        cu_seqlens=cu64),
-                "ours_flags_no_beta_sigmoid": lambda: chunk_kda(q, kk, v, fr, be, initial_state=h0,
-                                                                output_final_state=True, use_gate_in_kernel=True,
-                                                                A_log=alog, dt_bias=dtb, safe_gate=True,
-                                                                lower_bound=-5.0, state_v_first=True, cu_seqlens=cu64),
+                "ours_flags_k_first": ours_call(br, use_beta_sigmoid_in_kernel=True, state_v_first=False),
+                "ours_flags_no_beta_sigmoid": ours_call(be),
                 # leads of run 7 (RESULTS.md): is the beta-sigmoid cost fp32 beta itself? is varlen the spread?
-                "ours_flags_fp32_beta_pre": lambda: chunk_kda(q, kk, v, fr, be32, initial_state=h0,
-                                                              output_final_state=True, use_gate_in_kernel=True,
-                                                              A_log=alog, dt_bias=dtb, safe_gate=True,
-                                                              lower_bound=-5.0, state_v_first=True, cu_seqlens=cu64),
-                "ours_flags_no_varlen": lambda: chunk_kda(q, kk, v, fr, br, initial_state=h0, output_final_state=True,
-                                                          use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                                                          A_log=alog, dt_bias=dtb, safe_gate=True, lower_bound=-5.0,
-                                                          state_v_first=True),
-                "ours_flags_bf16_beta_no_varlen": lambda: chunk_kda(q, kk, v, fr, be, initial_state=h0,
-                                                                    output_final_state=True, use_gate_in_kernel=True,
-                                                                    A_log=alog, dt_bias=dtb, safe_gate=True,
-                                                                    lower_bound=-5.0, state_v_first=True),
+                "ours_flags_fp32_beta_pre": ours_call(be32),
+                "ours_flags_no_varlen": ours_call(br, use_beta_sigmoid_in_kernel=True, cu_seqlens=None),
+                "ours_flags_bf16_beta_no_varlen": ours_call(be, cu_seqlens=None),
             }
             # our own passes alone
             y = torch.empty(3, T, P, dtype=torch.bfloat16, device=dev)
