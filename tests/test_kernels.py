@@ -164,6 +164,7 @@ def test_kda_prefill(H, K, act, lens):
     assert torch.isnan(st[unused].cpu()).all() and torch.isnan(cv[unused].cpu().float()).all()
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # the inf token's own sequence
 def test_kda_prefill_bad_token_stays_in_its_sequence():
     """An inf in the last token of one sequence must not reach the next sequence packed after it (its conv
     taps read the slot's history there, not that token): the next sequence's output and state stay finite and
