@@ -219,11 +219,16 @@ _CONV_CFG = dict(BT=32, num_warps=4)
 
 
 def _conv_prefill(qkv, conv_w, conv, slots, seq, cu32, y, T, D, P, K, cfg=None):
-    """Launch `_conv_prefill_kernel` (one head of K channels per program column) with `cfg` (default _CONV_CFG)."""
+    """Launch `_conv_prefill_kernel`: y = SiLU(causal conv) of the packed tokens, q/k rows L2-normalized (MODEL.md §4).
+
+    qkv [T, D=3P] act (row stride free, last dim contiguous); conv_w [D, 4] fp32; conv [S, D, 3] act (the slots'
+    conv history, read only); slots [N] int32; seq [T] int32 (token -> sequence); cu32 [N+1] int32; y [3, T, P]
+    (written; q, k, v). One head of K channels per program column; `cfg` overrides `_CONV_CFG` (BT, num_warps)."""
     c = dict(_CONV_CFG, **(cfg or {}))
     _conv_prefill_kernel[(triton.cdiv(T, c["BT"]), triton.cdiv(D, K))](
         qkv, conv_w, conv, slots, seq, cu32, y, T, qkv.stride(0), D=D, P=P, BT=c["BT"], BD=K, L2NORM=True,
         num_warps=c["num_warps"])
+
 
 @triton.jit
 def _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, mask, cmask, j: tl.constexpr):
@@ -255,8 +260,9 @@ def _conv_prefill_kernel(
 ):
     """y[c // P, t, c % P] = silu(sum_j w[c,j] x_{t-3+j}[c]), x_{<0} from the slot's conv history.
     grid (cdiv(T, BT), cdiv(D, BD)). The taps are summed from the packed input first (those loads do
-    not wait for the token->sequence map); tiles holding a token within 3 of its sequence start then swap in
-    the history (a block-uniform branch)."""
+    not wait for the token->sequence map); a tile holding a token within 3 of its sequence start recomputes taps
+    0-2 with the slot's history selected in (a block-uniform branch; a select, so nothing from the previous
+    sequence reaches these tokens)."""
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
     cc = pid_d * BD + tl.arange(0, BD)
