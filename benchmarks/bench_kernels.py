@@ -21,6 +21,12 @@ ap.add_argument("--only", default=FAMILIES,
 ap.add_argument("--rounds", type=int, default=3,
                 help="KDA decode: interleaved timing rounds over all variants and the peer; each variant reports the "
                      "median and the spread (default: %(default)s)")
+ap.add_argument("--prefill-heads", default="12,96",
+                help="KDA prefill: comma-separated heads per rank to time at T=32768 (default: %(default)s)")
+ap.add_argument("--prefill-breakdown", action=argparse.BooleanOptionalAction, default=True,
+                help="KDA prefill: also time chunk_kda under each flag combination and our varlen path (each new "
+                     "combination autotunes fla's kernels: minutes on a fresh machine); --no-prefill-breakdown keeps "
+                     "ours, the peer, both in CUDA graphs and our conv/norm passes, and checks a dense two-call split")
 args = ap.parse_args()
 ONLY = set(args.only.split(","))
 ROUNDS = args.rounds
@@ -352,8 +358,22 @@ if "moe" in ONLY:
     torch.cuda.empty_cache()
 
 # ------------------------------------------------------------------ KDA prefill
+def graphed(fn):
+    """fn captured in a CUDA graph (after two warm-up calls on a side stream): returns the replay; an error at
+    capture is returned as the stage's value by the caller's try."""
+    s_ = torch.cuda.Stream()
+    s_.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s_):
+        fn(); fn()
+    torch.cuda.current_stream().wait_stream(s_)
+    g_ = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g_):
+        fn()
+    return g_.replay
+
+
 if "kda_prefill" in ONLY and HAVE_FLA:
-    for H in (12, 96):
+    for H in [int(h_) for h_ in args.prefill_heads.split(",")]:
         try:
             T = 32768
             P = H * K
@@ -363,16 +383,28 @@ if "kda_prefill" in ONLY and HAVE_FLA:
                      dt_bias=torch.randn(P, device=dev) * 0.3, o_norm_w=torch.rand(K, device=dev) + 0.5)
             state = torch.zeros(3, H, K, K, device=dev); conv = torch.zeros(3, 3 * P, 3, device=dev).bfloat16()
             cu = torch.tensor([0, T], dtype=torch.int32, device=dev); slots = torch.tensor([2], dtype=torch.int32, device=dev)
-            # in-script check at the bench shape: the default (graph-safe) path against fla's host-index path from
-            # the same zero state, outputs and final states (the fp32 reference is too slow at T=32768; pytest
-            # checks both against it)
-            outs = []
-            for kw in (dict(), dict(graph_safe=False)):
-                state.zero_(); conv.zero_()
-                outs.append(kda_k.kda_prefill(**d, state=state, conv=conv, cu_seqlens=cu, slots=slots, num_heads=H,
-                                              head_dim=K, **kw)[0].clone())
-                outs.append(state[2].clone())
-            err = max(rel(outs[0].float(), outs[2].float()), rel(outs[1], outs[3]))
+            # in-script check at the bench shape (the fp32 reference is too slow at T=32768; pytest checks every
+            # path against it): the one-sequence call (chunk_kda's dense path) against the same prompt in two
+            # calls, the second through the varlen graph-safe path with a one-token sequence packed behind it
+            state.zero_(); conv.zero_()
+            o_one = kda_k.kda_prefill(**d, state=state, conv=conv, cu_seqlens=cu, slots=slots, num_heads=H,
+                                      head_dim=K)[0].clone()
+            s_one = state[2].clone()
+            state.zero_(); conv.zero_()
+            h = T // 2
+            part = lambda a, b: {k_: (v_[a:b] if v_.shape[0] == T else v_) for k_, v_ in d.items()}
+            kda_k.kda_prefill(**part(0, h), state=state, conv=conv, cu_seqlens=torch.tensor([0, h], dtype=torch.int32,
+                              device=dev), slots=slots, num_heads=H, head_dim=K)
+            if args.prefill_breakdown:
+                d2 = {k_: (torch.cat([v_[h:], v_[:1]]) if v_.shape[0] == T else v_) for k_, v_ in d.items()}
+                cu2, sl2 = [0, T - h, T - h + 1], [2, 1]
+            else:   # dense only (no varlen combination to autotune): the second half as one sequence
+                d2, cu2, sl2 = part(h, T), [0, T - h], [2]
+            o_two = kda_k.kda_prefill(**d2, state=state, conv=conv, cu_seqlens=torch.tensor(cu2, dtype=torch.int32,
+                                      device=dev), slots=torch.tensor(sl2, dtype=torch.int32, device=dev),
+                                      num_heads=H, head_dim=K)[0]
+            err = max(rel(o_two[:T - h].float(), o_one[h:].float()), rel(state[2], s_one))
+            del o_one, o_two, d2
             ok = fam_ok.get("kda_prefill", True) and err < 1e-2
             fn = lambda: kda_k.kda_prefill(**d, state=state, conv=conv, cu_seqlens=cu, slots=slots, num_heads=H, head_dim=K)
             ms = bench(fn, rep=100) if ok else float("nan")
@@ -393,7 +425,7 @@ if "kda_prefill" in ONLY and HAVE_FLA:
 
             def ours_call(beta, **kw):   # chunk_kda under our op's flags (ours_kw), some of them overridden
                 return lambda: chunk_kda(q, kk, v, fr, beta, **{**ours_kw, **kw})
-            stages = {
+            stages = {} if not args.prefill_breakdown else {
                 "pregated_safe_gate": lambda: chunk_kda(q, kk, v, gg, be, initial_state=h0, output_final_state=True,
                                                         safe_gate=True, lower_bound=-5.0),
                 "gate_in_kernel_safe": lambda: chunk_kda(q, kk, v, fr, be, initial_state=h0, output_final_state=True,
@@ -411,20 +443,26 @@ if "kda_prefill" in ONLY and HAVE_FLA:
             }
             # our own passes alone
             y = torch.empty(3, T, P, dtype=torch.bfloat16, device=dev)
-            seq = torch.zeros(T, dtype=torch.int32, device=dev)
-            for cfg in (dict(), dict(BT=16, num_warps=4), dict(BT=64, num_warps=8)):
+            for cfg in (dict(), dict(BT=16, num_warps=4), dict(BT=64, num_warps=8), dict(BT=32, num_warps=8)):
                 name = "our_conv_pass" + "".join(f"_{k_}{v_}" for k_, v_ in cfg.items())
-                stages[name] = lambda cfg=cfg: kda_k._conv_prefill(d["qkv"], d["conv_w"], conv, slots, seq, cu, y, T,
+                stages[name] = lambda cfg=cfg: kda_k._conv_prefill(d["qkv"], d["conv_w"], conv, slots, cu, y, T,
                                                                    3 * P, P, K, cfg=cfg)
-            # the same T as 256 prompts of 128 tokens: every 4th tile takes the history branch
-            seq_m = (torch.arange(T, device=dev) // 128).int()
+            # the same T as 256 prompts of 128 tokens: 256 sequence starts for the fix-up kernel
             cu_m = torch.arange(0, T + 1, 128, device=dev).int()
             slots_m = torch.full((T // 128,), 2, dtype=torch.int32, device=dev)
-            stages["our_conv_pass_256x128"] = lambda: kda_k._conv_prefill(d["qkv"], d["conv_w"], conv, slots_m, seq_m,
-                                                                          cu_m, y, T, 3 * P, P, K)
-            stages["ours_host_index_path"] = lambda: kda_k.kda_prefill(**d, state=state, conv=conv, cu_seqlens=cu,
-                                                                       slots=slots, num_heads=H, head_dim=K,
-                                                                       graph_safe=False)
+            stages["our_conv_pass_256x128"] = lambda: kda_k._conv_prefill(d["qkv"], d["conv_w"], conv, slots_m, cu_m,
+                                                                          y, T, 3 * P, P, K)
+            # our op through the varlen path: the same tokens as two sequences (T - 1 and 1 tokens)
+            cu2 = torch.tensor([0, T - 1, T], dtype=torch.int32, device=dev)
+            sl2 = torch.tensor([2, 1], dtype=torch.int32, device=dev)
+            for name, kw in (("ours_varlen_2seq", {}), ("ours_varlen_2seq_host_index", dict(graph_safe=False)))[
+                    :2 if args.prefill_breakdown else 0]:
+                stages[name] = lambda kw=kw: kda_k.kda_prefill(**d, state=state, conv=conv, cu_seqlens=cu2, slots=sl2,
+                                                               num_heads=H, head_dim=K, **kw)
+            # both captured in CUDA graphs (no Python launch overhead: the GPU time of our op vs the peer's)
+            to_graph = {"ours_cuda_graph": fn,
+                        "peer_cuda_graph": lambda: chunk_kda(q, kk, v, gg, be, initial_state=h0, output_final_state=True)}
+            stages.update(to_graph)
             o_n = torch.randn(T, H, K, device=dev).bfloat16(); out_n = torch.empty(T, P, device=dev).bfloat16()
             stages["our_norm_pass"] = lambda: kda_k._gated_norm_kernel[(triton.cdiv(T, 16), H)](
                 o_n, d["g"], d["o_norm_w"], out_n, T, d["g"].stride(0), out_n.stride(0), 1e-5, H=H, K=K, BT=16,
@@ -432,13 +470,17 @@ if "kda_prefill" in ONLY and HAVE_FLA:
             breakdown = {}
             for name, fn_s in stages.items():
                 try:
+                    fn_s = graphed(fn_s) if name in to_graph else fn_s
                     fn_s()
                     breakdown[name] = bench(fn_s, rep=100) * 1e3
                 except Exception as e:
                     breakdown[name] = repr(e)[:200]
-            out(what="kda_prefill", H=H, T=T, correct=ok, err_graph_vs_host_path=err,
+            og, pg = breakdown.get("ours_cuda_graph"), breakdown.get("peer_cuda_graph")
+            graph_ratio = pg / og if ok and isinstance(og, float) and isinstance(pg, float) else None
+            out(what="kda_prefill", H=H, T=T, correct=ok, err_one_vs_split_varlen=err,
                 conv_cfg=kda_k._CONV_CFG, us=ms * 1e3, peer="fla chunk_kda (recurrence only, pre-gated)",
-                peer_us=peer * 1e3, ratio=peer / ms, Mtok_per_s=T / ms / 1e3, chunk_kda_us_by_flags=breakdown)
+                peer_us=peer * 1e3, ratio=peer / ms, ratio_cuda_graphs=graph_ratio, Mtok_per_s=T / ms / 1e3,
+                chunk_kda_us_by_flags=breakdown)
             del d, q, kk, v, gg
         except Exception as e:
             out(what="kda_prefill", H=H, error=repr(e)[:400])

@@ -8,15 +8,19 @@
 # tp    : (several GPUs) bench_decode TP=1 on cuda:0 saved, then TP=EP=N over NCCL for N = 2, 4, .. <= GPUs compared
 #         with it (logits, greedy tokens) -> $OUT/decode_tp.jsonl (TP_ARGS overrides the model/run arguments)
 # fla-core travels as a wheel in .whl/ (not in git): python3 -m pip download fla-core==0.6.0 --no-deps -d .whl
-# Triton autotune results (fla autotunes for minutes on a fresh machine) are saved to $OUT/autotune.tgz; carry them
-# into the next call as .autotune/ (not in git): mkdir -p .autotune && tar xzf <files_at>/autotune.tgz -C .autotune
+# Triton autotune results (fla autotunes for minutes on a fresh machine) are saved per mode to $OUT/autotune_<mode>.tgz;
+# carry them into the next call of the SAME mode as .autotune/<mode>/ (not in git):
+#   mkdir -p .autotune/bench && tar xzf <files_at>/autotune_bench.tgz -C .autotune/bench
+# Never feed tests' results to bench: fla's tuning keys omit T, so picks made at test sizes (T ~ 100) would be reused
+# at T=32768 (run 8 measured chunk_kda 1.3x slower that way).
 set -u -o pipefail          # a failing benchmark fails the script through its `| tee | tail`
-usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; }
 case "${1:-}" in
   tests|bench|decode|tp) ;;
   -h|--help) usage; exit 0 ;;
   *) echo "error: say what to run: tests, bench, decode or tp" >&2; usage >&2; exit 2 ;;
 esac
+MODE=$1
 if [ "$1" = tp ]; then
   G=$(nvidia-smi -L 2>/dev/null | wc -l)
   [ "$G" -ge 2 ] || { echo "error: tp needs 2 or more GPUs, this machine has $G" >&2; exit 2; }
@@ -28,11 +32,11 @@ fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # Triton keys each *.autotune.json by its version, the GPU target, the kernel source and the tuning key: a result
 # from an earlier machine of the same kind is reused, one that does not match is ignored
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache_$MODE}
 mkdir -p "$TRITON_CACHE_DIR"
-if [ -d .autotune ]; then cp -r .autotune/. "$TRITON_CACHE_DIR"/; fi
+if [ -d ".autotune/$MODE" ]; then cp -r ".autotune/$MODE/." "$TRITON_CACHE_DIR"/; fi
 save_autotune() {
-  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$OUT/autotune.tgz" -T -) || true
+  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$OUT/autotune_$MODE.tgz" -T -) || true
 }
 trap save_autotune EXIT
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl

@@ -171,6 +171,7 @@ GPU_CASES = [mla_decode_case(B=4, H=16, R=512, DR=64, BS=64, MB=8, dt=torch.bflo
              mla_prefill_case(T=37, N=3, H=8, R=512, DR=64, Dn=128, Dv=128, BS=64, MB=4, dt=torch.bfloat16),
              moe_case(E=8, RL=512, I=256, T=9, k=4, bk=128, bn=64),
              kda_prefill_case(T=75, N=3, H=2, K=64, act=torch.bfloat16),
+             kda_prefill_case(T=75, N=1, H=2, K=64, act=torch.bfloat16),   # one sequence: chunk_kda's dense path
              kda_decode_case(B=4, H=4, K=128, act=torch.bfloat16, block_v=32)]
 
 

@@ -136,9 +136,10 @@ def test_kda_decode_multi_step(H, K, act):
 
 
 @pytest.mark.parametrize("H,K,act,lens", [(2, 16, torch.float32, [2, 5, 13]), (2, 16, torch.float32, [2, 70, 33]),
-                                          (2, 16, torch.float32, [31, 5, 1, 2, 40])] + (
+                                          (2, 16, torch.float32, [31, 5, 1, 2, 40]), (2, 16, torch.float32, [37])] + (
     [(12, 128, torch.bfloat16, [1, 3, 70, 130]), (24, 128, torch.bfloat16, [65, 2]), (48, 128, torch.bfloat16, [3, 64]),
-     (96, 128, torch.bfloat16, [2, 67])] if HAS_CUDA else
+     (96, 128, torch.bfloat16, [2, 67]), (12, 128, torch.bfloat16, [197]), (96, 128, torch.bfloat16, [2])]
+    if HAS_CUDA else
     [(2, 32, torch.bfloat16, [1, 3, 9])]))
 def test_kda_prefill(H, K, act, lens):
     N = len(lens)

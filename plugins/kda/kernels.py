@@ -3,24 +3,29 @@
 kda_decode : ONE fused kernel per layer step: conv-history update + SiLU, L2 norm q/k, q scale, lower-bound
              gate, beta sigmoid, delta rule on the fp32 state in place through slot indices ([S,H,V,K] = S^T per
              head), gated output RMSNorm. One program per (token, head) holds the whole 128x128 state tile.
-kda_prefill: Triton varlen conv (with history from the slot pool) + conv-history update, then fla-core
-             `chunk_kda` (in-kernel gate / L2 / beta, safe_gate, state_v_first, cu_seqlens, initial/final
-             state gathered/scattered through slots by Triton copies), then a Triton gated-RMSNorm kernel. Where
-             fla or CUDA is unavailable (CPU CI) the delta rule falls back to a torch token recurrence.
-             `graph_safe=True` (the default; the TensorRT plugin passes it too): token->sequence map on the
-             device, scratch from `workspace=`
-             (`kda_prefill_workspace_bytes`), `chunk_kda(use_graph=True, max_num_seqs=N)`; fla's intermediates
-             still come from torch's caching allocator (plugins/trt_common.py says what that means for capture).
+kda_prefill: Triton conv pass over the packed tokens + a fix-up of each sequence's first three tokens from the
+             slot's conv history (L2 norm of q/k fused) + conv-history update + beta = sigmoid(b), then fla-core
+             `chunk_kda` (in-kernel gate, safe_gate, state_v_first; one sequence: its dense path, several:
+             cu_seqlens; initial/final state gathered/scattered through slots by Triton copies), then a Triton
+             gated-RMSNorm kernel. Where fla or CUDA is unavailable (CPU CI) the delta rule falls back to a torch
+             token recurrence. `graph_safe=True` (the default; the TensorRT plugin passes it too): no host sync,
+             scratch from `workspace=` (`kda_prefill_workspace_bytes`), varlen as
+             `chunk_kda(use_graph=True, max_num_seqs=N)`; fla's intermediates still come from torch's caching
+             allocator (plugins/trt_common.py says what that means for capture).
 
 Same signatures as plugins.kda.reference; pools are updated in place and returned.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 from plugins.workspace import Workspace, plan_bytes
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -31,6 +36,14 @@ def _sigmoid(x):
 # --------------------------------------------------------------------------------------------------
 # Decode: fully fused
 # --------------------------------------------------------------------------------------------------
+@triton.jit
+def _prefetch_l2(ptrs):
+    """``prefetch.global.L2`` of the 128-byte line at each pointer (GPU only: inline PTX). Holds no registers, so
+    a tile's DRAM reads start before the code that needs them; the later loads hit L2."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
 @triton.jit
 def _conv_silu(x, hist, w, sel3):
     """Depthwise causal conv of one channel vector + SiLU. x [C] new input, hist [C, 4] (cols 0..2 = history,
@@ -56,9 +69,11 @@ def _kda_decode_kernel(
     state_ptr, conv_ptr, slots_ptr, out_ptr, oacc_ptr, cnt_ptr,
     stride_qkv, stride_f, stride_b, stride_g, stride_out,
     lower_bound, norm_eps, scale,
-    H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, BV: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, BV: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """grid (B, H, K // BV). Each program owns the [BV, K] rows of S^T for value channels v0..v0+BV.
+    PREFETCH (GPU only): the state tile is prefetched into L2 as soon as the slot is known, so its DRAM reads
+    overlap the conv/norm/gate prologue (loading it into registers that early doubles the registers).
     q/k conv + L2 norm are recomputed by every V-tile program (cheap); the v conv, state and output rows are
     split. With several V tiles, the q/k conv history and the output RMSNorm (a reduction over all V) are done
     by the last program of the (token, head) to arrive (atomic counter, acq_rel; it resets the counter)."""
@@ -70,6 +85,9 @@ def _kda_decode_kernel(
     # slot 0 = the padding sentinel (CUDA-graph padding rows): its pools stay untouched (masked stores below)
     ck = tl.arange(0, K)
     cvv = iv * BV + tl.arange(0, BV)
+    s_tile = state_ptr + (slot * H + h) * (K * K) + iv * BV * K        # [BV, K] fp32, contiguous rows
+    if PREFETCH:
+        _prefetch_l2(s_tile + tl.arange(0, BV * K // 32) * 32)
     j4 = tl.arange(0, 4)
     hist_mask = (j4 < 3)[None, :]
     sel3 = (j4 == 3)[None, :]
@@ -96,7 +114,7 @@ def _kda_decode_kernel(
     alpha = tl.exp(lower_bound * _sigmoid(a * (fv + dtb)))              # [K]
     beta = _sigmoid(tl.load(b_ptr + t * stride_b + h).to(tl.float32))
 
-    s_ptrs = state_ptr + (slot * H + h) * (K * K) + cvv[:, None] * K + ck[None, :]   # rows = v, cols = k
+    s_ptrs = s_tile + tl.arange(0, BV)[:, None] * K + ck[None, :]      # rows = v, cols = k
     S = tl.load(s_ptrs)
     S = S * alpha[None, :]
     u = yv - tl.sum(S * k[None, :], axis=1)                               # [BV]
@@ -205,7 +223,8 @@ def kda_decode(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slot
     _kda_decode_kernel[(B, H, NV)](
         qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slots, out, oacc, cnt,
         qkv.stride(0), f.stride(0), b.stride(0), g.stride(0), out.stride(0), *scalars,
-        H=H, K=K, P=P, BV=BV, num_warps=num_warps or (8 if BV * K >= 16384 else 4),
+        H=H, K=K, P=P, BV=BV, PREFETCH=qkv.is_cuda and not _INTERPRET,
+        num_warps=num_warps or (8 if BV * K >= 16384 else 4),
     )
     return out, state, conv
 
@@ -213,21 +232,28 @@ def kda_decode(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slot
 # --------------------------------------------------------------------------------------------------
 # Prefill
 # --------------------------------------------------------------------------------------------------
-# conv pass launch: token tile BT, warps (H200 run 7, T=32768 in one sequence, 12 heads: BT 32 / 4 warps 271 us,
-# BT 16 289 us, BT 64 / 8 warps 620 us; a pipelined loop over 8 or 16 tiles per program 377-674 us)
+# conv main kernel launch: token tile BT, warps. Measured for the previous single-kernel conv pass (token map +
+# history branch in one kernel; H200 run 7, T=32768 in one sequence, 12 heads: BT 32 / 4 warps 271 us, BT 16 289,
+# BT 64 / 8 warps 620; run 8, 184 registers under Triton 3.6: BT 32 362 us, BT 16 309). The split kernels are not
+# GPU-timed yet: offline sm_90 builds with Triton 3.6 give the main kernel 80 registers at BT 32 / 4 warps
+# (6 CTAs/SM instead of 2), 64 at BT 16 / 4 warps and BT 32 / 8 warps, 112 at BT 64 / 8 warps.
 _CONV_CFG = dict(BT=32, num_warps=4)
 
 
-def _conv_prefill(qkv, conv_w, conv, slots, seq, cu32, y, T, D, P, K, cfg=None):
-    """Launch `_conv_prefill_kernel`: y = SiLU(causal conv) of the packed tokens, q/k rows L2-normalized (MODEL.md §4).
+def _conv_prefill(qkv, conv_w, conv, slots, cu32, y, T, D, P, K, cfg=None):
+    """y = SiLU(causal conv) of the packed tokens, q/k rows L2-normalized (MODEL.md §4), in two launches.
 
     qkv [T, D=3P] act (row stride free, last dim contiguous); conv_w [D, 4] fp32; conv [S, D, 3] act (the slots'
-    conv history, read only); slots [N] int32; seq [T] int32 (token -> sequence); cu32 [N+1] int32; y [3, T, P]
-    (written; q, k, v). One head of K channels per program column; `cfg` overrides `_CONV_CFG` (BT, num_warps)."""
+    conv history, read only); slots [N] int32; cu32 [N+1] int32; y [3, T, P] (written; q, k, v).
+    `_conv_main_kernel` convolves the packed tokens as if they were one sequence (no token->sequence lookups, so
+    every load is independent); `_conv_start_kernel` then rewrites the first three tokens of each sequence with
+    the slot's history in place of the previous sequence's tokens. One head of K channels per program column;
+    `cfg` overrides `_CONV_CFG` (BT, num_warps) of the main kernel."""
     c = dict(_CONV_CFG, **(cfg or {}))
-    _conv_prefill_kernel[(triton.cdiv(T, c["BT"]), triton.cdiv(D, K))](
-        qkv, conv_w, conv, slots, seq, cu32, y, T, qkv.stride(0), D=D, P=P, BT=c["BT"], BD=K, L2NORM=True,
-        num_warps=c["num_warps"])
+    _conv_main_kernel[(triton.cdiv(T, c["BT"]), triton.cdiv(D, K))](
+        qkv, conv_w, y, T, qkv.stride(0), D=D, P=P, BT=c["BT"], BD=K, num_warps=c["num_warps"])
+    _conv_start_kernel[(slots.shape[0], triton.cdiv(D, K))](
+        qkv, conv_w, conv, slots, cu32, y, T, qkv.stride(0), D=D, P=P, BD=K, num_warps=4)
 
 
 @triton.jit
@@ -242,56 +268,63 @@ def _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, mask, cmask, j: tl.constex
 @triton.jit
 def _conv_hist_tap(qkv_ptr, convw_ptr, conv_ptr, slot, pos, tt, cc, stride_qkv, m2, cmask, D: tl.constexpr,
                    j: tl.constexpr):
-    """Tap j for a tile holding a sequence start: x_{t-3+j} from the packed input where pos-3+j >= 0, else the
-    slot's conv history column pos+j (a select, never a difference: another sequence's inf/NaN cannot leak in)."""
+    """Tap j for the rows of one sequence at positions `pos` (tokens tt): x_{t-3+j} from the packed input where
+    pos-3+j >= 0, else the slot's conv history column pos+j (a select, never a difference: another sequence's
+    inf/NaN cannot leak in)."""
     p = pos - 3 + j
     hm = m2 & (p < 0)[:, None]
-    hv = tl.load(conv_ptr + slot[:, None] * (D * 3) + cc[None, :] * 3 + (p + 3)[:, None], mask=hm, other=0.0)
+    hv = tl.load(conv_ptr + slot * (D * 3) + cc[None, :] * 3 + (p + 3)[:, None], mask=hm, other=0.0)
     w = tl.load(convw_ptr + cc * 4 + j, mask=cmask, other=0.0)[None, :]
     xw = _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2 & (p >= 0)[:, None], cmask, j)
     return tl.where(hm, hv.to(tl.float32) * w, xw)
 
 
 @triton.jit
-def _conv_prefill_kernel(
-    qkv_ptr, convw_ptr, conv_ptr, slots_ptr, seq_ptr, cu_ptr, y_ptr,
-    T, stride_qkv, D: tl.constexpr, P: tl.constexpr,
-    BT: tl.constexpr, BD: tl.constexpr, L2NORM: tl.constexpr,
-):
-    """y[c // P, t, c % P] = silu(sum_j w[c,j] x_{t-3+j}[c]), x_{<0} from the slot's conv history.
-    grid (cdiv(T, BT), cdiv(D, BD)). The taps are summed from the packed input first (those loads do
-    not wait for the token->sequence map); a tile holding a token within 3 of its sequence start recomputes taps
-    0-2 with the slot's history selected in (a block-uniform branch; a select, so nothing from the previous
-    sequence reaches these tokens)."""
-    pid_t = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    cc = pid_d * BD + tl.arange(0, BD)
+def _conv_store(acc, y_ptr, tt, cc, m2, T, P: tl.constexpr, IS_QK):
+    """SiLU, the L2 norm of q/k rows (the block is one head: BD == head_dim), store into y [3, T, P]."""
+    y = acc * _sigmoid(acc)
+    nrm = 1.0 / tl.sqrt(tl.sum(y * y, axis=1) + 1e-6)
+    y = tl.where(IS_QK, y * nrm[:, None], y)
+    tl.store(y_ptr + (cc // P)[None, :].to(tl.int64) * T * P + tt[:, None].to(tl.int64) * P + (cc % P)[None, :],
+             y.to(y_ptr.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _conv_main_kernel(qkv_ptr, convw_ptr, y_ptr, T, stride_qkv, D: tl.constexpr, P: tl.constexpr,
+                      BT: tl.constexpr, BD: tl.constexpr):
+    """grid (cdiv(T, BT), cdiv(D, BD)): y[c // P, t, c % P] = silu(sum_j w[c,j] x_{t-3+j}[c]) over the packed
+    tokens as one sequence (x_{<0} = 0); the rows of each sequence's first three tokens are rewritten afterwards
+    by `_conv_start_kernel` (whatever this kernel left there, inf/NaN included, is overwritten, not combined)."""
+    cc = tl.program_id(1) * BD + tl.arange(0, BD)
     cmask = cc < D
-    which = cc // P
-    ch = cc % P
-    tt = pid_t * BT + tl.arange(0, BT)
-    tmask = tt < T
-    m2 = tmask[:, None] & cmask[None, :]
-    x3 = _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 3)     # x_t: never from the history
+    tt = tl.program_id(0) * BT + tl.arange(0, BT)
+    m2 = (tt < T)[:, None] & cmask[None, :]
     acc = _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 0)
     acc += _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 1)
     acc += _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 2)
-    acc += x3
-    seq = tl.load(seq_ptr + tt, mask=tmask, other=0)
-    pos = tt - tl.load(cu_ptr + seq, mask=tmask, other=0)
-    if tl.min(tl.where(tmask, pos, 3), axis=0) < 3:
-        slot = tl.load(slots_ptr + seq, mask=tmask, other=0).to(tl.int64)
-        acc = _conv_hist_tap(qkv_ptr, convw_ptr, conv_ptr, slot, pos, tt, cc, stride_qkv, m2, cmask, D, 0)
-        acc += _conv_hist_tap(qkv_ptr, convw_ptr, conv_ptr, slot, pos, tt, cc, stride_qkv, m2, cmask, D, 1)
-        acc += _conv_hist_tap(qkv_ptr, convw_ptr, conv_ptr, slot, pos, tt, cc, stride_qkv, m2, cmask, D, 2)
-        acc += x3
-    y = acc * _sigmoid(acc)
-    if L2NORM:   # BD == head_dim: this block is one head of q, k or v; L2-normalize q and k rows
-        nrm = 1.0 / tl.sqrt(tl.sum(y * y, axis=1) + 1e-6)
-        is_qk = (pid_d * BD) < 2 * P
-        y = tl.where(is_qk, y * nrm[:, None], y)
-    tl.store(y_ptr + which[None, :].to(tl.int64) * T * P + tt[:, None].to(tl.int64) * P + ch[None, :],
-             y.to(y_ptr.dtype.element_ty), mask=m2)
+    acc += _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 3)
+    _conv_store(acc, y_ptr, tt, cc, m2, T, P, (tl.program_id(1) * BD) < 2 * P)
+
+
+@triton.jit
+def _conv_start_kernel(qkv_ptr, convw_ptr, conv_ptr, slots_ptr, cu_ptr, y_ptr, T, stride_qkv, D: tl.constexpr,
+                       P: tl.constexpr, BD: tl.constexpr):
+    """grid (N, cdiv(D, BD)): rows of the first min(3, len) tokens of sequence n, their taps before the sequence
+    start taken from slot n's conv history."""
+    n = tl.program_id(0)
+    cc = tl.program_id(1) * BD + tl.arange(0, BD)
+    cmask = cc < D
+    start = tl.load(cu_ptr + n)
+    length = tl.load(cu_ptr + n + 1) - start
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    pos = tl.arange(0, 4)
+    tt = start + pos
+    m2 = ((pos < 3) & (pos < length))[:, None] & cmask[None, :]
+    acc = _conv_hist_tap(qkv_ptr, convw_ptr, conv_ptr, slot, pos, tt, cc, stride_qkv, m2, cmask, D, 0)
+    acc += _conv_hist_tap(qkv_ptr, convw_ptr, conv_ptr, slot, pos, tt, cc, stride_qkv, m2, cmask, D, 1)
+    acc += _conv_hist_tap(qkv_ptr, convw_ptr, conv_ptr, slot, pos, tt, cc, stride_qkv, m2, cmask, D, 2)
+    acc += _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 3)
+    _conv_store(acc, y_ptr, tt, cc, m2, T, P, (tl.program_id(1) * BD) < 2 * P)
 
 
 @triton.jit
@@ -342,15 +375,16 @@ def _fla_available(device) -> bool:
         return False
 
 
-def _delta_rule_torch(q, k, v, fraw, braw, A_log, dt_bias, state, cu, slots, H, K, lower_bound):
-    """CPU fallback of the chunk stage: token recurrence in fp32 (q, k raw post-conv; normalizes here)."""
+def _delta_rule_torch(q, k, v, fraw, beta, A_log, dt_bias, state, cu, slots, H, K, lower_bound):
+    """CPU fallback of the chunk stage: token recurrence in fp32 (q, k L2-normalized by the conv kernel, beta
+    [T, H] = sigmoid(b) from the prologue kernel)."""
     T = q.shape[0]
     qf = q.float().view(T, H, K)
     kf = k.float().view(T, H, K)
     qf = qf * K ** -0.5          # q, k arrive L2-normalized from the conv kernel
     vf = v.float().view(T, H, K)
     gate = lower_bound * torch.sigmoid(torch.exp(A_log.float())[None, :, None] * (fraw.float() + dt_bias.float()).view(T, H, K))
-    beta = torch.sigmoid(braw.float())
+    beta = beta.float()
     o = torch.empty(T, H, K, dtype=torch.float32, device=q.device)
     cu_l = cu.tolist()
     for n in range(len(cu_l) - 1):
@@ -366,15 +400,15 @@ def _delta_rule_torch(q, k, v, fraw, braw, A_log, dt_bias, state, cu, slots, H, 
 
 
 @triton.jit
-def _token_seq_kernel(cu_ptr, seq_ptr, T, N, BT: tl.constexpr, BNS: tl.constexpr):
-    """seq[t] = sequence of packed token t = #{n in 1..N : cu_seqlens[n] <= t} (on the device, fixed grid)."""
+def _beta_kernel(b_ptr, beta_ptr, T, stride_b, H: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
+    """beta[t, :] = sigmoid(b[t, :]) computed in fp32, stored in beta's dtype (chunk_kda then skips its own
+    sigmoid). grid (cdiv(T, BT),)."""
     tt = tl.program_id(0) * BT + tl.arange(0, BT)
-    cnt = tl.zeros([BT], dtype=tl.int32)
-    for s0 in range(0, N, BNS):
-        idx = s0 + tl.arange(0, BNS)
-        c = tl.load(cu_ptr + 1 + idx, mask=idx < N, other=2147483647)
-        cnt += tl.sum((c[None, :] <= tt[:, None]).to(tl.int32), axis=1)
-    tl.store(seq_ptr + tt, cnt, mask=tt < T)
+    hh = tl.arange(0, BH)
+    m = (tt < T)[:, None] & (hh < H)[None, :]
+    t64 = tt.to(tl.int64)[:, None]
+    bv = tl.load(b_ptr + t64 * stride_b + hh[None, :], mask=m, other=0.0).to(tl.float32)
+    tl.store(beta_ptr + t64 * H + hh[None, :], _sigmoid(bv).to(beta_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -399,15 +433,16 @@ def _copy_rows(src, dst, idx, gather: bool):
 
 
 def _prefill_scratch(T: int, N: int, H: int, K: int, act_dtype, use_fla: bool) -> list:
-    """(shape, dtype) of kda_prefill's scratch in carve order: token->sequence map, conv output y (q‖k‖v), and
-    with fla: gathered initial states, int64 cu_seqlens, f/b in y's dtype when it differs from the activations."""
+    """(shape, dtype) of kda_prefill's scratch in carve order: conv output y (q‖k‖v), beta = sigmoid(b), and
+    with fla: gathered initial states, int64 cu_seqlens, f in y's dtype when it differs
+    from the activations."""
     P = H * K
     ydt = torch.bfloat16 if use_fla and act_dtype == torch.float32 else act_dtype
-    items = [((T,), torch.int32), ((3, T, P), ydt)]
+    items = [((3, T, P), ydt), ((T, H), ydt)]
     if use_fla:
         items += [((N, H, K, K), torch.float32), ((N + 1,), torch.int64)]
         if ydt != act_dtype:
-            items += [((T, P), ydt), ((T, H), ydt)]
+            items += [((T, P), ydt)]
     return items
 
 
@@ -435,12 +470,13 @@ def kda_prefill(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, cu_
     length >= 1), slots [N] int32 (P = H*K; schema: plugins/kda/reference.py). Returns (out [T, P] act, state,
     conv): the pools updated in place. AssertionError on mismatched shapes.
 
-    workspace: optional uint8 scratch (size: :func:`kda_prefill_workspace_bytes`) for the token map, the conv
-    output, the gathered initial states and the int64 cu_seqlens. graph_safe: call fla's chunk_kda with
-    `use_graph=True, max_num_seqs=N` (chunk indices built on the device with a fixed shape; no host sync).
-    Default True: also the faster path on the H200 (run 6, T=32768: 3149 vs 3516 us at 12 heads, 14679 vs
-    15669 at 96); False builds fla's chunk indices on the host (a device sync). fla allocates its intermediates
-    through torch's caching allocator either way."""
+    workspace: optional uint8 scratch (size: :func:`kda_prefill_workspace_bytes`) for the conv output, beta,
+    the gathered initial states and the int64 cu_seqlens. One sequence (N == 1) runs chunk_kda's dense path
+    (no chunk index; H200 run 8 step c, T=32768, 12 heads, one call: whole op 2810 us vs 3112 through varlen). graph_safe (N > 1):
+    call chunk_kda with `use_graph=True, max_num_seqs=N` (chunk indices built on the device with a fixed shape;
+    no host sync). Default True: also the faster varlen path on the H200 (run 8 step c: 3112 vs 3858 us); False builds
+    fla's chunk indices on the host (a device sync). fla allocates its intermediates through torch's caching
+    allocator either way."""
     T = qkv.shape[0]
     H, K = num_heads, head_dim
     P = H * K
@@ -459,10 +495,10 @@ def kda_prefill(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, cu_
     use_fla = _fla_available(dev)
     ws = Workspace(workspace, dev, "kda_prefill")
     scratch = iter(_prefill_scratch(T, N, H, K, qkv.dtype, use_fla))
-    seq = ws.empty(*next(scratch))
     y = ws.empty(*next(scratch))
-    _token_seq_kernel[(triton.cdiv(T, 64),)](cu32, seq, T, N, BT=64, BNS=64, num_warps=4)
-    _conv_prefill(qkv, conv_w, conv, slots, seq, cu32, y, T, D, P, K)
+    beta = ws.empty(*next(scratch))
+    _beta_kernel[(triton.cdiv(T, 64),)](b, beta, T, b.stride(0), H=H, BT=64, BH=triton.next_power_of_2(H), num_warps=4)
+    _conv_prefill(qkv, conv_w, conv, slots, cu32, y, T, D, P, K)
     _conv_hist_kernel[(N, triton.cdiv(D, 256))](qkv, conv, slots, cu32, qkv.stride(0), D=D, BD=256, num_warps=4)
     q, k, v = y[0], y[1], y[2]
     if use_fla:
@@ -470,25 +506,23 @@ def kda_prefill(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, cu_
         h0 = ws.empty(*next(scratch))                                 # [N, H, V, K] (state_v_first layout)
         _copy_rows(state, h0, slots, gather=True)
         cu64 = ws.empty(*next(scratch))
-        cu64.copy_(cu32)
         if y.dtype != qkv.dtype:
             fa = ws.empty(*next(scratch))
             fa.copy_(f)
-            ba = ws.empty(*next(scratch))
-            ba.copy_(b)
         else:
             fa = f if f.dtype == q.dtype else f.to(q.dtype)
-            ba = b if b.dtype == q.dtype else b.to(q.dtype)
+        # one sequence: chunk_kda's dense path (no chunk index, no varlen; measured faster, RESULTS.md run 8)
+        varlen = {} if N == 1 else dict(cu_seqlens=cu64.copy_(cu32),
+                                        **(dict(use_graph=True, max_num_seqs=N) if graph_safe else {}))
         o, ht = chunk_kda(
-            q.view(1, T, H, K), k.view(1, T, H, K), v.view(1, T, H, K), fa.view(1, T, H, K), ba.view(1, T, H),
+            q.view(1, T, H, K), k.view(1, T, H, K), v.view(1, T, H, K), fa.view(1, T, H, K), beta.view(1, T, H),
             scale=K ** -0.5, initial_state=h0, output_final_state=True,
-            use_qk_l2norm_in_kernel=False, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-            A_log=A_log, dt_bias=dt_bias, safe_gate=True, lower_bound=lower_bound,
-            state_v_first=True, cu_seqlens=cu64, **(dict(use_graph=True, max_num_seqs=N) if graph_safe else {}))
+            use_qk_l2norm_in_kernel=False, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=False,
+            A_log=A_log, dt_bias=dt_bias, safe_gate=True, lower_bound=lower_bound, state_v_first=True, **varlen)
         _copy_rows(ht if ht.dtype == state.dtype else ht.to(state.dtype), state, slots, gather=False)
         o = o.view(T, H, K)
     else:
-        o = _delta_rule_torch(q, k, v, f, b, A_log, dt_bias, state, cu32, slots, H, K, lower_bound)
+        o = _delta_rule_torch(q, k, v, f, beta, A_log, dt_bias, state, cu32, slots, H, K, lower_bound)
     o = o if o.is_contiguous() else o.contiguous()
     _gated_norm_kernel[(triton.cdiv(T, 16), H)](o, g, o_norm_w, out, T, g.stride(0), out.stride(0), float(norm_eps),
                                                H=H, K=K, BT=16, num_warps=4)

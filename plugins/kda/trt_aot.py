@@ -75,7 +75,8 @@ try:  # the entry kernel needs Triton (and the decode kernel); the pure helpers 
             P: tl.constexpr = H * K
             _kda_decode_kernel(qkv_ptr, f_ptr, b_ptr, g_ptr, convw_ptr, alog_ptr, dtb_ptr, onw_ptr,
                                state_out_ptr, conv_out_ptr, slots_ptr, out_ptr, out_ptr, slots_ptr,
-                               3 * P, P, H, P, P, LOWER_BOUND, NORM_EPS, SCALE, H=H, K=K, P=P, BV=K)
+                               3 * P, P, H, P, P, LOWER_BOUND, NORM_EPS, SCALE, H=H, K=K, P=P, BV=K,
+                               PREFETCH=True)
 except ImportError:  # pragma: no cover - Triton missing: nothing to compile, register() returns []
     triton = None
     _kda_decode_aot_kernel = None
