@@ -19,6 +19,13 @@ Profiles: input dims come from the ONNX ``dim_param`` names. :func:`default_prof
 Any other symbolic dim (pool sizes S/NB, block-table width MB, ...) must be given with ``--dim NAME=MIN:OPT:MAX``
 (or ``extra_dims``). A dim_param may be an expression of names (``"N + 1"``); it is evaluated per min/opt/max.
 
+Plugins: with full TensorRT the ``kimi`` plugins are registered before parsing (``register_tensorrt_plugins``), so the
+parser maps every ``kimi`` node (it carries ``plugin_namespace``) to its plugin; unregistered, it would silently
+inline the node's ONNX function body, the O(context) reference (STACK.md §1c). ``aot=True`` (``--aot``) registers
+the ahead-of-time forms where ``tensorrt.plugin`` has them (KdaDecode, MlaDecode: PTX baked into the engine, no Python
+at runtime) and marks those nodes ``aot=1`` for the parser; the manifest records them per engine (``aot_ops``).
+TensorRT-RTX registers nothing: its parser aborts on Python plugins, and the nodes are inlined from their bodies.
+
 TensorRT-RTX (``engines.trt``) builds ahead of time for ``target_cc`` (``sm75/80/86/89/120/121``; no ``sm90``) with no
 GPU. Without a GPU it cannot deserialize the plan, so the metadata is then checked on the network and the profiles
 before serialization (``verified: "network"`` in the manifest); with a GPU it is read back from the engine
@@ -43,6 +50,58 @@ logger = logging.getLogger(__name__)
 Triple = tuple[Any, Any, Any]
 DEFAULT_TIMING_CACHE = "timing.cache"
 _STD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
+
+
+# -------------------------------------------------------------------------------------------------------- plugins
+def register_build_plugins(info: TrtInfo, aot: bool = False) -> list[str]:
+    """Register the ``kimi`` plugins with full TensorRT before parsing; nothing for TensorRT-RTX (its parser aborts on
+    Python plugins; the nodes are then inlined from their function bodies). Returns the op types registered ahead of
+    time (``["KdaDecode", "MlaDecode"]`` with ``aot`` where ``tensorrt.plugin`` supports AOT, else ``[]``).
+    Raises ValueError for ``aot`` with TensorRT-RTX."""
+    if info.is_rtx:
+        if aot:
+            raise ValueError("aot: TensorRT-RTX has no tensorrt.plugin AOT plugins; build with full TensorRT "
+                             "(--backend tensorrt) or drop --aot")
+        return []
+    from plugins.kda import trt_aot as kda_aot
+    from plugins.mla import trt_aot as mla_aot
+    from plugins.trt_common import register_tensorrt_plugins
+
+    register_tensorrt_plugins(info.module, aot=aot)
+    return [pid.split("::")[1] for pid in kda_aot.register() + mla_aot.register()] if aot else []
+
+
+def mark_aot_nodes(model, op_types: Sequence[str]) -> int:
+    """Set the attribute ``aot=1`` on every top-level node of domain ``kimi`` whose op type is in ``op_types`` (the
+    ONNX form of ``network.add_plugin(..., aot=True)``, STACK.md §1b). Returns how many nodes were marked."""
+    import onnx
+
+    n = 0
+    for node in model.graph.node:
+        if node.domain == "kimi" and node.op_type in op_types:
+            keep = [a for a in node.attribute if a.name != "aot"]
+            del node.attribute[:]
+            node.attribute.extend(keep + [onnx.helper.make_attribute("aot", 1)])
+            n += 1
+    return n
+
+
+def _parse(trt, network, trt_logger, onnx_path: Path, aot_ops: Sequence[str]):
+    """Parse ``onnx_path`` into ``network``; with ``aot_ops`` the model is loaded (external data left on disk), its
+    nodes marked by :func:`mark_aot_nodes` and parsed from memory with the file's path (for the external data)."""
+    parser = trt.OnnxParser(network, trt_logger)
+    if aot_ops:
+        import onnx
+
+        model = onnx.load(str(onnx_path), load_external_data=False)
+        logger.info("%s: %d node(s) marked aot=1", onnx_path.name, mark_aot_nodes(model, aot_ops))
+        ok = parser.parse(model.SerializeToString(), str(onnx_path))
+    else:
+        ok = parser.parse_from_file(str(onnx_path))
+    if not ok:
+        errors = "; ".join(str(parser.get_error(i).desc()) for i in range(parser.num_errors))
+        raise RuntimeError(f"TensorRT could not parse {onnx_path}: {errors}")
+    return parser
 
 
 # -------------------------------------------------------------------------------------------------------- profiles
@@ -282,7 +341,7 @@ def build_engine(onnx_path: str | Path, plan_path: str | Path,
                  profiles: Sequence[Mapping[str, Triple]], *, target_cc: str | Sequence[str] | None = None,
                  timing_cache: str | Path | TimingCacheFile | None = None,
                  shape_values: Sequence[Mapping[str, Triple]] | None = None,
-                 opt_level: int | None = None, trt_flavor: str | None = None) -> dict:
+                 opt_level: int | None = None, trt_flavor: str | None = None, aot: bool = False) -> dict:
     """Parse ``onnx_path`` (external data next to it) into a strongly typed network and write the plan atomically.
 
     profiles: one ``{input_name: (min_shape, opt_shape, max_shape)}`` per optimization profile (profile i = index i
@@ -291,10 +350,12 @@ def build_engine(onnx_path: str | Path, plan_path: str | Path,
     timing_cache: file path or shared :class:`TimingCacheFile` (loaded before, saved after the build).
     shape_values: per profile ``{input_name: (min_values, opt_values, max_values)}`` for inputs TensorRT treats as
     shape tensors (values that determine shapes).
+    aot: full TensorRT only: the AOT forms of KdaDecode/MlaDecode (see the module docstring).
     Returns metadata: ``inputs``/``outputs`` (name, shape with -1 = dynamic, dtype, is_shape_tensor), ``profiles``
     (read back from the profile objects), ``compute_capability``, ``plan_bytes``, ``plan_sha256``, ``plugins``,
-    ``verified`` ("engine" when the plan was deserialized and checked, "network" otherwise), ``notes``.
-    Raises RuntimeError with the parser errors / on build failure, ValueError for missing or bad profile entries."""
+    ``aot_ops``, ``verified`` ("engine" when the plan was deserialized and checked, "network" otherwise), ``notes``.
+    Raises RuntimeError with the parser errors / on build failure, ValueError for missing or bad profile entries or
+    ``aot`` with TensorRT-RTX."""
     import hashlib
 
     info = load_trt(trt_flavor)
@@ -304,16 +365,14 @@ def build_engine(onnx_path: str | Path, plan_path: str | Path,
         raise FileNotFoundError(f"onnx_path {onnx_path} does not exist")
     if not profiles:
         raise ValueError("profiles is empty; give at least one {input: (min, opt, max)} dict")
+    aot_ops = register_build_plugins(info, aot)
     trt_logger = _trt_logger(trt)
     builder = trt.Builder(trt_logger)
     flags = 0
     if not info.is_rtx and info.major < 11:  # TRT 11 and RTX are always strongly typed
         flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
     network = builder.create_network(flags)
-    parser = trt.OnnxParser(network, trt_logger)
-    if not parser.parse_from_file(str(onnx_path)):
-        errors = "; ".join(str(parser.get_error(i).desc()) for i in range(parser.num_errors))
-        raise RuntimeError(f"TensorRT could not parse {onnx_path}: {errors}")
+    parser = _parse(trt, network, trt_logger, onnx_path, aot_ops)  # noqa: F841  (the network refers to it)
 
     config = builder.create_builder_config()
     if opt_level is not None:
@@ -364,6 +423,7 @@ def build_engine(onnx_path: str | Path, plan_path: str | Path,
         "plan_bytes": len(data),
         "plan_sha256": hashlib.sha256(data).hexdigest(),
         "plugins": onnx_custom_ops(onnx_path, trt),
+        "aot_ops": sorted(aot_ops),
         "notes": [],
     }
     if cache is not None:
@@ -426,16 +486,18 @@ def build_all(onnx_dir: str | Path, out_dir: str | Path, *, target_cc: str | Seq
               profile_dims: Sequence[Mapping[str, Triple]] | None = None,
               shape_values: Sequence[Mapping[str, Triple]] | None = None, force: bool = False,
               timing_cache: str | Path | None = None, opt_level: int | None = None,
-              trt_flavor: str | None = None, progress: bool = True) -> dict:
+              trt_flavor: str | None = None, progress: bool = True, aot: bool = False) -> dict:
     """Build (or skip when unchanged) an engine for every ONNX under ``onnx_dir``; returns the manifest dict.
 
     Plans mirror the ONNX layout (``rank0/layer3.onnx`` -> ``out_dir/rank0/layer3.plan``). profile_dims defaults to
     :func:`default_profile_dims` (max_batch, max_num_tokens, extra_dims). timing_cache defaults to
     ``out_dir/timing.cache`` and is shared by all engines. The manifest is rewritten after every engine, so an
-    interrupted build keeps what finished. Raises like :func:`build_engine` (the failing ONNX is named)."""
+    interrupted build keeps what finished. aot: see :func:`build_engine` (part of the build options: changing it
+    rebuilds). Raises like :func:`build_engine` (the failing ONNX is named)."""
     from tqdm import tqdm
 
     info = load_trt(trt_flavor)
+    register_build_plugins(info, aot)          # before any output: aot with TensorRT-RTX fails here
     onnx_dir, out_dir = Path(onnx_dir), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     dims = list(profile_dims) if profile_dims else default_profile_dims(max_batch, max_num_tokens, extra_dims)
@@ -453,7 +515,7 @@ def build_all(onnx_dir: str | Path, out_dir: str | Path, *, target_cc: str | Seq
             profiles = profiles_from_dims(src, dims)
             options = _jsonable({"flavor": info.flavor, "version": info.version,
                                  "target_cc": parse_target_cc(target_cc), "profiles": profiles,
-                                 "shape_values": shape_values, "opt_level": opt_level})
+                                 "shape_values": shape_values, "opt_level": opt_level, "aot": bool(aot)})
             cfg_hash, src_hash = mf.config_hash(options), mf.onnx_source_sha256(src)
             entry = (old or {}).get("engines", {}).get(plan_rel)
             if mf.is_up_to_date(entry, out_dir / plan_rel, src_hash, cfg_hash):
@@ -462,7 +524,7 @@ def build_all(onnx_dir: str | Path, out_dir: str | Path, *, target_cc: str | Seq
                 skipped += 1
             else:
                 meta = build_engine(src, out_dir / plan_rel, profiles, target_cc=target_cc, timing_cache=cache,
-                                    shape_values=shape_values, opt_level=opt_level, trt_flavor=trt_flavor)
+                                    shape_values=shape_values, opt_level=opt_level, trt_flavor=trt_flavor, aot=aot)
                 manifest["engines"][plan_rel] = {"onnx": rel.as_posix(), "onnx_sha256": src_hash,
                                                  "config_hash": cfg_hash, "options": options, **meta}
                 built += 1
@@ -523,6 +585,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--opt-level", type=int, default=None, help="builder optimization level 0-5 (TRT default 3)")
     ap.add_argument("--flavor", choices=["tensorrt", "tensorrt-rtx"], default=None,
                     help="force a TensorRT flavor (default: full TensorRT if installed, else RTX)")
+    ap.add_argument("--aot", action="store_true",
+                    help="full TensorRT >= 10.9: KdaDecode/MlaDecode as ahead-of-time plugins (PTX in the engine, "
+                         "no Python at runtime); refused with TensorRT-RTX")
     ap.add_argument("--force", action="store_true", help="rebuild every engine even when unchanged")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("-v", "--verbose", action="count", default=0, help="-v: info, -vv: debug incl. TensorRT log")
@@ -533,7 +598,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         manifest = build_all(args.onnx_dir, args.out, target_cc=args.target_cc, max_batch=args.max_batch,
                              max_num_tokens=args.max_num_tokens, extra_dims=dict(args.dim), force=args.force,
                              timing_cache=args.timing_cache, opt_level=args.opt_level, trt_flavor=args.flavor,
-                             progress=not args.no_progress)
+                             progress=not args.no_progress, aot=args.aot)
     except (ImportError, ValueError, FileNotFoundError, RuntimeError) as e:
         logger.error("%s", e)
         return 1

@@ -3,7 +3,7 @@
 
     python export/build_engines.py [--checkpoint DIR] [--out DIR] [--tp N] [--ep M]
         [--backend tensorrt|tensorrt-rtx|onnxruntime] [--target-cc sm86 ...] [--max-batch B]
-        [--max-num-tokens T] [--max-context L] [--dry-run] [--force]
+        [--max-num-tokens T] [--max-context L] [--aot] [--dry-run] [--force]
 
 Steps (each with progress and a one-line summary; skipped on a rerun whose inputs hash the same, redone with
 --force): checkpoint (load + validate) -> plan -> export (shard per TP/EP rank, ONNX per layer) -> verify
@@ -224,6 +224,9 @@ def build(args) -> int:
     except OSError as e:
         raise BuildError(f"--out {out}: not writable ({e.strerror}); choose a directory you can write") from e
     backend = pick_backend(args.backend)
+    if args.aot and backend != "tensorrt":
+        raise BuildError(f"--aot: ahead-of-time plugins need full TensorRT (--backend tensorrt), not {backend}; "
+                         "install TensorRT >= 10.9 or drop --aot")
     if backend == "tensorrt-rtx" and args.target_cc:   # refuse an unbuildable target now, not at step 5
         from engines.build import check_target_cc, load_trt, parse_target_cc
         try:
@@ -285,10 +288,11 @@ def build(args) -> int:
         from engines.build import build_all
         target = args.target_cc or (["sm86"] if backend == "tensorrt-rtx" else None)
         m = build_all(onnx_dir, eng_dir, target_cc=target, max_batch=args.max_batch, max_num_tokens=args.max_num_tokens,
-                      extra_dims=dims, force=args.force, trt_flavor=backend)
+                      extra_dims=dims, force=args.force, trt_flavor=backend, aot=args.aot)
         return f"{len(m['engines'])} {backend} engines in {eng_dir} (target {target or 'this GPU'})", {"built": True}
 
-    engines = pipe.run(5, "engines", exp_inputs + [backend, args.target_cc, args.max_batch, args.max_num_tokens, dims],
+    engines = pipe.run(5, "engines", exp_inputs + [backend, args.target_cc, args.max_batch, args.max_num_tokens, dims,
+                                                   args.aot],
                        [eng_dir / "manifest.json"] if backend != "onnxruntime" else [], step_engines)
     # The runtime can execute engines only with full TensorRT on a GPU; otherwise it serves the ONNX graphs.
     serve_backend = "tensorrt" if backend == "tensorrt" else "onnxruntime"
@@ -342,6 +346,9 @@ def parse_args(argv=None):
     ap.add_argument("--max-batch", type=int, default=8, help="decode profile: max sequences per step (default 8)")
     ap.add_argument("--max-num-tokens", type=int, default=256, help="prefill profile: max packed tokens per step (default 256)")
     ap.add_argument("--max-context", type=int, default=None, help="max tokens per request (default min(config, 4096))")
+    ap.add_argument("--aot", action="store_true",
+                    help="full TensorRT >= 10.9 only: KdaDecode and MlaDecode as ahead-of-time plugins (PTX baked into "
+                         "the engines, no Python at runtime for them); the other kimi ops stay Python plugins")
     ap.add_argument("--dry-run", action="store_true", help="print the plan only; allocates no weights")
     ap.add_argument("--force", action="store_true", help="redo every step even when its inputs are unchanged")
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")

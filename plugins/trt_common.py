@@ -49,10 +49,12 @@ Verified: CPU interpreter tests (tests/test_graph_safe.py: kernels vs references
 rules); the ``torch.cuda.CUDAGraph`` capture/replay tests there are for the H200. No TensorRT engine with these
 plugins has run (full TensorRT is not installable here nor on the H200 image).
 
-Ahead of time: ``kimi::KdaDecode`` also exists as a ``tensorrt.plugin`` QDP with ``@trtp.aot_impl`` (TensorRT >= 10.9;
-plugins/kda/trt_aot.py): one Triton kernel compiled to PTX, baked into the engine, no Python at runtime; choose it
-with ``register_tensorrt_plugins(aot=True)``. The other ops stay JIT Python plugins: each is several launches (plus
-fla for KdaPrefill), and an AOT plugin is exactly one precompiled kernel (trt_aot.py says why per op).
+Ahead of time: ``kimi::KdaDecode`` and ``kimi::MlaDecode`` also exist as ``tensorrt.plugin`` QDPs with
+``@trtp.aot_impl`` (TensorRT >= 10.9; plugins/kda/trt_aot.py, plugins/mla/trt_aot.py, helpers in
+plugins/aot_common.py): one Triton kernel each, compiled to PTX, baked into the engine, no Python at runtime; choose
+them with ``register_tensorrt_plugins(aot=True)``. The other ops stay JIT Python plugins: each is several launches
+(plus fla for KdaPrefill), and an AOT plugin is exactly one precompiled kernel (plugins/kda/trt_aot.py says why per
+op).
 """
 
 from __future__ import annotations
@@ -554,11 +556,12 @@ def register_tensorrt_plugins(trt=None, aot: bool = False) -> list[str]:
 
     trt: TensorRT module; default ``import tensorrt`` (full TensorRT). Call before parsing ONNX with plugins and before
     deserializing engines that contain them. Returns ``["kimi::KdaPrefill", ...]`` in :func:`all_specs` order.
-    aot: register ``kimi::KdaDecode`` as the ahead-of-time ``tensorrt.plugin`` QDP (plugins/kda/trt_aot.py: one
-    Triton kernel compiled to PTX and baked into the engine, no Python at runtime) instead of the Python IPluginV3;
-    where ``tensorrt.plugin`` (TensorRT >= 10.9) or Triton is missing this logs a warning and registers the IPluginV3.
-    The other ops always stay JIT Python plugins (several launches each, see plugins/kda/trt_aot.py). The choice is
-    made once per process (a second call with the other ``aot`` raises RuntimeError).
+    aot: register ``kimi::KdaDecode`` and ``kimi::MlaDecode`` as ahead-of-time ``tensorrt.plugin`` QDPs
+    (plugins/kda/trt_aot.py, plugins/mla/trt_aot.py: one Triton kernel each compiled to PTX and baked into the
+    engine, no Python at runtime) instead of the Python IPluginV3s; where ``tensorrt.plugin`` (TensorRT >= 10.9) or
+    Triton is missing this logs a warning and registers the IPluginV3s. The other ops always stay JIT Python plugins
+    (several launches each, see plugins/kda/trt_aot.py). The choice is made once per process (a second call with the
+    other ``aot`` raises RuntimeError).
     Raises ImportError (with the install hint) when TensorRT is missing. Do not use with ``tensorrt_rtx_bindings`` in
     a process that then parses ONNX: TensorRT-RTX's parser aborts the process on Python creators (STACK.md §1a)."""
     if trt is None:
@@ -572,12 +575,13 @@ def register_tensorrt_plugins(trt=None, aot: bool = False) -> list[str]:
     if id(trt) not in _REGISTERED:
         aot_names: list[str] = []
         if aot:
-            from plugins.kda import trt_aot
+            from plugins.kda import trt_aot as kda_aot
+            from plugins.mla import trt_aot as mla_aot
 
-            aot_names = trt_aot.register()
+            aot_names = kda_aot.register() + mla_aot.register()
             if not aot_names:
                 logger.warning("aot=True but tensorrt.plugin (TensorRT >= 10.9) with aot_impl, or Triton, is not "
-                               "importable: kimi::KdaDecode stays a JIT Python plugin")
+                               "importable: kimi::KdaDecode and kimi::MlaDecode stay JIT Python plugins")
         registry = trt.get_plugin_registry()
         creators, names = [], []
         for spec in all_specs():

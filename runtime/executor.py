@@ -336,13 +336,14 @@ class TensorRTExecutor(GraphExecutor):
         if not torch.cuda.is_available():
             raise RuntimeError("backend 'tensorrt' needs a CUDA GPU; torch sees none. Use 'onnxruntime' or 'torch'.")
         from plugins.trt_common import register_tensorrt_plugins
-        register_tensorrt_plugins(trt)
         self.trt, self.device = trt, torch.device("cuda", device)
         self.dir = Path(engine_dir)
         mpath = self.dir / "manifest.json"
         if not mpath.is_file():
             raise FileNotFoundError(f"{mpath}: missing; build engines with python -m engines.build")
         manifest = json.loads(mpath.read_text())
+        # the same plugin forms as the build (engines built with --aot hold AOT KdaDecode/MlaDecode)
+        register_tensorrt_plugins(trt, aot=any(e.get("aot_ops") for e in manifest.get("engines", {}).values()))
         self.index = read_index(onnx_dir or self.dir)
         self.cfg = load_config(self.index["config"])
         self.segments = self._init_segments(self.index, rank, str(mpath))

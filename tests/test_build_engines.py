@@ -141,7 +141,7 @@ def _copy_ckpt(src: Path, dst: Path) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("case", ["missing_shard", "truncated_shard", "no_config", "tp", "ep", "target_cc"])
+@pytest.mark.parametrize("case", ["missing_shard", "truncated_shard", "no_config", "tp", "ep", "target_cc", "aot"])
 def test_error_paths(case, tiny_ckpt, tmp_path):
     ck = _copy_ckpt(tiny_ckpt, tmp_path / "ck")
     args = ["--checkpoint", ck, "--out", tmp_path / "out"]
@@ -162,6 +162,9 @@ def test_error_paths(case, tiny_ckpt, tmp_path):
     elif case == "ep":
         args += ["--tp", 2, "--ep", 3]
         want = "ep = 3"
+    elif case == "aot":   # AOT plugins need full TensorRT: refused before step 1
+        args += ["--backend", "onnxruntime", "--aot"]
+        want = "--aot: ahead-of-time plugins need full TensorRT"
     else:   # refused before step 1, not after the export
         pytest.importorskip("tensorrt_rtx_bindings", reason="the target check needs the rtx extra")
         args += ["--backend", "tensorrt-rtx", "--target-cc", "sm90"]

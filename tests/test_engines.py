@@ -415,6 +415,56 @@ def test_rebuild_skip_force_and_timing_cache(tmp_path):
     assert all((out / p).stat().st_ino != ino for p, ino in before.items())
 
 
+def test_full_trt_build_registers_the_plugins():
+    """With full TensorRT the build registers every kimi creator before parsing (else the parser would inline the
+    reference function bodies). Stand-in for full TensorRT: the RTX bindings' registry, in a subprocess that never
+    parses afterwards (RTX's parser aborts on Python creators)."""
+    _rtx()
+    code = ("import tensorrt_rtx_bindings as trt\n"
+            "from engines.trt import TrtInfo\n"
+            "from engines.build import register_build_plugins\n"
+            "assert register_build_plugins(TrtInfo(trt, 'tensorrt', '10.16.0')) == []   # no AOT asked\n"
+            "reg = trt.get_plugin_registry()\n"
+            "ops = ('KdaPrefill', 'KdaDecode', 'MlaPrefill', 'MlaDecode', 'Mxfp4Moe')\n"
+            "print(','.join(n for n in ops if reg.get_creator(n, '1', 'kimi') is not None))\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == "KdaPrefill,KdaDecode,MlaPrefill,MlaDecode,Mxfp4Moe"
+
+
+def test_aot_marking_and_parse_from_memory(tmp_path):
+    """--aot builds: mark_aot_nodes sets aot=1 once, on the named kimi nodes only; a marked model parsed from memory
+    with its file path (how an AOT build parses) still finds its external data; TensorRT-RTX registers no plugins
+    and refuses aot before writing anything."""
+    import onnx
+
+    trt = _rtx()
+    from engines.build import _parse, _trt_logger, build_all, mark_aot_nodes, register_build_plugins
+    from engines.trt import load_trt
+
+    onnx_dir = _engine_tree(tmp_path)
+    path = onnx_dir / "rank0" / "layer0.onnx"
+    m = onnx.load(str(path), load_external_data=False)
+    assert mark_aot_nodes(m, ["Decay"]) == 1 and mark_aot_nodes(m, ["Decay"]) == 1 and mark_aot_nodes(m, ["X"]) == 0
+    marks = [a for n in m.graph.node for a in n.attribute if a.name == "aot"]
+    assert len(marks) == 1 and marks[0].i == 1
+    assert [n.op_type for n in m.graph.node if any(a.name == "aot" for a in n.attribute)] == ["Decay"]
+    info = load_trt("tensorrt-rtx") if trt.__name__ == "tensorrt_rtx_bindings" else load_trt()
+    if info.is_rtx:
+        assert register_build_plugins(info) == []
+        with pytest.raises(ValueError, match="aot"):
+            register_build_plugins(info, aot=True)
+        with pytest.raises(ValueError, match="aot"):
+            build_all(onnx_dir, tmp_path / "e", target_cc="sm86", extra_dims=DIMS, progress=False, aot=True)
+        assert not (tmp_path / "e").exists()
+    log = _trt_logger(info.module)
+    network = info.module.Builder(log).create_network(0)
+    parser = _parse(info.module, network, log, path, ["Decay"])   # noqa: F841  (keeps the network's parser alive)
+    assert [network.get_input(i).name for i in range(network.num_inputs)] == ["x", "state", "cu_seqlens", "slots"]
+    assert network.num_outputs == 2 and network.num_layers > 0
+
+
 def test_cli_help_and_errors(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     r = subprocess.run([sys.executable, "-m", "engines.build", "--help"], cwd=REPO, env=env, capture_output=True,

@@ -1,14 +1,15 @@
 """CUDA-graph safety of the kernels the TensorRT plugins enqueue (issue 6): caller workspaces, the graph-safe MLA
-prefill, the OpSpec workspace rules, and the ahead-of-time KdaDecode form.
+prefill, the OpSpec workspace rules, and the ahead-of-time KdaDecode and MlaDecode forms.
 
 CPU (TRITON_INTERPRET=1, tiny shapes): the absorbed varlen MLA prefill kernel equals plugins/mla/reference.py; every
 op run with a workspace of exactly ``*_workspace_bytes`` (misaligned base, poisoned contents, guard bytes around it)
 equals the run without one and writes nothing outside; workspace rules on symbolic/concrete dims; the AOT module's
-pure helpers, its PTX for sm_90 (Triton compiles without a GPU), its tensorrt.plugin glue against a stand-in module.
+pure helpers, their PTX for sm_90 (Triton compiles without a GPU), the MlaDecode entry kernel against the reference,
+their tensorrt.plugin glue against a stand-in module.
 GPU (skipped without CUDA): each op captured in a ``torch.cuda.CUDAGraph`` with a preallocated workspace (warmed up
 eagerly first), replayed on new inputs copied into the captured buffers, equals eager; a capture fails if anything
 synchronizes, and the ops other than KdaPrefill (fla allocates internally) must not allocate while captured; the AOT
-PTX launched through the CUDA driver with TensorRT's argument convention equals the reference."""
+PTX (KdaDecode, MlaDecode) launched through the CUDA driver with TensorRT's argument convention equals the reference."""
 import os
 import subprocess
 import sys
@@ -23,6 +24,7 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"   # must precede the first triton import
 
+from plugins import aot_common                       # noqa: E402
 from plugins import workspace as wsm                 # noqa: E402
 from plugins.kda import kernels as kda_k             # noqa: E402
 from plugins.kda import reference as kda_ref         # noqa: E402
@@ -30,6 +32,7 @@ from plugins.kda import trt_aot                      # noqa: E402
 from plugins.kda.trt import KDA_DECODE, KDA_PREFILL  # noqa: E402
 from plugins.mla import kernels as mla_k             # noqa: E402
 from plugins.mla import reference as mla_ref         # noqa: E402
+from plugins.mla import trt_aot as mla_aot           # noqa: E402
 from plugins.mla.trt import MLA_DECODE, MLA_PREFILL  # noqa: E402
 from plugins.moe import kernels as moe_k             # noqa: E402
 from plugins.moe.trt import MXFP4_MOE                # noqa: E402
@@ -384,7 +387,8 @@ def test_aot_module_without_tensorrt_plugin():
 
     if importlib.util.find_spec("tensorrt") is None:
         assert not trt_aot.available() and trt_aot.register() == []
-    assert trt_aot.AOT_OPS == ("kimi::KdaDecode",)
+        assert not mla_aot.available() and mla_aot.register() == []
+    assert trt_aot.AOT_OPS == ("kimi::KdaDecode",) and mla_aot.AOT_OPS == ("kimi::MlaDecode",)
 
 
 def test_aot_pure_helpers():
@@ -407,34 +411,45 @@ def test_aot_pure_helpers():
     assert (lp["grid_x"], lp["grid_y"], lp["grid_z"], lp["block_x"], lp["shared_mem"]) == (37, 12, 1, 256, 512)
     sym = object()   # a TensorRT shape expression passes through untouched
     assert trt_aot.launch_params(sym, 12, 4, 0)["grid_x"] is sym and trt_aot.extra_args(sym) == [sym]
-    assert trt_aot.pick_ptx_version(90, 84) == 84
+    assert aot_common.pick_ptx_version(90, 84) == 84
     types_ = [t.strip() for t in trt_aot.autotune_types().split(",")]
     assert len(types_) == 14 and types_[0] == "FP32|FP16|BF16" and types_[8] == "FP32|FP32|FP32" and \
         types_[10] == "INT32|INT32|INT32" and types_[12] == "FP32|FP32|FP32" and types_[13] == types_[0]
 
 
 def test_aot_ptx_version_is_the_older_of_driver_and_ptxas(monkeypatch):
-    monkeypatch.setattr(trt_aot, "driver_ptx_version", lambda: 90)
-    monkeypatch.setattr(trt_aot, "triton_ptx_version", lambda arch: 94)
-    assert trt_aot.pick_ptx_version(90) == 90 and trt_aot.pick_ptx_version(90, 85) == 85
-    monkeypatch.setattr(trt_aot, "driver_ptx_version", lambda: None)
-    assert trt_aot.pick_ptx_version(90) == 94
-    monkeypatch.setattr(trt_aot, "triton_ptx_version", lambda arch: None)
-    assert trt_aot.pick_ptx_version(90) is None
+    A = aot_common
+    monkeypatch.setattr(A, "driver_ptx_version", lambda: 90)
+    monkeypatch.setattr(A, "triton_ptx_version", lambda arch: 94)
+    assert A.pick_ptx_version(90) == 90 and A.pick_ptx_version(90, 85) == 85
+    monkeypatch.setattr(A, "driver_ptx_version", lambda: None)
+    assert A.pick_ptx_version(90) == 94
+    monkeypatch.setattr(A, "triton_ptx_version", lambda arch: None)
+    assert A.pick_ptx_version(90) is None
 
 
 def test_strip_hidden_params():
     ptx = (".visible .entry k(\n\t.param .u64 .ptr .global .align 1 k_param_0,\n\t.param .u32 k_param_1,\n"
            "\t.param .u64 .ptr .global .align 1 k_param_2,\n\t.param .u64 .ptr .global .align 1 k_param_3\n)\n"
            "{\n\tld.param.b64 %rd1, [k_param_0];\n\tld.param.b32 %r1, [k_param_1];\n}\n")
-    out = trt_aot.strip_hidden_params(ptx, "k", 2)
+    out = aot_common.strip_hidden_params(ptx, "k", 2)
     assert "k_param_1\n)" in out and "k_param_2" not in out and "k_param_3" not in out
     with pytest.raises(ValueError, match="is used by the kernel"):
-        trt_aot.strip_hidden_params(ptx, "k", 0)
+        aot_common.strip_hidden_params(ptx, "k", 0)
     with pytest.raises(ValueError, match="expected at least 5"):
-        trt_aot.strip_hidden_params(ptx, "k", 5)
+        aot_common.strip_hidden_params(ptx, "k", 5)
     with pytest.raises(ValueError, match="no .entry"):
-        trt_aot.strip_hidden_params(ptx, "other", 1)
+        aot_common.strip_hidden_params(ptx, "other", 1)
+
+
+def _compile_in_subprocess(code: str) -> list[list[str]]:
+    """Run ``code`` in a fresh Python without TRITON_INTERPRET (Triton compiles for real there); returns its stdout
+    lines split on whitespace. Fails the test with the subprocess's stderr on a non-zero exit."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [ln.split() for ln in r.stdout.strip().splitlines()]
 
 
 def test_aot_kernel_compiles_to_ptx_for_sm90():
@@ -448,15 +463,82 @@ def test_aot_kernel_compiles_to_ptx_for_sm90():
             "    n = len([p for p in entry.split(',') if p.strip()])\n"
             "    ver = re.search(r'\\.version (\\S+)', ptx).group(1)\n"
             "    print(name, n, w, sh, '.target sm_90a' in ptx, ver)\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    lines = [ln.split() for ln in r.stdout.strip().splitlines()]
+    lines = _compile_in_subprocess(code)
     assert [ln[0] for ln in lines] == ["_kda_decode_aot_kernel"] * 2
     assert [int(ln[1]) for ln in lines] == [15, 15]          # exactly TensorRT's arguments: 11 in + T + 3 out
     assert [int(ln[2]) for ln in lines] == [8, 4] and all(ln[4] == "True" for ln in lines)
     assert lines[1][5] == "8.4"
+
+
+def test_mla_aot_kernel_compiles_to_ptx_for_sm90():
+    """The MlaDecode entry kernel compiles for sm_90 on a CPU machine with exactly TensorRT's 9 parameters (5 inputs,
+    MB and BS, 2 outputs), 4 warps at 12 heads per rank and 8 at 96 (64-head programs)."""
+    code = ("from triton.backends.compiler import GPUTarget\n"
+            "from plugins.mla import trt_aot as A\n"
+            "import re\n"
+            "for act, H in (('bfloat16', 12), ('bfloat16', 96), ('float32', 4)):\n"
+            "    name, ptx, w, sh = A.compile_ptx(act, H, 512, 576, 192 ** -0.5, target=GPUTarget('cuda', 90, 32))\n"
+            "    entry = re.search(r'\\.entry\\s+' + name + r'\\s*\\(([^)]*)\\)', ptx).group(1)\n"
+            "    n = len([p for p in entry.split(',') if p.strip()])\n"
+            "    print(name, n, w, sh, '.target sm_90a' in ptx)\n")
+    lines = _compile_in_subprocess(code)
+    assert [ln[0] for ln in lines] == ["_mla_decode_aot_kernel"] * 3
+    assert [int(ln[1]) for ln in lines] == [9, 9, 9] and [int(ln[2]) for ln in lines] == [4, 8, 4]
+    assert all(ln[4] == "True" for ln in lines) and all(int(ln[3]) > 0 for ln in lines)
+
+
+def test_mla_aot_pure_helpers():
+    sig = mla_aot.kernel_signature("bfloat16")
+    names = list(sig)
+    assert names == ["q_ptr", "lat_ptr", "cache_ptr", "bt_ptr", "ctx_ptr", "MB", "BS", "out_ptr", "cache_out_ptr",
+                     *mla_aot.CONSTEXPRS]
+    assert sig["q_ptr"] == "*bf16" and sig["bt_ptr"] == "*i32" and sig["MB"] == "i32" and sig["cache_out_ptr"] == "*bf16"
+    assert mla_aot.kernel_signature("float32")["cache_ptr"] == "*fp32"
+    with pytest.raises(ValueError, match="activation dtype"):
+        mla_aot.kernel_signature("int8")
+    c = mla_aot.kernel_constexprs(12, 512, 576, 0.1)
+    assert c == {"H": 12, "R": 512, "DR": 64, "BH": 16, "BN": 16, "SCALE": 0.1}
+    assert mla_aot.kernel_constexprs(96, 512, 576, 0.1)["BH"] == 64 and mla_aot.num_warps(96) == 8
+    with pytest.raises(ValueError, match="power of two"):
+        mla_aot.kernel_constexprs(12, 512, 560, 0.1)
+    with pytest.raises(ValueError, match="must not exceed"):
+        mla_aot.kernel_constexprs(12, 32, 96, 0.1)
+    lp = mla_aot.launch_params(5, 96, 8, 1024)
+    assert (lp["grid_x"], lp["grid_y"], lp["grid_z"], lp["block_x"], lp["shared_mem"]) == (2, 1, 5, 256, 1024)
+    sym = object()
+    assert mla_aot.launch_params(sym, 12, 4, 0)["grid_z"] is sym and mla_aot.extra_args(sym, 64) == [sym, 64]
+    mla_aot.check_block_size(64)
+    mla_aot.check_block_size(sym)            # a runtime dimension: not checkable at build time
+    with pytest.raises(ValueError, match="multiple of 16"):
+        mla_aot.check_block_size(8)
+    assert mla_aot.autotune_types().split(", ") == ["FP32|FP16|BF16"] * 3 + ["INT32|INT32|INT32"] * 2 + \
+        ["FP32|FP16|BF16"] * 2
+
+
+# bf16 on the GPU only: the Triton interpreter's tl.dot on bf16 operands returns garbage (Triton 3.9)
+@pytest.mark.parametrize("H,dt", [(3, torch.float32), (20, torch.float32)] + (
+    [(12, torch.bfloat16), (96, torch.bfloat16)] if HAS_CUDA else []))
+def test_mla_aot_entry_kernel_matches_reference(H, dt):
+    """The AOT entry kernel launched the way TensorRT launches it (grid (cdiv(H, BH), 1, B), MB and BS as ints,
+    cache_out = the cache) writes the new latents and attends like plugins/mla/reference.py. 20 heads: one full and
+    one partial 64-head group's masking (BH = 64 above 16 heads). Contexts: empty, one block + 1, a block's last row."""
+    R, DR, BS, MB, B = (512, 64, 64, 3, 3) if HAS_CUDA else (32, 16, 16, 4, 3)
+    ctx = torch.tensor([0, BS + 1, 2 * BS - 1], dtype=torch.int32)
+    g = torch.Generator().manual_seed(H)
+    cache = torch.randn(B * MB + 1, BS, R + DR, generator=g).to(dt)
+    bt = torch.randperm(B * MB, generator=g).int().view(B, MB) + 1
+    q = torch.randn(B, H, R + DR, generator=g).to(dt)
+    lat = torch.randn(B, R + DR, generator=g).to(dt)
+    ro, rc = mla_ref.mla_decode(q.float(), lat.float(), cache.float(), bt, ctx, num_heads=H, kv_lora_rank=R,
+                                scale=0.2)
+    c = mla_aot.kernel_constexprs(H, R, R + DR, 0.2)
+    cc = cache.to(DEV)
+    out = torch.full((B, H, R), float("nan"), dtype=dt, device=DEV)
+    lp = mla_aot.launch_params(B, H, mla_aot.num_warps(H), 0)
+    mla_aot._mla_decode_aot_kernel[(lp["grid_x"], lp["grid_y"], lp["grid_z"])](
+        q.to(DEV), lat.to(DEV), cc, bt.to(DEV), ctx.to(DEV), MB, BS, out, cc, **c, num_warps=mla_aot.num_warps(H))
+    assert relerr(out, ro) < (1e-5 if dt == torch.float32 and not HAS_CUDA else 1e-2)
+    assert nan_equal(cc.float().cpu(), rc)
 
 
 class _FakeDesc:
@@ -499,14 +581,21 @@ def _fake_tensorrt_plugin():
     return trt, trtp
 
 
-def test_aot_qdp_glue_with_stand_in_tensorrt_plugin(monkeypatch):
-    """register/autotune/aot_impl wiring against a stand-in tensorrt.plugin (the real one needs TensorRT >= 10.9)."""
+def _install_stand_in_qdp(monkeypatch, module, compiled_result):
+    """Stand-in tensorrt / tensorrt.plugin modules, the AOT ``module`` unregistered, its compile_ptx recording its
+    arguments and returning ``compiled_result``. Returns (the stand-in tensorrt.plugin, the recorded calls)."""
     trt, trtp = _fake_tensorrt_plugin()
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
     monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
-    monkeypatch.setattr(trt_aot, "_DONE", [])
+    monkeypatch.setattr(module, "_DONE", [])
     compiled = []
-    monkeypatch.setattr(trt_aot, "compile_ptx", lambda *a, **k: compiled.append(a) or ("kern", "PTX", 8, 512))
+    monkeypatch.setattr(module, "compile_ptx", lambda *a, **k: compiled.append(a) or compiled_result)
+    return trtp, compiled
+
+
+def test_aot_qdp_glue_with_stand_in_tensorrt_plugin(monkeypatch):
+    """register/autotune/aot_impl wiring against a stand-in tensorrt.plugin (the real one needs TensorRT >= 10.9)."""
+    trtp, compiled = _install_stand_in_qdp(monkeypatch, trt_aot, ("kern", "PTX", 8, 512))
     assert trt_aot.available()
     assert trt_aot.register() == ["kimi::KdaDecode"] and trt_aot.register() == ["kimi::KdaDecode"]
     assert {k for k, _ in trtp.defs} == {"register", "autotune", "aot_impl", "impl"}
@@ -524,6 +613,29 @@ def test_aot_qdp_glue_with_stand_in_tensorrt_plugin(monkeypatch):
     assert compiled[0][:3] == ("bfloat16", 12, 128) and compiled[0][3] == pytest.approx(-5.0)
     assert lp.grid_x is T and lp.grid_y == 12 and lp.grid_z == 1 and lp.block_x == 256 and lp.shared_mem == 512
     assert extra == ("exprs", [("i32", T)])
+
+
+def test_mla_aot_qdp_glue_with_stand_in_tensorrt_plugin(monkeypatch):
+    """MlaDecode's register/autotune/aot_impl against a stand-in tensorrt.plugin: output shape [B, H, R] and the
+    aliased cache, grid (groups, 1, B) with B symbolic, extras [MB, BS] from the shapes, attributes compiled in; a
+    constant block size that the 16-token tile does not divide is refused at build time."""
+    trtp, compiled = _install_stand_in_qdp(monkeypatch, mla_aot, ("kern", "PTX", 8, 4096))
+    assert mla_aot.available() and mla_aot.register() == ["kimi::MlaDecode"]
+    B, MB = object(), object()          # symbolic batch and block-table width
+    ins = [_FakeDesc((B, 96, 576), "BF16"), _FakeDesc((B, 576), "BF16"), _FakeDesc(("NB", 64, 576), "BF16"),
+           _FakeDesc((B, MB), "I32"), _FakeDesc((B,), "I32")]
+    attrs = [np.array([96], np.int32), np.array([512], np.int32), np.array([0.07], np.float32)]
+    out, cache_out = trtp.defs[("register", "kimi::MlaDecode")](*ins, *attrs)
+    assert out.shape_expr == [B, 96, 512] and out.dtype == "BF16" and cache_out.alias_of is ins[2]
+    assert trtp.defs[("autotune", "kimi::MlaDecode")](*ins, (out, cache_out)) == [("combo", mla_aot.autotune_types())]
+    name, ptx, lp, extra = trtp.defs[("aot_impl", "kimi::MlaDecode")](*ins, *attrs, (out, cache_out), 0)
+    assert (name, ptx) == (b"kern", b"PTX")
+    assert compiled[0][:4] == ("bfloat16", 96, 512, 576) and compiled[0][4] == pytest.approx(0.07)
+    assert (lp.grid_x, lp.grid_y) == (2, 1) and lp.grid_z is B and lp.block_x == 256 and lp.shared_mem == 4096
+    assert extra == ("exprs", [("i32", MB), ("i32", 64)])
+    ins[2] = _FakeDesc(("NB", 8, 576), "BF16")
+    with pytest.raises(ValueError, match="multiple of 16"):
+        trtp.defs[("aot_impl", "kimi::MlaDecode")](*ins, *attrs, (out, cache_out), 0)
 
 
 def test_register_tensorrt_plugins_aot_falls_back_without_qdp():
@@ -634,4 +746,41 @@ def test_kda_decode_aot_ptx_through_the_driver():
     torch.cuda.synchronize()
     assert torch.equal(out, first)
     del graph                      # the graph references the module's function: drop it first
+    cuda.cuModuleUnload(mod)
+
+
+@gpu_only
+def test_mla_decode_aot_ptx_through_the_driver():
+    """The MlaDecode AOT PTX loaded with cuModuleLoadData and launched with TensorRT's convention (5 inputs, MB, BS,
+    2 outputs; grid (groups, 1, B)) writes the new latents and equals the reference (96 heads: 64-head programs,
+    92 KB of shared memory, so the launch opts the function into it as TensorRT must)."""
+    import ctypes
+
+    H, R, DR, BS, MB, B, dt = 96, 512, 64, 64, 3, 3, torch.bfloat16
+    ctx = torch.tensor([0, BS + 1, 2 * BS - 1], dtype=torch.int32)
+    g = torch.Generator().manual_seed(5)
+    cache = torch.randn(B * MB + 1, BS, R + DR, generator=g).to(dt)
+    bt = torch.randperm(B * MB, generator=g).int().view(B, MB) + 1
+    q = torch.randn(B, H, R + DR, generator=g).to(dt)
+    lat = torch.randn(B, R + DR, generator=g).to(dt)
+    ro, rc = mla_ref.mla_decode(q.float(), lat.float(), cache.float(), bt, ctx, num_heads=H, kv_lora_rank=R, scale=0.05)
+    name, ptx, warps, shared = mla_aot.compile_ptx("bfloat16", H, R, R + DR, 0.05)
+    cuda = ctypes.CDLL("libcuda.so.1")
+    torch.cuda.current_stream().synchronize()
+    mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+    assert cuda.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(ptx.encode() + b"\0")) == 0
+    assert cuda.cuModuleGetFunction(ctypes.byref(fn), mod, name.encode()) == 0
+    if shared > 48 * 1024:   # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+        assert cuda.cuFuncSetAttribute(fn, 8, ctypes.c_int(shared)) == 0
+    x = [t.to(DEV) for t in (q, lat, cache, bt, ctx)]
+    out = torch.full((B, H, R), float("nan"), dtype=dt, device=DEV)
+    vals = [ctypes.c_uint64(t.data_ptr()) for t in x] + [ctypes.c_int32(MB), ctypes.c_int32(BS)] + \
+        [ctypes.c_uint64(out.data_ptr()), ctypes.c_uint64(x[2].data_ptr())]
+    params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
+    lp = mla_aot.launch_params(B, H, warps, shared)
+    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    assert cuda.cuLaunchKernel(fn, lp["grid_x"], lp["grid_y"], lp["grid_z"], lp["block_x"], lp["block_y"],
+                               lp["block_z"], lp["shared_mem"], stream, params, None) == 0
+    torch.cuda.synchronize()
+    assert relerr(out, ro) < 2e-2 and nan_equal(x[2].float().cpu(), rc)
     cuda.cuModuleUnload(mod)

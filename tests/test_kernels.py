@@ -135,10 +135,15 @@ def test_kda_decode_multi_step(H, K, act):
         assert relerr(o, ro) < (1e-5 if act == torch.float32 else 2e-2)
 
 
+# sequences shorter than the conv window (3 tokens) in the middle and at the end of the batch: the conv fix-up
+# kernel must touch only its own sequence's rows. One sequence ([37], [197], [2]) takes chunk_kda's dense path on
+# the GPU; on the CPU (no fla) every case runs the torch recurrence after the Triton conv kernels.
 @pytest.mark.parametrize("H,K,act,lens", [(2, 16, torch.float32, [2, 5, 13]), (2, 16, torch.float32, [2, 70, 33]),
-                                          (2, 16, torch.float32, [31, 5, 1, 2, 40]), (2, 16, torch.float32, [37])] + (
+                                          (2, 16, torch.float32, [31, 5, 1, 2, 40]), (2, 16, torch.float32, [37]),
+                                          (2, 16, torch.float32, [4, 2, 1]), (2, 16, torch.float32, [1, 1, 1, 1])] + (
     [(12, 128, torch.bfloat16, [1, 3, 70, 130]), (24, 128, torch.bfloat16, [65, 2]), (48, 128, torch.bfloat16, [3, 64]),
-     (96, 128, torch.bfloat16, [2, 67]), (12, 128, torch.bfloat16, [197]), (96, 128, torch.bfloat16, [2])]
+     (96, 128, torch.bfloat16, [2, 67]), (12, 128, torch.bfloat16, [197]), (96, 128, torch.bfloat16, [2]),
+     (12, 128, torch.bfloat16, [1, 1, 2, 70])]
     if HAS_CUDA else
     [(2, 32, torch.bfloat16, [1, 3, 9])]))
 def test_kda_prefill(H, K, act, lens):

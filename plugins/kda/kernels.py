@@ -38,8 +38,9 @@ def _sigmoid(x):
 # --------------------------------------------------------------------------------------------------
 @triton.jit
 def _prefetch_l2(ptrs):
-    """``prefetch.global.L2`` of the 128-byte line at each pointer (GPU only: inline PTX). Holds no registers, so
-    a tile's DRAM reads start before the code that needs them; the later loads hit L2."""
+    """``prefetch.global.L2`` of the 128-byte line at each pointer (GPU only: inline PTX). Holds no data registers
+    (one dummy output register per call), so a tile's DRAM reads start before the code that needs them; the later
+    loads hit L2."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)
 
@@ -183,7 +184,8 @@ def kda_decode_workspace_bytes(batch: int, num_heads: int, head_dim: int, block_
 
 def kda_decode(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slots, *,
                num_heads: int, head_dim: int, lower_bound: float = -5.0, norm_eps: float = 1e-5, out=None,
-               block_v: int | None = None, num_warps: int | None = None, workspace: torch.Tensor | None = None):
+               block_v: int | None = None, num_warps: int | None = None, workspace: torch.Tensor | None = None,
+               prefetch: bool | None = None):
     """KdaDecode (MODEL.md §4, DESIGN.md): one token per request; updates `state` and `conv` in place.
 
     qkv [B, 3P], f [B, P], b [B, H], g [B, P] act; conv_w [3P, 4], A_log [H], dt_bias [P], o_norm_w [K] fp32;
@@ -192,7 +194,9 @@ def kda_decode(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slot
     an output but write neither pool, so slot 0 stays untouched (the fp32 reference does write it).
     `block_v`: V tile (None = the measured default, `_decode_block_v`).
     `workspace`: optional uint8 device buffer of >= `kda_decode_workspace_bytes(...)` bytes for the split
-    kernel's scratch (CUDA-graph / TensorRT enqueue: nothing is allocated then). AssertionError on bad shapes."""
+    kernel's scratch (CUDA-graph / TensorRT enqueue: nothing is allocated then). `prefetch`: the state tile's L2
+    prefetch (None = on for CUDA tensors outside the interpreter; False for A/B timing). AssertionError on bad
+    shapes."""
     B = qkv.shape[0]
     H, K = num_heads, head_dim
     P = H * K
@@ -223,7 +227,7 @@ def kda_decode(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slot
     _kda_decode_kernel[(B, H, NV)](
         qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slots, out, oacc, cnt,
         qkv.stride(0), f.stride(0), b.stride(0), g.stride(0), out.stride(0), *scalars,
-        H=H, K=K, P=P, BV=BV, PREFETCH=qkv.is_cuda and not _INTERPRET,
+        H=H, K=K, P=P, BV=BV, PREFETCH=(qkv.is_cuda and not _INTERPRET) if prefetch is None else bool(prefetch),
         num_warps=num_warps or (8 if BV * K >= 16384 else 4),
     )
     return out, state, conv
@@ -232,8 +236,8 @@ def kda_decode(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slot
 # --------------------------------------------------------------------------------------------------
 # Prefill
 # --------------------------------------------------------------------------------------------------
-# conv main kernel launch: token tile BT, warps. Measured for the previous single-kernel conv pass (token map +
-# history branch in one kernel; H200 run 7, T=32768 in one sequence, 12 heads: BT 32 / 4 warps 271 us, BT 16 289,
+# conv main kernel launch: token tile BT, warps. Measured for the previous single-kernel conv pass (token->sequence
+# lookups + history branch in the conv kernel; H200 run 7, T=32768 in one sequence, 12 heads: BT 32 / 4 warps 271 us, BT 16 289,
 # BT 64 / 8 warps 620; run 8, 184 registers under Triton 3.6: BT 32 362 us, BT 16 309). The split kernels are not
 # GPU-timed yet: offline sm_90 builds with Triton 3.6 give the main kernel 80 registers at BT 32 / 4 warps
 # (6 CTAs/SM instead of 2), 64 at BT 16 / 4 warps and BT 32 / 8 warps, 112 at BT 64 / 8 warps.
@@ -471,12 +475,15 @@ def kda_prefill(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, cu_
     conv): the pools updated in place. AssertionError on mismatched shapes.
 
     workspace: optional uint8 scratch (size: :func:`kda_prefill_workspace_bytes`) for the conv output, beta,
-    the gathered initial states and the int64 cu_seqlens. One sequence (N == 1) runs chunk_kda's dense path
-    (no chunk index; H200 run 8 step c, T=32768, 12 heads, one call: whole op 2810 us vs 3112 through varlen). graph_safe (N > 1):
-    call chunk_kda with `use_graph=True, max_num_seqs=N` (chunk indices built on the device with a fixed shape;
-    no host sync). Default True: also the faster varlen path on the H200 (run 8 step c: 3112 vs 3858 us); False builds
-    fla's chunk indices on the host (a device sync). fla allocates its intermediates through torch's caching
-    allocator either way."""
+    the gathered initial states and the int64 cu_seqlens. One sequence (N == 1) runs chunk_kda's dense path (no
+    chunk index, no varlen; N is a shape, so still no host sync). graph_safe (N > 1): call chunk_kda with
+    `use_graph=True, max_num_seqs=N` (chunk indices built on the device with a fixed shape; no host sync); False
+    builds fla's chunk indices on the host (a device sync). Dense vs varlen and graph-safe vs host-built indices
+    were timed only in a call whose fla autotune came from test shapes (benchmarks/RESULTS.md run 8 c: 2810 / 3112 /
+    3858 us at T=32768, 12 heads), so their ranking is not settled. fla allocates its intermediates through torch's
+    caching allocator either way. beta = sigmoid(b) is stored in y's dtype (bf16 on the fla path): on a bf16 case
+    of the CPU fallback that raises the error against the fp32 reference from 5.7e-3 to 6.4e-3 (output) and 6.9e-3
+    to 8.4e-3 (state) versus fp32 beta."""
     T = qkv.shape[0]
     H, K = num_heads, head_dim
     P = H * K

@@ -11,15 +11,17 @@ be extra arguments): ``H, K, LOWER_BOUND, NORM_EPS, SCALE``. Strides are ``3P, P
 dense). ``state``/``conv`` are updated through ``state_out``/``conv_out``, which alias them (``TensorDesc.aliased``).
 Launch: grid ``(T, H, 1)`` with ``T = qkv.shape_expr[0]`` (a TensorRT shape expression), block ``num_warps * 32``,
 the kernel's static shared memory. Triton >= 3.3 appends hidden scratch pointers to every kernel; TensorRT passes
-exactly the declared arguments, so :func:`strip_hidden_params` removes them from the PTX when they are unused (the
-kernel needs no global/profile scratch) and refuses otherwise.
+exactly the declared arguments, so ``plugins.aot_common.strip_hidden_params`` removes them from the PTX when they are
+unused (the kernel needs no global/profile scratch) and refuses otherwise.
 
-Which ops are AOT: only KdaDecode. The others stay JIT Python IPluginV3 plugins (plugins/trt_common.py), because an
-AOT plugin is exactly one precompiled kernel launch with launch parameters as shape expressions:
+Which ops are AOT: KdaDecode (here) and MlaDecode (plugins/mla/trt_aot.py: one kernel without the split along the
+sequence). The others stay JIT Python IPluginV3 plugins (plugins/trt_common.py), because an AOT plugin is exactly
+one precompiled kernel launch with launch parameters as shape expressions:
 * KdaPrefill: Triton conv prologue + token map + fla-core ``chunk_kda`` (a dozen launches, autotuned, with its own
   torch-allocated intermediates) + gated RMSNorm;
 * MlaPrefill: latent write + W_UK absorption + paged attention + W_UV (four launches with different grids);
-* MlaDecode: latent write + split-K attention + log-sum-exp combine (three launches, split partials in scratch);
+* MlaDecode's JIT form: latent write + split-K attention + log-sum-exp combine (three launches, split partials in
+  scratch); its AOT form drops the split;
 * Mxfp4Moe: counting sort + two grouped GEMMs + combine (four launches, data-dependent expert offsets read on the
   device between them).
 Each is CUDA-graph safe as a JIT plugin with the caller workspace (see plugins/trt_common.py for the exact limits).
@@ -32,19 +34,17 @@ alongside runs the same single kernel through torch. :func:`register` returns ``
 
 Pure helpers (tested on a CPU machine): :func:`kernel_signature`, :func:`kernel_constexprs`, :func:`launch_params`
 (works on ints and on TensorRT shape expressions), :func:`autotune_types`, :func:`compile_ptx` (Triton compiles for
-``sm_90`` without a GPU), :func:`strip_hidden_params`.
+``sm_90`` without a GPU); the op-independent ones (PTX parameter stripping, PTX ISA choice) are in plugins/aot_common.py.
 """
 # no `from __future__ import annotations`: tensorrt.plugin reads the QDP functions' annotations as objects
 
 import functools
-import inspect
-import logging
-import re
 from typing import Any, Tuple
 
 import numpy as np
 
-logger = logging.getLogger(__name__)
+from plugins.aot_common import compile_entry, qdp_available, register_qdp, scalar
+
 
 PLUGIN_ID = "kimi::KdaDecode"
 AOT_OPS = (PLUGIN_ID,)
@@ -83,11 +83,6 @@ except ImportError:  # pragma: no cover - Triton missing: nothing to compile, re
 
 
 # ------------------------------------------------------------------------------------------------- pure helpers
-def _scalar(x) -> Any:
-    """Plugin attribute value -> Python scalar (QDP hands numpy arrays for array-annotated attributes)."""
-    return np.asarray(x).reshape(-1)[0].item()
-
-
 def num_warps(head_dim: int) -> int:
     """Warps of the whole-tile decode program (the rule of kernels.kda_decode for BV = K)."""
     return 8 if head_dim * head_dim >= 16384 else 4
@@ -136,107 +131,12 @@ def autotune_types() -> str:
     return ", ".join(cls[c] for _, c in INPUTS + OUTPUTS)
 
 
-_ENTRY_RE = r"\.entry\s+{name}\s*\((?P<params>[^)]*)\)"
-
-
-def strip_hidden_params(ptx: str, kernel_name: str, n_args: int) -> str:
-    """Drop the parameters after the first ``n_args`` from ``kernel_name``'s ``.entry`` (Triton's hidden
-    global/profile scratch pointers), which TensorRT's AOT launch does not pass. Raises ValueError when the entry is
-    missing, has fewer than ``n_args`` parameters, or the kernel body reads a parameter that would be dropped."""
-    m = re.search(_ENTRY_RE.format(name=re.escape(kernel_name)), ptx)
-    if m is None:
-        raise ValueError(f"no .entry {kernel_name} in the PTX")
-    params = [p.strip() for p in m.group("params").split(",") if p.strip()]
-    if len(params) < n_args:
-        raise ValueError(f"{kernel_name}: PTX has {len(params)} parameters, expected at least {n_args}")
-    body = ptx[m.end():]
-    for p in params[n_args:]:
-        pname = p.split()[-1]
-        if re.search(r"\b" + re.escape(pname) + r"\b", body):
-            raise ValueError(f"{kernel_name}: hidden parameter {pname} is used by the kernel (global/profile "
-                             "scratch); TensorRT's AOT launch cannot pass it")
-    kept = ",\n\t".join(params[:n_args])
-    return ptx[:m.start("params")] + "\n\t" + kept + "\n" + ptx[m.end("params"):]
-
-
-def _ast_source(fn, signature: dict, constexprs: dict):
-    """triton.compiler.ASTSource across Triton versions (3.3+: constexprs in the signature; older: constants=)."""
-    params = inspect.signature(triton.compiler.ASTSource.__init__).parameters
-    if "constexprs" in params:
-        return triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    sig = {k: v for k, v in signature.items() if v != "constexpr"}
-    return triton.compiler.ASTSource(fn=fn, signature=sig, constants=constexprs)
-
-
-def _default_target():
-    from triton.backends.compiler import GPUTarget
-
-    try:
-        target = triton.runtime.driver.active.get_current_target()
-        if target.backend == "cuda":
-            return target
-    except Exception:   # no GPU driver (CPU build machine)
-        pass
-    return GPUTarget("cuda", 90, 32)   # Hopper
-
-
-def driver_ptx_version() -> int | None:
-    """Highest PTX ISA version (e.g. 90 for a CUDA 13.0 driver) the installed CUDA driver can JIT, or None without a
-    driver. The engine's PTX is JIT-compiled by the driver when TensorRT loads it, so it must not be newer."""
-    import ctypes
-
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        v = ctypes.c_int(0)
-        if lib.cuDriverGetVersion(ctypes.byref(v)) != 0 or v.value <= 0:
-            return None
-        from triton.backends.nvidia.compiler import ptx_get_version
-
-        return ptx_get_version(f"{v.value // 1000}.{(v.value % 1000) // 10}")
-    except Exception:   # no driver, or a Triton without this helper / not knowing this CUDA version
-        return None
-
-
-def triton_ptx_version(arch: int) -> int | None:
-    """PTX ISA version Triton emits by default for ``arch`` (that of the ptxas it assembles with), or None."""
-    try:
-        from triton.backends.nvidia import compiler as nv
-
-        try:
-            version = nv.get_ptxas(arch).version
-        except TypeError:   # older Triton: get_ptxas() without arch
-            version = nv.get_ptxas().version
-        return nv.ptx_get_version(version)
-    except Exception:
-        return None
-
-
-def pick_ptx_version(arch: int, requested: int | None = None) -> int | None:
-    """``requested``, else the older of what the driver can load and what Triton's ptxas accepts (None = Triton's
-    default)."""
-    if requested is not None:
-        return int(requested)
-    known = [v for v in (driver_ptx_version(), triton_ptx_version(arch)) if v is not None]
-    return min(known) if known else None
-
-
 @functools.lru_cache(maxsize=None)
 def _compile_cached(act, num_heads, head_dim, lower_bound, norm_eps, target, ptx_version):
-    sig = kernel_signature(act)
-    consts = kernel_constexprs(num_heads, head_dim, lower_bound, norm_eps)
-    warps = num_warps(head_dim)
-    options = {"num_warps": warps}
-    if ptx_version is not None:
-        options["ptx_version"] = int(ptx_version)
-    compiled = triton.compile(_ast_source(_kda_decode_aot_kernel, sig, consts), target=target, options=options)
-    md = compiled.metadata
-    for what in ("global_scratch_size", "profile_scratch_size"):
-        if getattr(md, what, 0):
-            raise RuntimeError(f"KdaDecode AOT kernel needs {what}={getattr(md, what)}; TensorRT cannot provide it")
-    name = md.name
-    n_args = len(INPUTS) + len(EXTRA) + len(OUTPUTS)
-    ptx = strip_hidden_params(compiled.asm["ptx"], name, n_args)
-    return name, ptx, int(md.num_warps), int(md.shared)
+    return compile_entry(_kda_decode_aot_kernel, kernel_signature(act),
+                         kernel_constexprs(num_heads, head_dim, lower_bound, norm_eps), num_warps=num_warps(head_dim),
+                         n_args=len(INPUTS) + len(EXTRA) + len(OUTPUTS), what="KdaDecode", target=target,
+                         ptx_version=ptx_version)
 
 
 def compile_ptx(act: str, num_heads: int, head_dim: int, lower_bound: float = -5.0, norm_eps: float = 1e-5,
@@ -245,27 +145,20 @@ def compile_ptx(act: str, num_heads: int, head_dim: int, lower_bound: float = -5
 
     target: ``triton.backends.compiler.GPUTarget`` (default: the current GPU, else ``GPUTarget("cuda", 90, 32)``).
     ptx_version: PTX ISA of the ``.version`` line (e.g. 84); default: the older of what this machine's driver loads
-    (:func:`driver_ptx_version`) and what Triton's ptxas accepts (:func:`pick_ptx_version`). Build on (or pass the
+    and what Triton's ptxas accepts (plugins/aot_common.py :func:`pick_ptx_version`). Build on (or pass the
     version of) the deployment driver: a newer ISA than the driver knows fails when TensorRT loads the engine.
     Triton also assembles the PTX with ptxas, so an ISA too old for the code fails here, not at load.
     Cached per arguments. Raises RuntimeError without Triton."""
     if _kda_decode_aot_kernel is None:
         raise RuntimeError("KdaDecode AOT needs Triton (pip install triton)")
-    target = target if target is not None else _default_target()
     return _compile_cached(act, int(num_heads), int(head_dim), float(lower_bound), float(norm_eps), target,
-                           pick_ptx_version(target.arch, ptx_version))
+                           ptx_version)
 
 
 # ----------------------------------------------------------------------------------------------- registration
 def available() -> bool:
     """True where ``tensorrt.plugin`` has ``aot_impl`` (TensorRT >= 10.9) and Triton is importable."""
-    if _kda_decode_aot_kernel is None:
-        return False
-    try:
-        import tensorrt.plugin as trtp
-    except Exception:
-        return False
-    return hasattr(trtp, "aot_impl") and hasattr(trtp, "KernelLaunchParams")
+    return _kda_decode_aot_kernel is not None and qdp_available()
 
 
 _DONE: list[str] = []
@@ -274,17 +167,7 @@ _DONE: list[str] = []
 def register() -> list[str]:
     """Register the ``kimi::KdaDecode`` QDP (register + autotune + aot_impl + JIT impl) with ``tensorrt.plugin``.
     Idempotent. Returns ``["kimi::KdaDecode"]``, or ``[]`` (nothing registered) where :func:`available` is False."""
-    if _DONE:
-        return list(_DONE)
-    if not available():
-        return []
-    import tensorrt as trt
-    import tensorrt.plugin as trtp
-
-    _define_qdp(trt, trtp)
-    _DONE.extend(AOT_OPS)
-    logger.info("registered %s as an ahead-of-time tensorrt.plugin", PLUGIN_ID)
-    return list(_DONE)
+    return register_qdp(_DONE, _kda_decode_aot_kernel, AOT_OPS, _define_qdp)
 
 
 def _define_qdp(trt, trtp) -> None:
@@ -298,7 +181,7 @@ def _define_qdp(trt, trtp) -> None:
               slots: TD, num_heads: npt.NDArray[np.int32], head_dim: npt.NDArray[np.int32],
               lower_bound: npt.NDArray[np.float32], norm_eps: npt.NDArray[np.float32]) -> Tuple[TD, TD, TD]:
         # INT/FLOAT ONNX attributes reach plugins as INT32/FLOAT32 fields: 1-element arrays
-        P = int(_scalar(num_heads)) * int(_scalar(head_dim))
+        P = int(scalar(num_heads)) * int(scalar(head_dim))
         return trtp.from_shape_expr((qkv.shape_expr[0], P), dtype=qkv.dtype), state.aliased(), conv.aliased()
 
     @trtp.autotune(PLUGIN_ID)
@@ -308,8 +191,8 @@ def _define_qdp(trt, trtp) -> None:
     @trtp.aot_impl(PLUGIN_ID)
     def _aot(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slots, num_heads, head_dim, lower_bound,
              norm_eps, outputs, tactic):
-        H, K = int(_scalar(num_heads)), int(_scalar(head_dim))
-        name, ptx, warps, shared = compile_ptx(names[qkv.dtype], H, K, _scalar(lower_bound), _scalar(norm_eps))
+        H, K = int(scalar(num_heads)), int(scalar(head_dim))
+        name, ptx, warps, shared = compile_ptx(names[qkv.dtype], H, K, scalar(lower_bound), scalar(norm_eps))
         lp = trtp.KernelLaunchParams()
         for key, value in launch_params(qkv.shape_expr[0], H, warps, shared).items():
             setattr(lp, key, value)
@@ -330,10 +213,10 @@ def _define_qdp(trt, trtp) -> None:
         def wrap(t):
             return tensor_from_ptr(t.data_ptr, tuple(t.shape), tnames[t.dtype])
 
-        K = int(_scalar(head_dim))
+        K = int(scalar(head_dim))
         with torch.cuda.stream(torch.cuda.ExternalStream(int(stream))):
             ins = [wrap(t) for t in (qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w)]
             out, st, cv = (wrap(t) for t in outputs)   # state/conv outputs alias the pool inputs
-            kda_decode(*ins, st, cv, wrap(slots), num_heads=int(_scalar(num_heads)), head_dim=K,
-                       lower_bound=float(_scalar(lower_bound)), norm_eps=float(_scalar(norm_eps)), out=out,
+            kda_decode(*ins, st, cv, wrap(slots), num_heads=int(scalar(num_heads)), head_dim=K,
+                       lower_bound=float(scalar(lower_bound)), norm_eps=float(scalar(norm_eps)), out=out,
                        block_v=K)

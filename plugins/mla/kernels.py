@@ -29,9 +29,9 @@ from plugins.workspace import WORKSPACE_ALIGN, Workspace, plan_bytes
 
 
 @triton.jit
-def _write_latent_kernel(lat_ptr, cache_ptr, bt_ptr, ctx_ptr, stride_lat, stride_bt,
-                         BS: tl.constexpr, DL: tl.constexpr, BDL: tl.constexpr):
-    b = tl.program_id(0)
+def _write_latent(lat_ptr, cache_ptr, bt_ptr, ctx_ptr, b, stride_lat, stride_bt, BS, DL: tl.constexpr,
+                  BDL: tl.constexpr):
+    """cache[block_tables[b, p // BS], p % BS] = latent[b] at p = context_lens[b] (BS may be a runtime int)."""
     pos = tl.load(ctx_ptr + b)
     blk = tl.load(bt_ptr + b * stride_bt + pos // BS).to(tl.int64)
     d = tl.arange(0, BDL)
@@ -40,23 +40,18 @@ def _write_latent_kernel(lat_ptr, cache_ptr, bt_ptr, ctx_ptr, stride_lat, stride
 
 
 @triton.jit
-def _mla_split_kernel(
-    q_ptr, cache_ptr, bt_ptr, ctx_ptr, po_ptr, plse_ptr,
-    stride_qb, stride_qh, stride_bt, sm_scale,
-    H, NSPLIT,
-    BS: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
-):
-    """grid (head groups, splits, B). One program: BH heads of one sequence over one of NSPLIT equal parts of ITS
-    context (L = context_lens[b] + 1 tokens; a part is cdiv(L, NSPLIT) rounded up to BN), so a sequence shorter than
-    the block-table width still spreads over all splits (mixed batches, CUDA graphs sized for the longest context).
-    BN divides BS and the part is a multiple of BN, so every [BN, 576] tile lies inside ONE paged block:
-    its block id is one scalar load and the tile is BN*576 contiguous elements (coalesced 16-byte loads that
-    the pipeliner turns into cp.async stages), read once for all BH heads."""
-    hg = tl.program_id(0)
-    sp = tl.program_id(1)
-    b = tl.program_id(2)
-    hh = hg * BH + tl.arange(0, BH)
-    hmask = hh < H
+def _write_latent_kernel(lat_ptr, cache_ptr, bt_ptr, ctx_ptr, stride_lat, stride_bt,
+                         BS: tl.constexpr, DL: tl.constexpr, BDL: tl.constexpr):
+    _write_latent(lat_ptr, cache_ptr, bt_ptr, ctx_ptr, tl.program_id(0), stride_lat, stride_bt, BS, DL, BDL)
+
+
+@triton.jit
+def _mla_attend(q_ptr, cache_ptr, bt_row, b, hh, hmask, stride_qb, stride_qh, start, end, qscale, BS,
+                R: tl.constexpr, DR: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr):
+    """Online softmax of BH heads (hh, masked by hmask) of sequence b over its cached tokens [start, end), read
+    through the block-table row `bt_row` in [BN, R+DR] tiles that each lie inside one paged block (BN divides BS;
+    BS may be a runtime int). qscale = softmax scale * log2(e). Returns (acc [BH, R] fp32 unnormalized, m [BH] base-2
+    running max, l [BH] denominator; l = 0 for an empty range)."""
     dr = tl.arange(0, R)
     dp = tl.arange(0, DR)
     rn = tl.arange(0, BN)
@@ -64,15 +59,9 @@ def _mla_split_kernel(
     q_base = q_ptr + b * stride_qb + hh[:, None] * stride_qh
     qn = tl.load(q_base + dr[None, :], mask=hmask[:, None], other=0.0)                  # [BH, R]
     qp = tl.load(q_base + R + dp[None, :], mask=hmask[:, None], other=0.0)              # [BH, DR]
-    L = tl.load(ctx_ptr + b) + 1
-    part = tl.cdiv(tl.cdiv(L, NSPLIT), BN) * BN
-    start = sp * part
-    end = tl.minimum(start + part, L)
     m_i = tl.zeros([BH], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BH], dtype=tl.float32)
     acc = tl.zeros([BH, R], dtype=tl.float32)
-    qscale = sm_scale * 1.4426950408889634
-    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     last = tl.maximum(end - 1, 0)
     # block id of the next tile is loaded one iteration ahead (loop-carried), so the tile loads do not depend
     # on a load of the same iteration and the pipeliner gives them num_stages - 1 shared-memory buffers
@@ -94,6 +83,34 @@ def _mla_split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(kn.dtype), kn)
         m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _mla_split_kernel(
+    q_ptr, cache_ptr, bt_ptr, ctx_ptr, po_ptr, plse_ptr,
+    stride_qb, stride_qh, stride_bt, sm_scale,
+    H, NSPLIT,
+    BS: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+):
+    """grid (head groups, splits, B). One program: BH heads of one sequence over one of NSPLIT equal parts of ITS
+    context (L = context_lens[b] + 1 tokens; a part is cdiv(L, NSPLIT) rounded up to BN), so a sequence shorter than
+    the block-table width still spreads over all splits (mixed batches, CUDA graphs sized for the longest context).
+    BN divides BS and the part is a multiple of BN, so every [BN, 576] tile lies inside ONE paged block:
+    its block id is one scalar load and the tile is BN*576 contiguous elements (coalesced 16-byte loads that
+    the pipeliner turns into cp.async stages), read once for all BH heads."""
+    hg = tl.program_id(0)
+    sp = tl.program_id(1)
+    b = tl.program_id(2)
+    hh = hg * BH + tl.arange(0, BH)
+    hmask = hh < H
+    dr = tl.arange(0, R)
+    L = tl.load(ctx_ptr + b) + 1
+    part = tl.cdiv(tl.cdiv(L, NSPLIT), BN) * BN
+    start = sp * part
+    end = tl.minimum(start + part, L)
+    acc, m_i, l_i = _mla_attend(q_ptr, cache_ptr, bt_ptr + b.to(tl.int64) * stride_bt, b, hh, hmask, stride_qb,
+                                stride_qh, start, end, sm_scale * 1.4426950408889634, BS, R, DR, BH, BN)
     # partial results: acc / l and lse (base 2)
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
