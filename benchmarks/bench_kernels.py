@@ -32,6 +32,10 @@ ONLY = set(args.only.split(","))
 ROUNDS = args.rounds
 if ROUNDS < 1:
     ap.error("--rounds: must be >= 1")
+try:
+    PREFILL_HEADS = [int(h_) for h_ in args.prefill_heads.split(",")]
+except ValueError:
+    ap.error(f"--prefill-heads {args.prefill_heads!r}: expected comma-separated integers, e.g. 12,96")
 if ONLY - set(FAMILIES.split(",")):
     ap.error(f"--only: unknown {sorted(ONLY - set(FAMILIES.split(',')))}; choose from {FAMILIES}")
 
@@ -374,7 +378,7 @@ def graphed(fn):
 
 
 if "kda_prefill" in ONLY and HAVE_FLA:
-    for H in [int(h_) for h_ in args.prefill_heads.split(",")]:
+    for H in PREFILL_HEADS:
         try:
             T = 32768
             P = H * K

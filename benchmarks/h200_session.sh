@@ -21,8 +21,9 @@ case "${1:-}" in
   *) echo "error: say what to run: tests, bench, decode or tp" >&2; usage >&2; exit 2 ;;
 esac
 MODE=$1
+G=$(nvidia-smi -L 2>/dev/null | wc -l)
+[ "$G" -ge 1 ] || { echo "error: $1 needs an NVIDIA GPU (nvidia-smi lists none here)" >&2; exit 2; }
 if [ "$1" = tp ]; then
-  G=$(nvidia-smi -L 2>/dev/null | wc -l)
   [ "$G" -ge 2 ] || { echo "error: tp needs 2 or more GPUs, this machine has $G" >&2; exit 2; }
 fi
 if ! ls .whl/*.whl >/dev/null 2>&1; then
@@ -39,14 +40,16 @@ save_autotune() {
   (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$OUT/autotune_$MODE.tgz" -T -) || true
 }
 trap save_autotune EXIT
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 case "$1" in
   tests)
     eval timeout "${PYTEST_TIMEOUT:-420}" python3 -m pytest -q -rs ${PYTEST_ARGS:-tests/test_kernels.py tests/test_graph_safe.py tests/test_runtime_gpu.py} \
       --junitxml="$OUT/junit.xml" 2>&1 | tail -60 | tee "$OUT/pytest.log"
-    echo "PYTEST_RC=${PIPESTATUS[0]}" | tee -a "$OUT/pytest.log" ;;
+    rc=${PIPESTATUS[0]}
+    echo "PYTEST_RC=$rc" | tee -a "$OUT/pytest.log"
+    exit "$rc" ;;
   bench)
     J=""; [ -f "${JUNIT:-}" ] && J="--junit $JUNIT"
     timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/bench_kernels.py --out "$OUT/bench.jsonl" $J ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -40 ;;

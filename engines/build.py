@@ -9,8 +9,8 @@ CLI::
 
     python -m engines.build --onnx-dir out/onnx --out out/engines --target-cc sm86 --max-batch 8 --max-num-tokens 256
 
-Every ``**/*.onnx`` under ``--onnx-dir`` becomes ``<same relative path>.plan`` under ``--out`` (``rank0/layer3.onnx`` ->
-``rank0/layer3.plan``); external data must sit next to its ONNX. ``manifest.json`` (engines/manifest.py) records what
+Every ``**/*.onnx`` under ``--onnx-dir`` becomes ``<same relative path>.plan`` under ``--out`` (``rank0/layer003.decode.onnx`` ->
+``rank0/layer003.decode.plan``); external data must sit next to its ONNX. ``manifest.json`` (engines/manifest.py) records what
 was built; an engine is rebuilt only when its ONNX (+ external data) hash or the build options changed, its plan is
 missing, or ``--force`` is given.
 
@@ -60,8 +60,8 @@ def register_build_plugins(info: TrtInfo, aot: bool = False) -> list[str]:
     Raises ValueError for ``aot`` with TensorRT-RTX."""
     if info.is_rtx:
         if aot:
-            raise ValueError("aot: TensorRT-RTX has no tensorrt.plugin AOT plugins; build with full TensorRT "
-                             "(--backend tensorrt) or drop --aot")
+            raise ValueError("aot (--aot): TensorRT-RTX has no tensorrt.plugin AOT plugins; build with full TensorRT "
+                             "(engines.build --flavor tensorrt, build_engines.py --backend tensorrt) or drop --aot")
         return []
     from plugins.kda import trt_aot as kda_aot
     from plugins.mla import trt_aot as mla_aot
@@ -69,6 +69,19 @@ def register_build_plugins(info: TrtInfo, aot: bool = False) -> list[str]:
 
     register_tensorrt_plugins(info.module, aot=aot)
     return [pid.split("::")[1] for pid in kda_aot.register() + mla_aot.register()] if aot else []
+
+
+def aot_sources_sha256() -> str:
+    """sha256 over the sources that make the AOT kernels' PTX (which an AOT engine embeds): in the build options
+    of ``aot`` builds, so a kernel change rebuilds those engines."""
+    import hashlib
+    import importlib
+
+    h = hashlib.sha256()
+    for mod in ("plugins.aot_common", "plugins.kda.trt_aot", "plugins.kda.kernels", "plugins.mla.trt_aot",
+                "plugins.mla.kernels"):
+        h.update(Path(importlib.import_module(mod).__file__).read_bytes())
+    return h.hexdigest()
 
 
 def mark_aot_nodes(model, op_types: Sequence[str]) -> int:
@@ -489,7 +502,7 @@ def build_all(onnx_dir: str | Path, out_dir: str | Path, *, target_cc: str | Seq
               trt_flavor: str | None = None, progress: bool = True, aot: bool = False) -> dict:
     """Build (or skip when unchanged) an engine for every ONNX under ``onnx_dir``; returns the manifest dict.
 
-    Plans mirror the ONNX layout (``rank0/layer3.onnx`` -> ``out_dir/rank0/layer3.plan``). profile_dims defaults to
+    Plans mirror the ONNX layout (``rank0/layer003.decode.onnx`` -> ``out_dir/rank0/layer003.decode.plan``). profile_dims defaults to
     :func:`default_profile_dims` (max_batch, max_num_tokens, extra_dims). timing_cache defaults to
     ``out_dir/timing.cache`` and is shared by all engines. The manifest is rewritten after every engine, so an
     interrupted build keeps what finished. aot: see :func:`build_engine` (part of the build options: changing it
@@ -515,7 +528,8 @@ def build_all(onnx_dir: str | Path, out_dir: str | Path, *, target_cc: str | Seq
             profiles = profiles_from_dims(src, dims)
             options = _jsonable({"flavor": info.flavor, "version": info.version,
                                  "target_cc": parse_target_cc(target_cc), "profiles": profiles,
-                                 "shape_values": shape_values, "opt_level": opt_level, "aot": bool(aot)})
+                                 "shape_values": shape_values, "opt_level": opt_level, "aot": bool(aot),
+                                 "aot_sources": aot_sources_sha256() if aot else None})
             cfg_hash, src_hash = mf.config_hash(options), mf.onnx_source_sha256(src)
             entry = (old or {}).get("engines", {}).get(plan_rel)
             if mf.is_up_to_date(entry, out_dir / plan_rel, src_hash, cfg_hash):
@@ -571,7 +585,7 @@ def _parse_dim(text: str) -> tuple[str, Triple]:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m engines.build", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="Plans mirror the ONNX tree (rank0/layer3.onnx -> rank0/layer3.plan); "
+                                 epilog="Plans mirror the ONNX tree (rank0/layer003.decode.onnx -> rank0/layer003.decode.plan); "
                                         "manifest.json records sources, options and I/O.")
     ap.add_argument("--onnx-dir", required=True, help="folder searched for **/*.onnx (external data next to each)")
     ap.add_argument("--out", required=True, help="output folder for plans, manifest.json and timing.cache")

@@ -20,7 +20,8 @@ import os
 from types import ModuleType
 
 FLAVORS = {"tensorrt": "tensorrt", "tensorrt-rtx": "tensorrt_rtx_bindings"}
-INSTALL_HINT = ("no TensorRT found: install full TensorRT (`pip install tensorrt`, Linux + NVIDIA GPU) or TensorRT-RTX "
+INSTALL_HINT = ("no TensorRT found: install full TensorRT (Linux + NVIDIA GPU, from NVIDIA's package index or an NGC "
+                "container: README 'Quick start') or TensorRT-RTX "
                 "(`pip install tensorrt-rtx-cu13-libs tensorrt-rtx-cu13-bindings`, builds engines on CPU)")
 
 

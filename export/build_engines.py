@@ -198,6 +198,9 @@ def smoke(out: Path, ckpt: Path, backend: str, steps: int = 8, tp: int = 1) -> d
 def build(args) -> int:
     """Run the pipeline for parsed CLI `args`; returns the exit status (0 ok, 1 verification/smoke mismatch).
     Raises BuildError / CheckpointError / ConfigError / ValueError / OSError with one message for the user."""
+    if args.aot and args.backend not in (None, "tensorrt"):   # before anything is written (the plan included)
+        raise BuildError(f"--aot: ahead-of-time plugins need full TensorRT (--backend tensorrt), not {args.backend}; "
+                         "install TensorRT >= 10.9 or drop --aot")
     ckpt = Path(args.checkpoint) if args.checkpoint else default_checkpoint()
     if not ckpt.is_dir() or not (ckpt / "config.json").is_file():
         raise BuildError(f"--checkpoint {ckpt}: no config.json there; point it at a K3 checkpoint directory")
@@ -215,6 +218,10 @@ def build(args) -> int:
         print(plan.report())
         return 0
 
+    backend = pick_backend(args.backend)
+    if args.aot and backend != "tensorrt":   # no --backend given and full TensorRT not installed
+        raise BuildError(f"--aot: ahead-of-time plugins need full TensorRT (--backend tensorrt), not {backend}; "
+                         "install TensorRT >= 10.9 or drop --aot")
     out = Path(args.out) if args.out else Path("out") / f"{ckpt.name}-tp{args.tp}-ep{ep}"
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -223,10 +230,6 @@ def build(args) -> int:
         probe.unlink()
     except OSError as e:
         raise BuildError(f"--out {out}: not writable ({e.strerror}); choose a directory you can write") from e
-    backend = pick_backend(args.backend)
-    if args.aot and backend != "tensorrt":
-        raise BuildError(f"--aot: ahead-of-time plugins need full TensorRT (--backend tensorrt), not {backend}; "
-                         "install TensorRT >= 10.9 or drop --aot")
     if backend == "tensorrt-rtx" and args.target_cc:   # refuse an unbuildable target now, not at step 5
         from engines.build import check_target_cc, load_trt, parse_target_cc
         try:
@@ -348,7 +351,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-context", type=int, default=None, help="max tokens per request (default min(config, 4096))")
     ap.add_argument("--aot", action="store_true",
                     help="full TensorRT >= 10.9 only: KdaDecode and MlaDecode as ahead-of-time plugins (PTX baked into "
-                         "the engines, no Python at runtime for them); the other kimi ops stay Python plugins")
+                         "the engines, no Python at runtime for them; AOT MlaDecode does not split the context, so "
+                         "it is slower at long contexts); Mxfp4Moe and the prefill ops stay Python plugins")
     ap.add_argument("--dry-run", action="store_true", help="print the plan only; allocates no weights")
     ap.add_argument("--force", action="store_true", help="redo every step even when its inputs are unchanged")
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")

@@ -365,6 +365,7 @@ def test_build_all_sm86_two_profiles(tmp_path):
     assert e["profiles"][0]["x"] == [[1, 8], [16, 8], [16, 8]] and e["profiles"][1]["x"] == [[1, 8], [4, 8], [4, 8]]
     assert e["profiles"][1]["cu_seqlens"] == [[2], [5], [5]]
     assert e["plugins"] == {"kimi::Decay": {"version": "1", "impl": "function-body"}}
+    assert e["options"]["aot"] is False and e["options"]["aot_sources"] is None and e["aot_ops"] == []
     assert e["verified"] in ("engine", "network")
     assert e["onnx"] == "rank0/layer0.onnx" and len(e["onnx_sha256"]) == 64
     assert e["onnx_sha256"] != manifest["engines"]["rank0/layer1.plan"]["onnx_sha256"]  # weights differ
@@ -433,6 +434,25 @@ def test_full_trt_build_registers_the_plugins():
     assert r.stdout.strip() == "KdaPrefill,KdaDecode,MlaPrefill,MlaDecode,Mxfp4Moe"
 
 
+def test_build_engine_registers_plugins_before_parsing(tmp_path, monkeypatch):
+    """build_engine asks for the kimi plugins (register_build_plugins: full TensorRT registers, RTX nothing) before it
+    parses, and hands the AOT op types it got to the parser step; the AOT source hash changes with the sources."""
+    _rtx()
+    import engines.build as eb
+
+    calls = []
+    real_parse = eb._parse
+    monkeypatch.setattr(eb, "register_build_plugins", lambda info, aot=False: calls.append(("register", aot)) or [])
+    monkeypatch.setattr(eb, "_parse", lambda *a: calls.append(("parse", list(a[4]))) or real_parse(*a))
+    onnx_dir = _engine_tree(tmp_path)
+    src = onnx_dir / "rank0" / "layer0.onnx"
+    profiles = eb.profiles_from_dims(src, eb.default_profile_dims(4, 16, DIMS))
+    eb.build_engine(src, tmp_path / "l0.plan", profiles, target_cc="sm86")
+    assert calls == [("register", False), ("parse", [])]
+    h = eb.aot_sources_sha256()
+    assert len(h) == 64 and h == eb.aot_sources_sha256()
+
+
 def test_aot_marking_and_parse_from_memory(tmp_path):
     """--aot builds: mark_aot_nodes sets aot=1 once, on the named kimi nodes only; a marked model parsed from memory
     with its file path (how an AOT build parses) still finds its external data; TensorRT-RTX registers no plugins
@@ -460,7 +480,16 @@ def test_aot_marking_and_parse_from_memory(tmp_path):
         assert not (tmp_path / "e").exists()
     log = _trt_logger(info.module)
     network = info.module.Builder(log).create_network(0)
-    parser = _parse(info.module, network, log, path, ["Decay"])   # noqa: F841  (keeps the network's parser alive)
+    import engines.build as eb
+
+    marked = []
+    real_mark = eb.mark_aot_nodes
+    eb.mark_aot_nodes = lambda model, ops: marked.append(list(ops)) or real_mark(model, ops)
+    try:
+        parser = _parse(info.module, network, log, path, ["Decay"])   # noqa: F841  (the network needs its parser)
+    finally:
+        eb.mark_aot_nodes = real_mark
+    assert marked == [["Decay"]]
     assert [network.get_input(i).name for i in range(network.num_inputs)] == ["x", "state", "cu_seqlens", "slots"]
     assert network.num_outputs == 2 and network.num_layers > 0
 

@@ -472,7 +472,7 @@ def test_aot_kernel_compiles_to_ptx_for_sm90():
 
 def test_mla_aot_kernel_compiles_to_ptx_for_sm90():
     """The MlaDecode entry kernel compiles for sm_90 on a CPU machine with exactly TensorRT's 9 parameters (5 inputs,
-    MB and BS, 2 outputs), 4 warps at 12 heads per rank and 8 at 96 (64-head programs)."""
+    MB and BS, 2 outputs), 4 warps, under 48 KB of shared memory for bf16, with vectorized (16-byte) loads."""
     code = ("from triton.backends.compiler import GPUTarget\n"
             "from plugins.mla import trt_aot as A\n"
             "import re\n"
@@ -480,11 +480,12 @@ def test_mla_aot_kernel_compiles_to_ptx_for_sm90():
             "    name, ptx, w, sh = A.compile_ptx(act, H, 512, 576, 192 ** -0.5, target=GPUTarget('cuda', 90, 32))\n"
             "    entry = re.search(r'\\.entry\\s+' + name + r'\\s*\\(([^)]*)\\)', ptx).group(1)\n"
             "    n = len([p for p in entry.split(',') if p.strip()])\n"
-            "    print(name, n, w, sh, '.target sm_90a' in ptx)\n")
+            "    print(name, n, w, sh, '.target sm_90a' in ptx, len(re.findall(r'ld\\.global\\.v4', ptx)))\n")
     lines = _compile_in_subprocess(code)
     assert [ln[0] for ln in lines] == ["_mla_decode_aot_kernel"] * 3
-    assert [int(ln[1]) for ln in lines] == [9, 9, 9] and [int(ln[2]) for ln in lines] == [4, 8, 4]
-    assert all(ln[4] == "True" for ln in lines) and all(int(ln[3]) > 0 for ln in lines)
+    assert [int(ln[1]) for ln in lines] == [9, 9, 9] and [int(ln[2]) for ln in lines] == [4, 4, 4]
+    assert all(ln[4] == "True" for ln in lines) and all(int(ln[5]) > 0 for ln in lines)
+    assert all(0 < int(ln[3]) <= 48 * 1024 for ln in lines[:2])
 
 
 def test_mla_aot_pure_helpers():
@@ -498,13 +499,13 @@ def test_mla_aot_pure_helpers():
         mla_aot.kernel_signature("int8")
     c = mla_aot.kernel_constexprs(12, 512, 576, 0.1)
     assert c == {"H": 12, "R": 512, "DR": 64, "BH": 16, "BN": 16, "SCALE": 0.1}
-    assert mla_aot.kernel_constexprs(96, 512, 576, 0.1)["BH"] == 64 and mla_aot.num_warps(96) == 8
+    assert mla_aot.kernel_constexprs(96, 512, 576, 0.1)["BH"] == 16 and mla_aot.num_warps(96) == 4
     with pytest.raises(ValueError, match="power of two"):
         mla_aot.kernel_constexprs(12, 512, 560, 0.1)
     with pytest.raises(ValueError, match="must not exceed"):
         mla_aot.kernel_constexprs(12, 32, 96, 0.1)
-    lp = mla_aot.launch_params(5, 96, 8, 1024)
-    assert (lp["grid_x"], lp["grid_y"], lp["grid_z"], lp["block_x"], lp["shared_mem"]) == (2, 1, 5, 256, 1024)
+    lp = mla_aot.launch_params(5, 96, 4, 1024)
+    assert (lp["grid_x"], lp["grid_y"], lp["grid_z"], lp["block_x"], lp["shared_mem"]) == (6, 1, 5, 128, 1024)
     sym = object()
     assert mla_aot.launch_params(sym, 12, 4, 0)["grid_z"] is sym and mla_aot.extra_args(sym, 64) == [sym, 64]
     mla_aot.check_block_size(64)
@@ -520,8 +521,9 @@ def test_mla_aot_pure_helpers():
     [(12, torch.bfloat16), (96, torch.bfloat16)] if HAS_CUDA else []))
 def test_mla_aot_entry_kernel_matches_reference(H, dt):
     """The AOT entry kernel launched the way TensorRT launches it (grid (cdiv(H, BH), 1, B), MB and BS as ints,
-    cache_out = the cache) writes the new latents and attends like plugins/mla/reference.py. 20 heads: one full and
-    one partial 64-head group's masking (BH = 64 above 16 heads). Contexts: empty, one block + 1, a block's last row."""
+    cache_out = the cache) writes the new latents and attends like plugins/mla/reference.py. 20 heads: a full and a
+    partial 16-head group (masking). Contexts: empty, one block + 1, a block's last row. A block size that the
+    16-token tile does not divide gives NaN outputs, not a wrong attention."""
     R, DR, BS, MB, B = (512, 64, 64, 3, 3) if HAS_CUDA else (32, 16, 16, 4, 3)
     ctx = torch.tensor([0, BS + 1, 2 * BS - 1], dtype=torch.int32)
     g = torch.Generator().manual_seed(H)
@@ -539,6 +541,33 @@ def test_mla_aot_entry_kernel_matches_reference(H, dt):
         q.to(DEV), lat.to(DEV), cc, bt.to(DEV), ctx.to(DEV), MB, BS, out, cc, **c, num_warps=mla_aot.num_warps(H))
     assert relerr(out, ro) < (1e-5 if dt == torch.float32 and not HAS_CUDA else 1e-2)
     assert nan_equal(cc.float().cpu(), rc)
+    if not HAS_CUDA:   # BS = 8 with the 16-token tile (a 2-block table covering the same 16 rows per sequence)
+        out.zero_()
+        mla_aot._mla_decode_aot_kernel[(lp["grid_x"], 1, B)](
+            q, lat, cache.clone().view(-1, 8, R + DR), (bt[:, :, None] * 2 + torch.arange(2)).reshape(B, -1).int(),
+            ctx, 2 * MB, 8, out, cache.clone().view(-1, 8, R + DR), **c, num_warps=mla_aot.num_warps(H))
+        assert torch.isnan(out).all()
+
+
+def test_mla_aot_constant_shape_expressions():
+    """_constant reads tensorrt.plugin ShapeExprs: is_constant is a property, constant_value() a method; a symbolic or
+    "fake" expression (is_constant raises RuntimeError) stays an expression."""
+    class Expr:
+        def __init__(self, value=None, fake=False):
+            self.value, self.fake = value, fake
+
+        @property
+        def is_constant(self):
+            if self.fake:
+                raise RuntimeError("fake shape expression")
+            return self.value is not None
+
+        def constant_value(self):
+            return self.value
+
+    sym, fake = Expr(), Expr(fake=True)
+    assert mla_aot._constant(Expr(64)) == 64 and mla_aot._constant(np.int32(16)) == 16 and mla_aot._constant(8) == 8
+    assert mla_aot._constant(sym) is sym and mla_aot._constant(fake) is fake
 
 
 class _FakeDesc:
@@ -619,7 +648,7 @@ def test_mla_aot_qdp_glue_with_stand_in_tensorrt_plugin(monkeypatch):
     """MlaDecode's register/autotune/aot_impl against a stand-in tensorrt.plugin: output shape [B, H, R] and the
     aliased cache, grid (groups, 1, B) with B symbolic, extras [MB, BS] from the shapes, attributes compiled in; a
     constant block size that the 16-token tile does not divide is refused at build time."""
-    trtp, compiled = _install_stand_in_qdp(monkeypatch, mla_aot, ("kern", "PTX", 8, 4096))
+    trtp, compiled = _install_stand_in_qdp(monkeypatch, mla_aot, ("kern", "PTX", 4, 4096))
     assert mla_aot.available() and mla_aot.register() == ["kimi::MlaDecode"]
     B, MB = object(), object()          # symbolic batch and block-table width
     ins = [_FakeDesc((B, 96, 576), "BF16"), _FakeDesc((B, 576), "BF16"), _FakeDesc(("NB", 64, 576), "BF16"),
@@ -631,7 +660,7 @@ def test_mla_aot_qdp_glue_with_stand_in_tensorrt_plugin(monkeypatch):
     name, ptx, lp, extra = trtp.defs[("aot_impl", "kimi::MlaDecode")](*ins, *attrs, (out, cache_out), 0)
     assert (name, ptx) == (b"kern", b"PTX")
     assert compiled[0][:4] == ("bfloat16", 96, 512, 576) and compiled[0][4] == pytest.approx(0.07)
-    assert (lp.grid_x, lp.grid_y) == (2, 1) and lp.grid_z is B and lp.block_x == 256 and lp.shared_mem == 4096
+    assert (lp.grid_x, lp.grid_y) == (6, 1) and lp.grid_z is B and lp.block_x == 128 and lp.shared_mem == 4096
     assert extra == ("exprs", [("i32", MB), ("i32", 64)])
     ins[2] = _FakeDesc(("NB", 8, 576), "BF16")
     with pytest.raises(ValueError, match="multiple of 16"):

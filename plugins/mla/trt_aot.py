@@ -12,9 +12,17 @@ SMs at small B); the JIT plugin (plugins/mla/trt.py) splits and combines and sta
 Parameters in TensorRT's AOT order (inputs, int32 extras, outputs; STACK.md §1b): ``q_abs, latent, cache,
 block_tables, context_lens, MB, BS, out, cache_out``. ``MB`` (block-table width) and ``BS`` (cache block size) are
 extras taken from the inputs' shape expressions, so one PTX serves every profile; the token tile is ``BN = 16``
-tokens, which needs ``BS % 16 == 0`` (checked where the block size is a build-time constant; the runtime allocates
-pools with block sizes 16, 32 or 64). Constexprs (attributes are not serialized for AOT): ``H, R, DR, BH, BN, SCALE``.
-Tensors are dense (TensorRT), so strides follow from the shapes. ``cache_out`` aliases ``cache``.
+tokens, which needs ``BS % 16 == 0`` (the runtime allocates pools with block sizes 16, 32 or 64; exported graphs
+keep BS symbolic, so it is checked at build time only where it is a constant, and the kernel writes NaN outputs
+for any other block size instead of a wrong attention). Constexprs (attributes are not serialized for AOT):
+``H, R, DR, BH, BN, SCALE``. Tensors are dense (TensorRT), so strides follow from the shapes; pointers are compiled
+as 16-byte aligned. ``cache_out`` aliases ``cache``.
+
+Launch configuration: 16 heads per program, 4 warps, 2 pipeline stages — 37 KB of shared memory for a bf16/fp16
+cache, under the 48 KB a launch gets without opting in (whether TensorRT's AOT launcher opts kernels into more is
+not verified); an fp32 cache needs 104 KB. At 96 heads that is 6 programs per sequence, each reading the whole
+context (no split): expect the AOT form to be several times slower than the JIT split kernel at long contexts and
+small batches (not timed yet).
 
 Use: ``plugins.register_tensorrt_plugins(aot=True)``; an ONNX node carrying ``aot=1`` (besides
 ``plugin_namespace``) then takes this implementation; the JIT ``@trtp.impl`` registered alongside runs the split
@@ -67,6 +75,7 @@ try:  # the entry kernel needs Triton; the pure helpers do not
         acc, m_i, l_i = _mla_attend(q_ptr, cache_out_ptr, bt_ptr + b.to(tl.int64) * MB, b, hh, hmask, H * DL, DL,
                                     0, L, SCALE * 1.4426950408889634, BS, R, DR, BH, BN)
         o = acc / l_i[:, None]                       # L >= 1: l > 0
+        o = tl.where(BS % BN == 0, o, float("nan"))  # a tile would straddle two blocks: fail loudly
         dr = tl.arange(0, R)
         tl.store(out_ptr + (b * H + hh)[:, None].to(tl.int64) * R + dr[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=hmask[:, None])
@@ -76,14 +85,17 @@ except ImportError:  # pragma: no cover - Triton missing: nothing to compile, re
 
 
 # ------------------------------------------------------------------------------------------------- pure helpers
+BLOCK_H, NUM_WARPS, NUM_STAGES = 16, 4, 2   # 37 KB of shared memory for bf16 (module docstring)
+
+
 def block_h(num_heads: int) -> int:
-    """Heads per program (the JIT kernel's rule, plugins.mla.kernels._block_h)."""
-    return 16 if int(num_heads) <= 16 else 64
+    """Heads per program: 16 at every head count (64-head programs need 129 KB of shared memory)."""
+    return BLOCK_H
 
 
 def num_warps(num_heads: int) -> int:
-    """Warps per program (the JIT split kernel's rule for its head block)."""
-    return 4 if block_h(num_heads) <= 16 else 8
+    """Warps per program."""
+    return NUM_WARPS
 
 
 def kernel_signature(act: str) -> dict[str, str]:
@@ -145,7 +157,7 @@ def autotune_types() -> str:
 def _compile_cached(act, num_heads, kv_lora_rank, latent_dim, scale, target, ptx_version):
     return compile_entry(_mla_decode_aot_kernel, kernel_signature(act),
                          kernel_constexprs(num_heads, kv_lora_rank, latent_dim, scale), num_warps=num_warps(num_heads),
-                         num_stages=3, n_args=len(INPUTS) + len(EXTRA) + len(OUTPUTS), what="MlaDecode",
+                         num_stages=NUM_STAGES, n_args=len(INPUTS) + len(EXTRA) + len(OUTPUTS), what="MlaDecode",
                          target=target, ptx_version=ptx_version)
 
 
@@ -176,11 +188,16 @@ def register() -> list[str]:
 
 
 def _constant(expr):
-    """A shape expression's value where it is a build-time constant, else the expression itself."""
+    """A shape expression's value where it is a build-time constant (``tensorrt.plugin.ShapeExpr.is_constant`` /
+    ``constant_value()``), an int as is, else the expression itself (also for a "fake" expression, whose
+    ``is_constant`` raises RuntimeError)."""
+    if isinstance(expr, (int, np.integer)):
+        return int(expr)
     try:
-        return int(expr.constant_value()) if getattr(expr, "is_constant", False) else expr
-    except Exception:
+        constant = expr.is_constant
+    except (AttributeError, RuntimeError):
         return expr
+    return int(expr.constant_value()) if constant else expr
 
 
 def _define_qdp(trt, trtp) -> None:
@@ -218,7 +235,9 @@ def _define_qdp(trt, trtp) -> None:
 
     @trtp.impl(PLUGIN_ID)
     def _impl(q_abs, latent, cache, block_tables, context_lens, num_heads, kv_lora_rank, scale, outputs, stream):
-        # JIT form (nodes without aot=1): the split kernels through torch (no workspace here: torch allocates)
+        # JIT form (nodes without aot=1): the split kernels through torch. No TensorRT workspace reaches a QDP impl,
+        # so the split partials come from torch's caching allocator: not capture-safe inside TensorRT's own CUDA
+        # graphs (the IPluginV3 MlaDecode, plugins/mla/trt.py, carves them from the workspace instead)
         import torch
 
         from plugins.mla.kernels import mla_decode
