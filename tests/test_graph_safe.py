@@ -781,8 +781,8 @@ def test_kda_decode_aot_ptx_through_the_driver():
 @gpu_only
 def test_mla_decode_aot_ptx_through_the_driver():
     """The MlaDecode AOT PTX loaded with cuModuleLoadData and launched with TensorRT's convention (5 inputs, MB, BS,
-    2 outputs; grid (groups, 1, B)) writes the new latents and equals the reference (96 heads: 64-head programs,
-    92 KB of shared memory, so the launch opts the function into it as TensorRT must)."""
+    2 outputs; grid (groups, 1, B)) writes the new latents and equals the reference (96 heads: six 16-head programs
+    per sequence; above 48 KB of shared memory the launch opts the function in, as TensorRT would have to)."""
     import ctypes
 
     H, R, DR, BS, MB, B, dt = 96, 512, 64, 64, 3, 3, torch.bfloat16
