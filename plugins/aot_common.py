@@ -25,6 +25,35 @@ except ImportError:  # pragma: no cover - the compile helpers then raise; pure h
     triton = None
 
 
+ACT_NAMES = ("float32", "float16", "bfloat16")          # activation dtypes an AOT entry kernel is compiled for
+TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+TRT_TYPE_NAMES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16"}
+
+
+def entry_signature(inputs, extra, outputs, constexprs, act: str, what: str) -> dict[str, str]:
+    """Triton signature of an AOT entry kernel in TensorRT's parameter order: ``inputs`` and ``outputs`` are
+    ``(name, class)`` pointers with class ``"act"`` (dtype ``act``), ``"f32"`` or ``"i32"``; ``extra`` are
+    ``(name, "i32")`` scalars between them; ``constexprs`` names follow. Raises ValueError (naming ``what``) for an
+    ``act`` not in :data:`ACT_NAMES`."""
+    if act not in TRITON_TYPES:
+        raise ValueError(f"{what} AOT: activation dtype {act!r} not in {ACT_NAMES}")
+    types = {"act": "*" + TRITON_TYPES[act], "f32": "*fp32", "i32": "*i32"}
+    sig = {n: types[c] for n, c in inputs}
+    sig.update({n: c for n, c in extra})
+    sig.update({n: types[c] for n, c in outputs})
+    sig.update({n: "constexpr" for n in constexprs})
+    return sig
+
+
+def autotune_string(pointers) -> str:
+    """``AutoTuneCombination`` type string for ``(name, class)`` pointers (inputs then outputs): every ``"act"``
+    position takes FP32|FP16|BF16 together, ``"f32"`` stays FP32 and ``"i32"`` INT32 in each combination."""
+    n = len(ACT_NAMES)
+    cls = {"act": "|".join(TRT_TYPE_NAMES[a] for a in ACT_NAMES), "f32": "|".join(["FP32"] * n),
+           "i32": "|".join(["INT32"] * n)}
+    return ", ".join(cls[c] for _, c in pointers)
+
+
 def scalar(x) -> Any:
     """Plugin attribute value -> Python scalar (QDP hands numpy arrays for array-annotated attributes)."""
     return np.asarray(x).reshape(-1)[0].item()
@@ -91,6 +120,7 @@ def ast_source(fn, signature: dict, constexprs: dict):
 
 
 def default_target():
+    """The ``GPUTarget`` to compile for: the current CUDA GPU's, else ``sm_90`` (a build machine without a GPU)."""
     from triton.backends.compiler import GPUTarget
 
     try:

@@ -43,14 +43,12 @@ from typing import Any, Tuple
 
 import numpy as np
 
-from plugins.aot_common import compile_entry, qdp_available, register_qdp, scalar
+from plugins.aot_common import (autotune_string, compile_entry, entry_signature, qdp_available, register_qdp,
+                                 scalar)
 
 
 PLUGIN_ID = "kimi::KdaDecode"
 AOT_OPS = (PLUGIN_ID,)
-ACT_NAMES = ("float32", "float16", "bfloat16")
-TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-TRT_TYPE_NAMES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16"}
 # kernel parameters in AOT order: (name, dtype class) — "act", "f32", "i32" pointers, then the extra int, then outputs
 INPUTS = (("qkv_ptr", "act"), ("f_ptr", "act"), ("b_ptr", "act"), ("g_ptr", "act"), ("convw_ptr", "f32"),
           ("alog_ptr", "f32"), ("dtb_ptr", "f32"), ("onw_ptr", "f32"), ("state_ptr", "f32"), ("conv_ptr", "act"),
@@ -91,14 +89,7 @@ def num_warps(head_dim: int) -> int:
 def kernel_signature(act: str) -> dict[str, str]:
     """Triton signature of :func:`_kda_decode_aot_kernel` for activation dtype ``act`` (constexprs included, in
     parameter order). Raises ValueError for an unsupported dtype."""
-    if act not in TRITON_TYPES:
-        raise ValueError(f"KdaDecode AOT: activation dtype {act!r} not in {ACT_NAMES}")
-    types = {"act": "*" + TRITON_TYPES[act], "f32": "*fp32", "i32": "*i32"}
-    sig = {n: types[c] for n, c in INPUTS}
-    sig.update({n: c for n, c in EXTRA})
-    sig.update({n: types[c] for n, c in OUTPUTS})
-    sig.update({n: "constexpr" for n in CONSTEXPRS})
-    return sig
+    return entry_signature(INPUTS, EXTRA, OUTPUTS, CONSTEXPRS, act, "KdaDecode")
 
 
 def kernel_constexprs(num_heads: int, head_dim: int, lower_bound: float, norm_eps: float) -> dict[str, Any]:
@@ -124,11 +115,7 @@ def extra_args(num_tokens) -> list:
 
 def autotune_types() -> str:
     """``AutoTuneCombination`` type string: activations FP32|FP16|BF16 together, fp32 weights/state, int32 slots."""
-    act = "|".join(TRT_TYPE_NAMES[a] for a in ACT_NAMES)
-    f32 = "|".join(["FP32"] * len(ACT_NAMES))
-    i32 = "|".join(["INT32"] * len(ACT_NAMES))
-    cls = {"act": act, "f32": f32, "i32": i32}
-    return ", ".join(cls[c] for _, c in INPUTS + OUTPUTS)
+    return autotune_string(INPUTS + OUTPUTS)
 
 
 @functools.lru_cache(maxsize=None)

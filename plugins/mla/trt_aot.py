@@ -39,14 +39,12 @@ from typing import Any, Tuple
 
 import numpy as np
 
-from plugins.aot_common import compile_entry, qdp_available, register_qdp, scalar
+from plugins.aot_common import (autotune_string, compile_entry, entry_signature, qdp_available, register_qdp,
+                                 scalar)
 
 
 PLUGIN_ID = "kimi::MlaDecode"
 AOT_OPS = (PLUGIN_ID,)
-ACT_NAMES = ("float32", "float16", "bfloat16")
-TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-TRT_TYPE_NAMES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16"}
 INPUTS = (("q_ptr", "act"), ("lat_ptr", "act"), ("cache_ptr", "act"), ("bt_ptr", "i32"), ("ctx_ptr", "i32"))
 EXTRA = (("MB", "i32"), ("BS", "i32"))
 OUTPUTS = (("out_ptr", "act"), ("cache_out_ptr", "act"))
@@ -101,14 +99,7 @@ def num_warps(num_heads: int) -> int:
 def kernel_signature(act: str) -> dict[str, str]:
     """Triton signature of :func:`_mla_decode_aot_kernel` for activation dtype ``act`` (the latent pool's dtype;
     constexprs included, in parameter order). Raises ValueError for an unsupported dtype."""
-    if act not in TRITON_TYPES:
-        raise ValueError(f"MlaDecode AOT: activation dtype {act!r} not in {ACT_NAMES}")
-    types = {"act": "*" + TRITON_TYPES[act], "i32": "*i32"}
-    sig = {n: types[c] for n, c in INPUTS}
-    sig.update({n: c for n, c in EXTRA})
-    sig.update({n: types[c] for n, c in OUTPUTS})
-    sig.update({n: "constexpr" for n in CONSTEXPRS})
-    return sig
+    return entry_signature(INPUTS, EXTRA, OUTPUTS, CONSTEXPRS, act, "MlaDecode")
 
 
 def kernel_constexprs(num_heads: int, kv_lora_rank: int, latent_dim: int, scale: float) -> dict[str, Any]:
@@ -147,10 +138,7 @@ def extra_args(block_table_width, block_size) -> list:
 def autotune_types() -> str:
     """``AutoTuneCombination`` type string: q/latent/cache/out in one activation dtype (FP32|FP16|BF16), int32
     block tables and context lengths."""
-    act = "|".join(TRT_TYPE_NAMES[a] for a in ACT_NAMES)
-    i32 = "|".join(["INT32"] * len(ACT_NAMES))
-    cls = {"act": act, "i32": i32}
-    return ", ".join(cls[c] for _, c in INPUTS + OUTPUTS)
+    return autotune_string(INPUTS + OUTPUTS)
 
 
 @functools.lru_cache(maxsize=None)
