@@ -377,6 +377,9 @@ def graphed(fn):
     return g_.replay
 
 
+# conv pass configurations (overrides of kernels._CONV_CFG) timed as stages (run 9 also timed 2-8 tiles per
+# program with software pipelining: no gain, dropped)
+CONV_CFGS = (dict(), dict(BT=16, num_warps=4), dict(BT=64, num_warps=4))
 if "kda_prefill" in ONLY and HAVE_FLA:
     for H in PREFILL_HEADS:
         try:
@@ -448,7 +451,7 @@ if "kda_prefill" in ONLY and HAVE_FLA:
             }
             # our own passes alone
             y = torch.empty(3, T, P, dtype=torch.bfloat16, device=dev)
-            for cfg in (dict(), dict(BT=16, num_warps=4), dict(BT=64, num_warps=8), dict(BT=32, num_warps=8)):
+            for cfg in CONV_CFGS:
                 name = "our_conv_pass" + "".join(f"_{k_}{v_}" for k_, v_ in cfg.items())
                 stages[name] = lambda cfg=cfg: kda_k._conv_prefill(d["qkv"], d["conv_w"], conv, slots, cu, y, T,
                                                                    3 * P, P, K, cfg=cfg)
@@ -464,6 +467,10 @@ if "kda_prefill" in ONLY and HAVE_FLA:
                     :2 if args.prefill_breakdown else 0]:
                 stages[name] = lambda kw=kw: kda_k.kda_prefill(**d, state=state, conv=conv, cu_seqlens=cu2, slots=sl2,
                                                                num_heads=H, head_dim=K, **kw)
+            # our op with fla's whole chunk_kda in place of our chunk core (the previous design, chunk_impl='fla')
+            stages["ours_chunk_impl_fla"] = lambda: kda_k.kda_prefill(**d, state=state, conv=conv, cu_seqlens=cu,
+                                                                      slots=slots, num_heads=H, head_dim=K,
+                                                                      chunk_impl="fla")
             # both captured in CUDA graphs (no Python launch overhead: the GPU time of our op vs the peer's)
             to_graph = {"ours_cuda_graph": fn,
                         "peer_cuda_graph": lambda: chunk_kda(q, kk, v, gg, be, initial_state=h0, output_final_state=True)}
@@ -483,7 +490,7 @@ if "kda_prefill" in ONLY and HAVE_FLA:
             og, pg = breakdown.get("ours_cuda_graph"), breakdown.get("peer_cuda_graph")
             graph_ratio = pg / og if ok and isinstance(og, float) and isinstance(pg, float) else None
             out(what="kda_prefill", H=H, T=T, correct=ok, err_one_vs_split_varlen=err,
-                conv_cfg=kda_k._CONV_CFG, us=ms * 1e3, peer="fla chunk_kda (recurrence only, pre-gated)",
+                conv_cfg=kda_k._CONV_CFG, out_cfg=kda_k._OUT_CFG, us=ms * 1e3, peer="fla chunk_kda (recurrence only, pre-gated)",
                 peer_us=peer * 1e3, ratio=peer / ms, ratio_cuda_graphs=graph_ratio, Mtok_per_s=T / ms / 1e3,
                 chunk_kda_us_by_flags=breakdown)
             del d, q, kk, v, gg

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One GPU session's tests and benchmarks (run on an H200: torch 2.11+cu130, triton 3.6, no network). From the repo root:
-#   bash benchmarks/h200_session.sh tests|bench|decode|tp   (results under $OUT, default /tmp/out)
+#   bash benchmarks/h200_session.sh tests|bench|profile|decode|tp   (results under $OUT, default /tmp/out)
 # tests : GPU pytest of the kernels, CUDA-graph capture and the GPU runtime -> $OUT/junit.xml, $OUT/pytest.log
 #         (PYTEST_ARGS overrides the files; it is re-parsed by the shell: PYTEST_ARGS='tests/a.py -k "x and not y"')
 # bench : benchmarks/bench_kernels.py (KDA decode/prefill, graph, MLA, MoE) -> $OUT/bench.jsonl + roofline.png
+# profile: benchmarks/profile_kda_prefill.py: per-kernel GPU time of KDA prefill, ours vs chunk_kda -> $OUT/profile.jsonl
+#         (PROFILE_ARGS overrides its arguments)
 # decode: benchmarks/bench_decode.py on k3-slice, B=16 (synthetic weights on the device; DECODE_ARGS overrides)
 # tp    : (several GPUs) bench_decode TP=1 on cuda:0 saved, then TP=EP=N over NCCL for N = 2, 4, .. <= GPUs compared
 #         with it (logits, greedy tokens) -> $OUT/decode_tp.jsonl (TP_ARGS overrides the model/run arguments)
@@ -14,11 +16,11 @@
 # Never feed tests' results to bench: fla's tuning keys omit T, so picks made at test sizes (T ~ 100) would be reused
 # at T=32768 (run 8 measured chunk_kda 1.3x slower that way).
 set -u -o pipefail          # a failing benchmark fails the script through its `| tee | tail`
-usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
 case "${1:-}" in
-  tests|bench|decode|tp) ;;
+  tests|bench|profile|decode|tp) ;;
   -h|--help) usage; exit 0 ;;
-  *) echo "error: say what to run: tests, bench, decode or tp" >&2; usage >&2; exit 2 ;;
+  *) echo "error: say what to run: tests, bench, profile, decode or tp" >&2; usage >&2; exit 2 ;;
 esac
 MODE=$1
 G=$(nvidia-smi -L 2>/dev/null | wc -l)
@@ -45,7 +47,9 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 case "$1" in
   tests)
-    eval timeout "${PYTEST_TIMEOUT:-420}" python3 -m pytest -q -rs ${PYTEST_ARGS:-tests/test_kernels.py tests/test_graph_safe.py tests/test_runtime_gpu.py} \
+    # PYTEST_TIMEOUT is this script's whole-run limit; pytest-timeout (on the device image) would read it as a
+    # per-test limit too, so pytest runs without it
+    eval timeout "${PYTEST_TIMEOUT:-420}" env -u PYTEST_TIMEOUT python3 -m pytest -q -rs ${PYTEST_ARGS:-tests/test_kernels.py tests/test_graph_safe.py tests/test_runtime_gpu.py} \
       --junitxml="$OUT/junit.xml" 2>&1 | tail -60 | tee "$OUT/pytest.log"
     rc=${PIPESTATUS[0]}
     echo "PYTEST_RC=$rc" | tee -a "$OUT/pytest.log"
@@ -53,6 +57,9 @@ case "$1" in
   bench)
     J=""; [ -f "${JUNIT:-}" ] && J="--junit $JUNIT"
     timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/bench_kernels.py --out "$OUT/bench.jsonl" $J ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
+  profile)
+    timeout "${PROFILE_TIMEOUT:-540}" python3 benchmarks/profile_kda_prefill.py --out "$OUT/profile.jsonl" ${PROFILE_ARGS:-} \
+      2>&1 | tee "$OUT/profile.log" | tail -40 ;;
   decode)
     timeout "${DECODE_TIMEOUT:-540}" python3 benchmarks/bench_decode.py --out "$OUT/decode.jsonl" \
       ${DECODE_ARGS:---preset k3-slice --device cuda --batch 16 --prompt-len 512 --steps 32 --ops torch,kernels} \

@@ -1,4 +1,4 @@
-"""Helpers shared by the op references and the model reference."""
+"""Helpers shared by the op references, the model reference and the kernels."""
 from __future__ import annotations
 
 import contextlib
@@ -21,3 +21,18 @@ def compute_dtype(dtype: torch.dtype):
         yield
     finally:
         _ACC.pop()
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def num_sms(device) -> int:
+    """Streaming multiprocessors of a CUDA `device` (cached per device index); 8 for a non-CUDA device (the
+    Triton interpreter), so launch heuristics stay exercisable on the CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 8
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]

@@ -192,6 +192,24 @@ def test_kda_prefill_bad_token_stays_in_its_sequence(lens):
     assert relerr(st[u], rs[u]) < (2e-2 if HAS_CUDA else 1e-5)
 
 
+@pytest.mark.parametrize("cfg", [dict(BT=16), dict(BT=64, num_warps=8)])
+def test_kda_conv_pass_configs_agree(cfg):
+    """The conv pass under other tilings (tokens per tile, with a ragged last tile) writes exactly what the default
+    tiling writes (the default is checked against the reference by test_kda_prefill)."""
+    T, H, K = 150, 2, 16
+    P, D = H * K, 3 * H * K
+    g = torch.Generator().manual_seed(4)
+    qkv, w, conv = torch.randn(T, D, generator=g), torch.randn(D, 4, generator=g), torch.randn(3, D, 3, generator=g)
+    cu = torch.tensor([0, 70, 75, 150], dtype=torch.int32, device=DEV)
+    slots = torch.tensor([2, 1, 0], dtype=torch.int32, device=DEV)
+    ys = []
+    for c in ({}, cfg):
+        y = torch.full((3, T, P), float("nan"), device=DEV)
+        kda_k._conv_prefill(qkv.to(DEV), w.to(DEV), conv.to(DEV), slots, cu, y, T, D, P, K, cfg=c)
+        ys.append(y)
+    assert not torch.isnan(ys[0]).any() and torch.equal(ys[0], ys[1])
+
+
 def test_kda_state_rows_through_slots():
     """The state gather/scatter around fla's chunk_kda: gather then scatter is the identity on the slots used,
     leaves the other slots alone, and the gathered rows equal the pool rows."""
@@ -207,6 +225,89 @@ def test_kda_state_rows_through_slots():
     G.check()
     assert torch.equal(back[slots.long()], pool[slots.long()])
     assert torch.isnan(back[[0, 2, 5]]).all()
+
+
+# fp32 operands: exact products under the interpreter; the GPU's tl.dot rounds fp32 operands to TF32 (10-bit mantissa)
+FP32_DOT_TOL = 3e-3 if HAS_CUDA else 1e-5
+
+
+def _static_chunks(lens, BT, nt_max):
+    """fla's static chunk indices (prepare_chunk_indices_static), written out: co [N+1] = first chunk row of each
+    sequence, ci [nt_max, 2] = (sequence, chunk in it) per row, (-1, 0) past the last chunk."""
+    nch = [(L + BT - 1) // BT for L in lens]
+    co = torch.tensor([0] + list(torch.tensor(nch).cumsum(0)), dtype=torch.int64)
+    rows = [(n, c) for n, m in enumerate(nch) for c in range(m)]
+    rows += [(-1, 0)] * (nt_max - len(rows))
+    return torch.tensor(rows, dtype=torch.int64), co
+
+
+@pytest.mark.parametrize("lens", [[150], [70, 5, 130, 1]])
+def test_kda_chunk_out_norm_kernel(lens):
+    """Our output kernel (o = scale (q 2^gk) h[c]ᵀ + tril(Aqk) vn, then the gated RMSNorm) against torch, fp32,
+    dense and varlen with padding chunk rows (they must write nothing), the gate read through a row stride."""
+    H, K, BT = 2, 32, kda_k._CHUNK
+    T, N, P = sum(lens), len(lens), 2 * 32
+    g = torch.Generator().manual_seed(6)
+    r = lambda *s: torch.randn(*s, generator=g)               # noqa: E731
+    NT = (T + BT - 1) // BT + (N - 1 if N > 1 else 0)
+    ci, co = _static_chunks(lens, BT, NT)
+    q, vn, gk = r(T, H, K), r(T, H, K), -torch.rand(T, H, K, generator=g)
+    h, A = r(NT, H, K, K) * 0.2, r(T, H, BT) * 0.2
+    gate_wide = r(T, P + 8)
+    gate = gate_wide[:, :P]                                   # row stride P + 8
+    wn = torch.rand(K, generator=g) + 0.5
+    scale, eps = K ** -0.5, 1e-5
+    ref = torch.empty(T, H, K)
+    bos = 0
+    for n, L in enumerate(lens):
+        for c in range((L + BT - 1) // BT):
+            rr = slice(bos + c * BT, bos + min((c + 1) * BT, L))
+            m = rr.stop - rr.start
+            qg = q[rr] * torch.exp2(gk[rr])
+            o = scale * torch.einsum("thk,hvk->thv", qg, h[int(co[n]) + c])
+            o = o + torch.einsum("hts,shv->thv", torch.tril(A[rr, :, :m].permute(1, 0, 2)), vn[rr])
+            ref[rr] = o
+        bos += L
+    ref = ref * torch.rsqrt(ref.pow(2).mean(-1, keepdim=True) + eps) * wn * torch.sigmoid(gate.view(T, H, K))
+    G = Guarded()
+    out = G(torch.full((T, P), float("nan")).to(DEV))
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    gw = G(gate_wide.to(DEV))
+    kda_k._chunk_out_norm_kernel[(NT, H)](
+        G(q.to(DEV)), G(gk.to(DEV)), G(h.to(DEV)), G(vn.to(DEV)), G(A.to(DEV)), gw[:, :P], G(wn.to(DEV)), out,
+        G(cu.to(DEV)), G(ci.to(DEV)) if N > 1 else None, T, gw.stride(0), out.stride(0), scale, eps, H=H, K=K, BT=BT,
+        BK=16, IS_VARLEN=N > 1, num_warps=4)
+    G.check()
+    assert relerr(out, ref.reshape(T, P)) < FP32_DOT_TOL
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="the chunk core needs fla-core's intra-chunk stage (GPU)")
+@pytest.mark.parametrize("H,lens", [(12, [1, 3, 70, 130]), (96, [2, 67]), (12, [197]), (96, [300]),
+                                    (48, [64, 1, 128])])
+def test_kda_prefill_chunk_impls_agree(H, lens):
+    """chunk_impl='k3' (fla-core's chunk stages + our output kernel with the norm fused) against 'fla' (the whole
+    fla-core chunk_kda + our norm kernel) on the same bf16 inputs: outputs and final states agree."""
+    K, N = 128, len(lens)
+    T, S = sum(lens), len(lens) + 2
+    slots = torch.tensor([S - 1 - i for i in range(N)], dtype=torch.int32, device=DEV)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEV)
+    d, state, conv = _kda_inputs(T, H, K, S, torch.bfloat16, seed=21)
+    d = {k: v.to(DEV) for k, v in d.items()}
+    res = {}
+    for impl in ("k3", "fla"):
+        st, cv = state.to(DEV), conv.to(DEV)
+        o = kda_k.kda_prefill(**d, state=st, conv=cv, cu_seqlens=cu, slots=slots, num_heads=H, head_dim=K,
+                              chunk_impl=impl)[0]
+        res[impl] = (o.float(), st[slots.long()])
+    assert relerr(res["k3"][0], res["fla"][0]) < 1e-2
+    assert relerr(res["k3"][1], res["fla"][1]) < 1e-2
+
+
+def test_kda_prefill_rejects_unknown_chunk_impl():
+    d, state, conv = _kda_inputs(4, 2, 16, 2, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="chunk_impl='x'"):
+        kda_k.kda_prefill(**d, state=state, conv=conv, cu_seqlens=torch.tensor([0, 4], dtype=torch.int32),
+                          slots=torch.tensor([1], dtype=torch.int32), num_heads=2, head_dim=16, chunk_impl="x")
 
 
 # ------------------------------------------------------------------------------------------------- MLA

@@ -4,26 +4,32 @@ kda_decode : ONE fused kernel per layer step: conv-history update + SiLU, L2 nor
              gate, beta sigmoid, delta rule on the fp32 state in place through slot indices ([S,H,V,K] = S^T per
              head), gated output RMSNorm. One program per (token, head) holds the whole 128x128 state tile.
 kda_prefill: Triton conv pass over the packed tokens + a fix-up of each sequence's first three tokens from the
-             slot's conv history (L2 norm of q/k fused) + conv-history update + beta = sigmoid(b), then fla-core
-             `chunk_kda` (in-kernel gate, safe_gate, state_v_first; one sequence: its dense path, several:
-             cu_seqlens; initial/final state gathered/scattered through slots by Triton copies), then a Triton
-             gated-RMSNorm kernel. Where fla or CUDA is unavailable (CPU CI) the delta rule falls back to a torch
-             token recurrence. `graph_safe=True` (the default; the TensorRT plugin passes it too): no host sync,
-             scratch from `workspace=` (`kda_prefill_workspace_bytes`), varlen as
-             `chunk_kda(use_graph=True, max_num_seqs=N)`; fla's intermediates still come from torch's caching
+             slot's conv history (L2 norm of q/k fused) + conv-history update + beta = sigmoid(b); then fla-core's
+             chunk stages (gate cumsum, intra-chunk WY solve, inter-chunk state pass; one sequence: dense, several:
+             static chunk indices) and our output kernel with the gated RMSNorm fused (`chunk_impl='k3'`), or
+             fla-core's whole `chunk_kda` + our gated-RMSNorm kernel (`chunk_impl='fla'`); initial/final states
+             gathered/scattered through slots by Triton copies. Where fla or CUDA is unavailable (CPU CI) the delta
+             rule falls back to a torch token recurrence. No host sync (the TensorRT plugin relies on it), scratch
+             from `workspace=` (`kda_prefill_workspace_bytes`); fla's intermediates still come from torch's caching
              allocator (plugins/trt_common.py says what that means for capture).
 
 Same signatures as plugins.kda.reference; pools are updated in place and returned.
 """
 from __future__ import annotations
 
+import functools
+import logging
 import os
+import types
 
 import torch
 import triton
 import triton.language as tl
 
+from plugins.common import num_sms
 from plugins.workspace import Workspace, plan_bytes
+
+_log = logging.getLogger(__name__)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -369,6 +375,121 @@ def _gated_norm_kernel(o_ptr, g_ptr, w_ptr, out_ptr, T, stride_g, stride_out, no
              mask=tm)
 
 
+# --------------------------------------------------------------------------------------------------
+# Prefill chunk core: fla-core's gate-cumsum, intra-chunk and inter-chunk state stages, then our output kernel
+# with the gated RMSNorm fused (MODEL.md §4)
+# --------------------------------------------------------------------------------------------------
+_CHUNK = 64                              # tokens per chunk (fla's KDA chunk size)
+# the output kernel's K step / warps / stages: H200 run 9, T=32768: 237 us at 12 heads, 1757 at 96 (fla's output
+# kernel + our norm pass: 198 + 72 / 1535 + 582); K step 32 or 8 warps or 3 stages were slower at both
+_OUT_CFG = dict(block_k=64, num_warps=4, num_stages=2)
+_FLA_STAGES_VERSIONS = ("0.6.0",)        # fla-core versions whose internal stage functions were tested here
+
+
+@functools.lru_cache(maxsize=None)
+def _fla_stages():
+    """fla-core's KDA stage functions (gate cumsum, intra-chunk WY solve, inter-chunk state pass, static chunk
+    indices) where the
+    installed fla-core is a version listed in `_FLA_STAGES_VERSIONS`, else None: they are internal API, so another
+    version makes kda_prefill call the public `chunk_kda` instead (logged once)."""
+    try:
+        import fla
+        if getattr(fla, "__version__", None) not in _FLA_STAGES_VERSIONS:
+            _log.warning("fla-core %s: KdaPrefill's chunk core was tested with %s only; using fla's chunk_kda",
+                         getattr(fla, "__version__", "?"), ", ".join(_FLA_STAGES_VERSIONS))
+            return None
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+        from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+        from fla.ops.kda.gate import kda_gate_chunk_cumsum
+        from fla.ops.utils.constant import RCP_LN2
+        from fla.ops.utils.index import prepare_chunk_indices_static
+    except Exception as e:                                  # noqa: BLE001 - any import failure means "not usable"
+        _log.warning("fla-core stage functions unavailable (%s); using fla's chunk_kda", e)
+        return None
+    return types.SimpleNamespace(gate_cumsum=kda_gate_chunk_cumsum, intra=chunk_kda_fwd_intra,
+                                 state_pass=chunk_gated_delta_rule_fwd_h, rcp_ln2=RCP_LN2,
+                                 chunk_indices=prepare_chunk_indices_static)
+
+
+@triton.jit
+def _chunk_out_norm_kernel(q_ptr, gk_ptr, h_ptr, vn_ptr, a_ptr, gate_ptr, w_ptr, out_ptr, cu_ptr, ci_ptr, T,
+                           stride_gate, stride_out, scale, norm_eps, H: tl.constexpr, K: tl.constexpr,
+                           BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """grid (NT, H): output of one chunk row and head, gated RMSNorm fused (MODEL.md §4):
+    o = scale * (q * exp2(gk)) h[c]ᵀ + tril(Aqk) vn;  out = o / sqrt(mean(o²) + eps) * w * sigmoid(gate).
+    Varlen: chunk row c -> (sequence, chunk) from ci [NT, 2] (fla's static chunk indices; sequence -1: padding)."""
+    i_tg = tl.program_id(0)
+    i_h = tl.program_id(1)
+    if IS_VARLEN:
+        i_n = tl.load(ci_ptr + i_tg * 2).to(tl.int32)
+        if i_n < 0:
+            return
+        i_t = tl.load(ci_ptr + i_tg * 2 + 1).to(tl.int32)
+        bos = tl.load(cu_ptr + i_n).to(tl.int64)
+        L = tl.load(cu_ptr + i_n + 1).to(tl.int64) - bos
+    else:
+        i_t = i_tg
+        bos = tl.zeros([], dtype=tl.int64)
+        L = T + bos
+    rows = i_t * BT + tl.arange(0, BT)
+    m_t = (rows < L)[:, None]
+    tok = (bos + rows)[:, None]
+    o_k = tl.arange(0, K)[None, :]
+    o = tl.zeros([BT, K], dtype=tl.float32)
+    hrow = h_ptr + (i_tg.to(tl.int64) * H + i_h) * K * K + tl.arange(0, K)[:, None] * K    # h[c] rows v
+    for kk in range(0, K, BK):
+        ck = kk + tl.arange(0, BK)[None, :]
+        tk = (tok * H + i_h) * K + ck
+        qv = tl.load(q_ptr + tk, mask=m_t, other=0.0)
+        qg = (qv * tl.exp2(tl.load(gk_ptr + tk, mask=m_t, other=0.0).to(tl.float32))).to(qv.dtype)
+        o = tl.dot(qg, tl.trans(tl.load(hrow + ck)).to(qg.dtype), o)                               # [BT, V]
+    o = o * scale
+    tk = (tok * H + i_h) * K + o_k
+    vv = tl.load(vn_ptr + tk, mask=m_t, other=0.0)
+    cols = tl.arange(0, BT)[None, :]
+    a = tl.load(a_ptr + (tok * H + i_h) * BT + cols, mask=m_t, other=0.0)
+    a = tl.where(tl.arange(0, BT)[:, None] >= cols, a, 0.0).to(vv.dtype)
+    o = tl.dot(a, vv, o)
+    gt = tl.load(gate_ptr + tok * stride_gate + i_h * K + o_k, mask=m_t, other=0.0).to(tl.float32)
+    rs = 1.0 / tl.sqrt(tl.sum(o * o, axis=1) / K + norm_eps)
+    y = o * rs[:, None] * tl.load(w_ptr + o_k) * _sigmoid(gt)
+    tl.store(out_ptr + tok * stride_out + i_h * K + o_k, y.to(out_ptr.dtype.element_ty), mask=m_t)
+
+
+def _chunk_core(q, k, v, f, beta, A_log, dt_bias, g, o_norm_w, h0, slots, cu32, out, *, H, K, lower_bound, norm_eps,
+                st, out_cfg=None):
+    """Chunked delta rule + output norm of the packed tokens: writes `out` [T, P] and returns the final states
+    [N, H, V, K] fp32. q, k (L2-normalized), v, f [T, P] y-dtype contiguous; beta [T, H]; g [T, P] (output gate,
+    any row stride); h0 [N, H, V, K] fp32 initial states (gathered from the slots); cu32 [N+1] int32.
+    st: `_fla_stages()`. One sequence: dense; several: fla's static chunk indices (fixed shape
+    nt_max = cdiv(T, 64) + N - 1, built on the device: no host sync). out_cfg overrides `_OUT_CFG`.
+    The inter-chunk state pass is fla's: ours (one Triton kernel, V split for parallelism) took 926-1330 us at 12
+    heads against fla's 720 and tied at 96 heads (H200 run 9), so it was dropped."""
+    T = q.shape[0]
+    N = h0.shape[0]
+    BT = _CHUNK
+    view = lambda x: x.view(1, T, H, K)                      # noqa: E731
+    varlen = N > 1
+    cu64 = ci = co = None
+    NT = triton.cdiv(T, BT)
+    if varlen:
+        cu64 = cu32.to(torch.int64)
+        NT = NT + N - 1
+        ci, co = st.chunk_indices(cu64, BT, NT)
+    gk = st.gate_cumsum(g=view(f), A_log=A_log, chunk_size=BT, scale=st.rcp_ln2, dt_bias=dt_bias, cu_seqlens=cu64,
+                        chunk_indices=ci, lower_bound=lower_bound, use_graph=varlen)
+    w, u, _, kg, Aqk, _ = st.intra(q=view(q), k=view(k), v=view(v), gk=gk, beta=beta.view(1, T, H), scale=K ** -0.5,
+                                   cu_seqlens=cu64, chunk_size=BT, chunk_indices=ci, safe_gate=True,
+                                   disable_recompute=False, use_graph=varlen)
+    h, vn, ht = st.state_pass(k=kg, w=w, u=u, gk=gk, initial_state=h0, output_final_state=True, cu_seqlens=cu64,
+                              chunk_indices=ci, chunk_offsets=co, chunk_size=BT, state_v_first=True)
+    oc = dict(_OUT_CFG, **(out_cfg or {}))
+    _chunk_out_norm_kernel[(NT, H)](q, gk, h, vn, Aqk, g, o_norm_w, out, cu32, ci, T, g.stride(0), out.stride(0),
+                                    K ** -0.5, float(norm_eps), H=H, K=K, BT=BT, BK=min(oc["block_k"], K),
+                                    IS_VARLEN=varlen, num_warps=oc["num_warps"], num_stages=oc["num_stages"])
+    return ht
+
+
 def _fla_available(device) -> bool:
     if device.type != "cuda":
         return False
@@ -466,7 +587,7 @@ def kda_prefill_workspace_bytes(num_tokens: int, num_seqs: int, num_heads: int, 
 
 def kda_prefill(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, cu_seqlens, slots, *,
                 num_heads: int, head_dim: int, lower_bound: float = -5.0, norm_eps: float = 1e-5, out=None,
-                graph_safe: bool = True, workspace: torch.Tensor | None = None):
+                graph_safe: bool = True, workspace: torch.Tensor | None = None, chunk_impl: str = "k3"):
     """KdaPrefill (MODEL.md §4): varlen packed prefill continuing from the slots' state/conv history; in place.
 
     qkv [T, 3P], f [T, P], b [T, H], g [T, P] act (bf16 or fp32); conv_w [3P, 4], A_log [H], dt_bias [P],
@@ -475,20 +596,27 @@ def kda_prefill(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, cu_
     conv): the pools updated in place. AssertionError on mismatched shapes.
 
     workspace: optional uint8 scratch (size: :func:`kda_prefill_workspace_bytes`) for the conv output, beta,
-    the gathered initial states and the int64 cu_seqlens. One sequence (N == 1) runs chunk_kda's dense path (no
-    chunk index, no varlen; N is a shape, so still no host sync). graph_safe (N > 1): call chunk_kda with
-    `use_graph=True, max_num_seqs=N` (chunk indices built on the device with a fixed shape; no host sync); False
-    builds fla's chunk indices on the host (a device sync). Dense vs varlen and graph-safe vs host-built indices
-    were timed only in a call whose fla autotune came from test shapes (benchmarks/RESULTS.md run 8 c: 2810 / 3112 /
-    3858 us at T=32768, 12 heads), so their ranking is not settled. fla allocates its intermediates through torch's
-    caching allocator either way. beta = sigmoid(b) is stored in y's dtype (bf16 on the fla path): on a bf16 case
-    of the CPU fallback that raises the error against the fp32 reference from 5.7e-3 to 6.4e-3 (output) and 6.9e-3
-    to 8.4e-3 (state) versus fp32 beta."""
+    the gathered initial states and the int64 cu_seqlens; fla's intermediates come from torch's caching allocator.
+
+    chunk_impl (GPU with fla-core; the CPU fallback is a torch token recurrence either way):
+      'k3' (default): fla-core's gate cumsum, intra-chunk and inter-chunk state stages (internal API, used only for
+          the fla-core versions in `_FLA_STAGES_VERSIONS`, else 'fla'), then `_chunk_out_norm_kernel`: the chunk
+          output with the gated RMSNorm fused, so the unnormalized output is never written. One sequence: dense;
+          several: chunk indices built on the device with a fixed shape (no host sync, `graph_safe` or not).
+          H200 run 9 (T=32768, one sequence): see benchmarks/RESULTS.md.
+      'fla': fla-core's `chunk_kda` (one sequence: its dense path; several: `use_graph=True, max_num_seqs=N` when
+          graph_safe, else host-built chunk indices, a device sync), then our gated-norm kernel.
+    ValueError for another chunk_impl. beta = sigmoid(b) is stored in y's dtype (bf16 on the GPU path): on a bf16
+    case of the CPU fallback that raises the error against the fp32 reference from 5.7e-3 to 6.4e-3 (output) and
+    6.9e-3 to 8.4e-3 (state) versus fp32 beta."""
     T = qkv.shape[0]
     H, K = num_heads, head_dim
     P = H * K
     D = 3 * P
     N = slots.shape[0]
+    if chunk_impl not in ("k3", "fla"):
+        raise ValueError(f"kda_prefill: chunk_impl={chunk_impl!r}; use 'k3' (fla-core's chunk stages + our output "
+                         "kernel with the gated norm fused) or 'fla' (fla-core's chunk_kda + our norm kernel)")
     assert qkv.shape[1] == D and f.shape == (T, P) and b.shape == (T, H) and g.shape == (T, P)
     assert cu_seqlens.shape[0] == N + 1
     dev = qkv.device
@@ -508,6 +636,7 @@ def kda_prefill(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, cu_
     _conv_prefill(qkv, conv_w, conv, slots, cu32, y, T, D, P, K)
     _conv_hist_kernel[(N, triton.cdiv(D, 256))](qkv, conv, slots, cu32, qkv.stride(0), D=D, BD=256, num_warps=4)
     q, k, v = y[0], y[1], y[2]
+    st = _fla_stages() if use_fla and chunk_impl == "k3" else None
     if use_fla:
         from fla.ops.kda import chunk_kda
         h0 = ws.empty(*next(scratch))                                 # [N, H, V, K] (state_v_first layout)
@@ -518,6 +647,13 @@ def kda_prefill(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, cu_
             fa.copy_(f)
         else:
             fa = f if f.dtype == q.dtype else f.to(q.dtype)
+    if st is not None:
+        fa = fa if fa.is_contiguous() else fa.contiguous()
+        ht = _chunk_core(q, k, v, fa, beta, A_log, dt_bias, g, o_norm_w, h0, slots, cu32, out, H=H, K=K,
+                         lower_bound=lower_bound, norm_eps=norm_eps, st=st)
+        _copy_rows(ht if ht.dtype == state.dtype else ht.to(state.dtype), state, slots, gather=False)
+        return out, state, conv
+    if use_fla:
         # one sequence: chunk_kda's dense path (no chunk index, no varlen; measured faster, RESULTS.md run 8)
         varlen = {} if N == 1 else dict(cu_seqlens=cu64.copy_(cu32),
                                         **(dict(use_graph=True, max_num_seqs=N) if graph_safe else {}))

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from plugins.common import num_sms
 from plugins.workspace import WORKSPACE_ALIGN, Workspace, plan_bytes
 
 
@@ -147,25 +148,13 @@ def _mla_combine_kernel(po_ptr, plse_ptr, out_ptr, H, NSPLIT, stride_ob, stride_
     tl.store(out_ptr + b * stride_ob + h * stride_oh + dr, o.to(out_ptr.dtype.element_ty))
 
 
-_SM_COUNT = {}
-
-
-def _num_sms(device) -> int:
-    if device.type != "cuda":
-        return 8
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
 def _launch_cfg(B, H, capacity, device, BN, BH=None, programs_per_sm=8):
     """Split-K along the sequence: enough (head group, split, sequence) programs for `programs_per_sm` per SM
     (several resident CTAs per SM and a short tail), each split at least 256 tokens. Fixed from the cache
     capacity (no host sync; CUDA-graph safe)."""
     BH = _block_h(H, BH)
     ngroups = triton.cdiv(H, BH)
-    target = programs_per_sm * _num_sms(device)
+    target = programs_per_sm * num_sms(device)
     nsplit = max(1, min(triton.cdiv(target, B * ngroups), triton.cdiv(capacity, 256)))
     nsplit, tok = _split_tokens(capacity, nsplit, BN)
     return BH, ngroups, nsplit, tok
@@ -199,7 +188,7 @@ def mla_decode_workspace_bytes(batch: int, num_heads: int, kv_lora_rank: int, ma
     the max over B' <= batch). device: where the kernel runs (its SM count sets S; default: CUDA if present)."""
     dev = torch.device(device) if device is not None else _default_device()
     return _decode_ws_bytes(int(batch), int(num_heads), int(kv_lora_rank), int(max_blocks), int(block_size),
-                            _num_sms(dev), num_splits, block_h, block_n, programs_per_sm)
+                            num_sms(dev), num_splits, block_h, block_n, programs_per_sm)
 
 
 @functools.lru_cache(maxsize=256)   # evaluated by every TensorRT enqueue: cache the O(batch) bound
