@@ -22,8 +22,9 @@ Any other symbolic dim (pool sizes S/NB, block-table width MB, ...) must be give
 Plugins: with full TensorRT the ``kimi`` plugins are registered before parsing (``register_tensorrt_plugins``), so the
 parser maps every ``kimi`` node (it carries ``plugin_namespace``) to its plugin; unregistered, it would silently
 inline the node's ONNX function body, the O(context) reference (STACK.md §1c). ``aot=True`` (``--aot``) registers
-the ahead-of-time forms where ``tensorrt.plugin`` has them (KdaDecode, MlaDecode: PTX baked into the engine, no Python
-at runtime) and marks those nodes ``aot=1`` for the parser; the manifest records them per engine (``aot_ops``).
+the ahead-of-time forms where ``tensorrt.plugin`` has them (KdaDecode, MlaDecode, and Mxfp4Moe as four single-launch
+ops: PTX baked into the engine, no Python at runtime), marks those nodes ``aot=1`` for the parser and rewrites each
+Mxfp4Moe node into its four ops (plugins/moe/trt_aot.py); the manifest records them per engine (``aot_ops``).
 TensorRT-RTX registers nothing: its parser aborts on Python plugins, and the nodes are inlined from their bodies.
 
 TensorRT-RTX (``engines.trt``) builds ahead of time for ``target_cc`` (``sm75/80/86/89/120/121``; no ``sm90``) with no
@@ -56,7 +57,8 @@ _STD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
 def register_build_plugins(info: TrtInfo, aot: bool = False) -> list[str]:
     """Register the ``kimi`` plugins with full TensorRT before parsing; nothing for TensorRT-RTX (its parser aborts on
     Python plugins; the nodes are then inlined from their function bodies). Returns the op types registered ahead of
-    time (``["KdaDecode", "MlaDecode"]`` with ``aot`` where ``tensorrt.plugin`` supports AOT, else ``[]``).
+    time (``["KdaDecode", "MlaDecode", "Mxfp4Moe"]`` with ``aot`` where ``tensorrt.plugin`` supports AOT, else ``[]``;
+    Mxfp4Moe nodes are then rewritten into four AOT ops at parse time, plugins/moe/trt_aot.py).
     Raises ValueError for ``aot`` with TensorRT-RTX."""
     if info.is_rtx:
         if aot:
@@ -65,10 +67,14 @@ def register_build_plugins(info: TrtInfo, aot: bool = False) -> list[str]:
         return []
     from plugins.kda import trt_aot as kda_aot
     from plugins.mla import trt_aot as mla_aot
+    from plugins.moe import trt_aot as moe_aot
     from plugins.trt_common import register_tensorrt_plugins
 
     register_tensorrt_plugins(info.module, aot=aot)
-    return [pid.split("::")[1] for pid in kda_aot.register() + mla_aot.register()] if aot else []
+    if not aot:
+        return []
+    return [pid.split("::")[1] for pid in kda_aot.register() + mla_aot.register()] + \
+        (["Mxfp4Moe"] if moe_aot.register() else [])
 
 
 def aot_sources_sha256() -> str:
@@ -79,17 +85,23 @@ def aot_sources_sha256() -> str:
 
     h = hashlib.sha256()
     for mod in ("plugins.aot_common", "plugins.kda.trt_aot", "plugins.kda.kernels", "plugins.mla.trt_aot",
-                "plugins.mla.kernels"):
+                "plugins.mla.kernels", "plugins.moe.trt_aot", "plugins.moe.kernels"):
         h.update(Path(importlib.import_module(mod).__file__).read_bytes())
     return h.hexdigest()
 
 
 def mark_aot_nodes(model, op_types: Sequence[str]) -> int:
     """Set the attribute ``aot=1`` on every top-level node of domain ``kimi`` whose op type is in ``op_types`` (the
-    ONNX form of ``network.add_plugin(..., aot=True)``, STACK.md §1b). Returns how many nodes were marked."""
+    ONNX form of ``network.add_plugin(..., aot=True)``, STACK.md §1b); with ``"Mxfp4Moe"`` in ``op_types`` those
+    nodes are replaced by the four AOT MoE ops instead (plugins/moe/trt_aot.decompose_mxfp4_moe). Returns how many
+    nodes were marked or replaced."""
     import onnx
 
     n = 0
+    if "Mxfp4Moe" in op_types:
+        from plugins.moe.trt_aot import decompose_mxfp4_moe
+
+        n += decompose_mxfp4_moe(model)
     for node in model.graph.node:
         if node.domain == "kimi" and node.op_type in op_types:
             keep = [a for a in node.attribute if a.name != "aot"]
@@ -363,7 +375,7 @@ def build_engine(onnx_path: str | Path, plan_path: str | Path,
     timing_cache: file path or shared :class:`TimingCacheFile` (loaded before, saved after the build).
     shape_values: per profile ``{input_name: (min_values, opt_values, max_values)}`` for inputs TensorRT treats as
     shape tensors (values that determine shapes).
-    aot: full TensorRT only: the AOT forms of KdaDecode/MlaDecode (see the module docstring).
+    aot: full TensorRT only: the AOT forms of KdaDecode/MlaDecode/Mxfp4Moe (see the module docstring).
     Returns metadata: ``inputs``/``outputs`` (name, shape with -1 = dynamic, dtype, is_shape_tensor), ``profiles``
     (read back from the profile objects), ``compute_capability``, ``plan_bytes``, ``plan_sha256``, ``plugins``,
     ``aot_ops``, ``verified`` ("engine" when the plan was deserialized and checked, "network" otherwise), ``notes``.
@@ -600,8 +612,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--flavor", choices=["tensorrt", "tensorrt-rtx"], default=None,
                     help="force a TensorRT flavor (default: full TensorRT if installed, else RTX)")
     ap.add_argument("--aot", action="store_true",
-                    help="full TensorRT >= 10.9: KdaDecode/MlaDecode as ahead-of-time plugins (PTX in the engine, "
-                         "no Python at runtime); refused with TensorRT-RTX")
+                    help="full TensorRT >= 10.9: KdaDecode/MlaDecode/Mxfp4Moe as ahead-of-time plugins (PTX in the "
+                         "engine, no Python at runtime); refused with TensorRT-RTX")
     ap.add_argument("--force", action="store_true", help="rebuild every engine even when unchanged")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("-v", "--verbose", action="count", default=0, help="-v: info, -vv: debug incl. TensorRT log")

@@ -1,6 +1,7 @@
 """Shared helpers of the ahead-of-time ``tensorrt.plugin`` forms (QDP with ``@trtp.aot_impl``, TensorRT >= 10.9):
 one Triton kernel compiled to PTX per plugin, baked into the engine and launched by TensorRT without Python
-(STACK.md §1b). Users: plugins/kda/trt_aot.py (``kimi::KdaDecode``), plugins/mla/trt_aot.py (``kimi::MlaDecode``).
+(STACK.md §1b). Users: plugins/kda/trt_aot.py (``kimi::KdaDecode``), plugins/mla/trt_aot.py (``kimi::MlaDecode``),
+plugins/moe/trt_aot.py (``kimi::Mxfp4Moe`` as four single-launch ops).
 
 TensorRT's AOT launch passes exactly: input pointers, then the int32 extra arguments, then output pointers. Triton
 >= 3.3 appends hidden scratch pointers to every kernel, so :func:`compile_entry` removes them from the PTX
@@ -32,12 +33,12 @@ TRT_TYPE_NAMES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16"}
 
 def entry_signature(inputs, extra, outputs, constexprs, act: str, what: str) -> dict[str, str]:
     """Triton signature of an AOT entry kernel in TensorRT's parameter order: ``inputs`` and ``outputs`` are
-    ``(name, class)`` pointers with class ``"act"`` (dtype ``act``), ``"f32"`` or ``"i32"``; ``extra`` are
+    ``(name, class)`` pointers with class ``"act"`` (dtype ``act``), ``"f32"``, ``"i32"`` or ``"u8"``; ``extra`` are
     ``(name, "i32")`` scalars between them; ``constexprs`` names follow. Raises ValueError (naming ``what``) for an
     ``act`` not in :data:`ACT_NAMES`."""
     if act not in TRITON_TYPES:
         raise ValueError(f"{what} AOT: activation dtype {act!r} not in {ACT_NAMES}")
-    types = {"act": "*" + TRITON_TYPES[act], "f32": "*fp32", "i32": "*i32"}
+    types = {"act": "*" + TRITON_TYPES[act], "f32": "*fp32", "i32": "*i32", "u8": "*u8"}
     sig = {n: types[c] for n, c in inputs}
     sig.update({n: c for n, c in extra})
     sig.update({n: types[c] for n, c in outputs})
@@ -47,10 +48,11 @@ def entry_signature(inputs, extra, outputs, constexprs, act: str, what: str) -> 
 
 def autotune_string(pointers) -> str:
     """``AutoTuneCombination`` type string for ``(name, class)`` pointers (inputs then outputs): every ``"act"``
-    position takes FP32|FP16|BF16 together, ``"f32"`` stays FP32 and ``"i32"`` INT32 in each combination."""
+    position takes FP32|FP16|BF16 together, ``"f32"`` stays FP32, ``"i32"`` INT32 and ``"u8"`` UINT8 in each
+    combination."""
     n = len(ACT_NAMES)
     cls = {"act": "|".join(TRT_TYPE_NAMES[a] for a in ACT_NAMES), "f32": "|".join(["FP32"] * n),
-           "i32": "|".join(["INT32"] * n)}
+           "i32": "|".join(["INT32"] * n), "u8": "|".join(["UINT8"] * n)}
     return ", ".join(cls[c] for _, c in pointers)
 
 

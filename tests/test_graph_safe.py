@@ -35,9 +35,11 @@ from plugins.mla import reference as mla_ref         # noqa: E402
 from plugins.mla import trt_aot as mla_aot           # noqa: E402
 from plugins.mla.trt import MLA_DECODE, MLA_PREFILL  # noqa: E402
 from plugins.moe import kernels as moe_k             # noqa: E402
+from plugins.moe import reference as moe_ref         # noqa: E402
+from plugins.moe import trt_aot as moe_aot           # noqa: E402
 from plugins.moe.trt import MXFP4_MOE                # noqa: E402
 from plugins.trt_common import ACT, F32, Like, OpSpec, run_kernel, workspace_size  # noqa: E402
-from kernel_checks import nan_equal, relerr    # noqa: E402  (tests/kernel_checks.py)
+from kernel_checks import Guarded, nan_equal, relerr    # noqa: E402  (tests/kernel_checks.py)
 
 REPO = Path(__file__).resolve().parents[1]
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -730,35 +732,57 @@ def test_cuda_graph_capture_and_replay(case):
                 assert relerr(r, e) < 1e-3, case.name
 
 
+class _DriverKernel:
+    """An AOT kernel's PTX loaded with cuModuleLoadData and launched the way TensorRT's AOT launcher does: every
+    argument a pointer (tensor) or an int32 (extra), in the kernel's parameter order, on torch's current stream;
+    above 48 KB of static shared memory the function is opted in first. Call ``unload()`` at the end."""
+
+    def __init__(self, name: str, ptx: str, shared: int):
+        import ctypes
+
+        self.ct = ctypes
+        self.cuda = ctypes.CDLL("libcuda.so.1")
+        torch.cuda.current_stream().synchronize()
+        self.mod, self.fn = ctypes.c_void_p(), ctypes.c_void_p()
+        assert self.cuda.cuModuleLoadData(ctypes.byref(self.mod), ctypes.c_char_p(ptx.encode() + b"\0")) == 0
+        assert self.cuda.cuModuleGetFunction(ctypes.byref(self.fn), self.mod, name.encode()) == 0
+        if shared > 48 * 1024:   # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+            assert self.cuda.cuFuncSetAttribute(self.fn, 8, ctypes.c_int(shared)) == 0
+
+    def params(self, args):
+        ct = self.ct
+        vals = [ct.c_uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else ct.c_int32(int(a)) for a in args]
+        return vals, (ct.c_void_p * len(vals))(*[ct.cast(ct.byref(v), ct.c_void_p) for v in vals])
+
+    def launch(self, lp: dict, packed) -> None:
+        """Launch with ``lp`` (launch_params) and ``packed = self.params(args)`` (kept alive by the caller)."""
+        stream = self.ct.c_void_p(torch.cuda.current_stream().cuda_stream)
+        rc_ = self.cuda.cuLaunchKernel(self.fn, lp["grid_x"], lp["grid_y"], lp["grid_z"], lp["block_x"],
+                                       lp["block_y"], lp["block_z"], lp["shared_mem"], stream, packed[1], None)
+        assert rc_ == 0, rc_
+
+    def unload(self) -> None:
+        self.cuda.cuModuleUnload(self.mod)
+
+
 @gpu_only
 def test_kda_decode_aot_ptx_through_the_driver():
     """The AOT PTX loaded with cuModuleLoadData and launched with TensorRT's convention (inputs, T, outputs; grid
     (T, H); block 32*warps) equals the reference; the single launch is captured in a CUDA graph too."""
-    import ctypes
-
     B, H, K, act = 5, 4, 128, torch.bfloat16
     slots = [6, 2, 7, 3, 1]
     x = {k: v.to(DEV) for k, v in _kda_make(B, H, K, 9, act, slots)(3).items()}
     ro, rs, rc = kda_ref.kda_decode(*[v.cpu() for v in x.values()], num_heads=H, head_dim=K)
     name, ptx, warps, shared = trt_aot.compile_ptx("bfloat16", H, K, -5.0, 1e-5)
-    cuda = ctypes.CDLL("libcuda.so.1")
-    torch.cuda.current_stream().synchronize()
-    mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
-    assert cuda.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(ptx.encode() + b"\0")) == 0
-    assert cuda.cuModuleGetFunction(ctypes.byref(fn), mod, name.encode()) == 0
+    kern = _DriverKernel(name, ptx, shared)
     out = torch.empty(B, H * K, dtype=act, device=DEV)
-    ptrs = [x[k].data_ptr() for k in ("qkv", "f", "b", "g", "conv_w", "A_log", "dt_bias", "o_norm_w", "state",
-                                      "conv", "slots")]
-    vals = [ctypes.c_uint64(p) for p in ptrs] + [ctypes.c_int32(B)] + \
-        [ctypes.c_uint64(p) for p in (out.data_ptr(), x["state"].data_ptr(), x["conv"].data_ptr())]
-    params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
+    args = [x[k] for k in ("qkv", "f", "b", "g", "conv_w", "A_log", "dt_bias", "o_norm_w", "state", "conv",
+                           "slots")] + [B, out, x["state"], x["conv"]]
+    packed = kern.params(args)
     lp = trt_aot.launch_params(B, H, warps, shared)
 
     def launch():
-        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        rc_ = cuda.cuLaunchKernel(fn, lp["grid_x"], lp["grid_y"], lp["grid_z"], lp["block_x"], lp["block_y"],
-                                  lp["block_z"], lp["shared_mem"], stream, params, None)
-        assert rc_ == 0, rc_
+        kern.launch(lp, packed)
 
     st0, cv0 = x["state"].clone(), x["conv"].clone()
     launch()
@@ -775,7 +799,7 @@ def test_kda_decode_aot_ptx_through_the_driver():
     torch.cuda.synchronize()
     assert torch.equal(out, first)
     del graph                      # the graph references the module's function: drop it first
-    cuda.cuModuleUnload(mod)
+    kern.unload()
 
 
 @gpu_only
@@ -783,8 +807,6 @@ def test_mla_decode_aot_ptx_through_the_driver():
     """The MlaDecode AOT PTX loaded with cuModuleLoadData and launched with TensorRT's convention (5 inputs, MB, BS,
     2 outputs; grid (groups, 1, B)) writes the new latents and equals the reference (96 heads: six 16-head programs
     per sequence; above 48 KB of shared memory the launch opts the function in, as TensorRT would have to)."""
-    import ctypes
-
     H, R, DR, BS, MB, B, dt = 96, 512, 64, 64, 3, 3, torch.bfloat16
     ctx = torch.tensor([0, BS + 1, 2 * BS - 1], dtype=torch.int32)
     g = torch.Generator().manual_seed(5)
@@ -794,22 +816,243 @@ def test_mla_decode_aot_ptx_through_the_driver():
     lat = torch.randn(B, R + DR, generator=g).to(dt)
     ro, rc = mla_ref.mla_decode(q.float(), lat.float(), cache.float(), bt, ctx, num_heads=H, kv_lora_rank=R, scale=0.05)
     name, ptx, warps, shared = mla_aot.compile_ptx("bfloat16", H, R, R + DR, 0.05)
-    cuda = ctypes.CDLL("libcuda.so.1")
-    torch.cuda.current_stream().synchronize()
-    mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
-    assert cuda.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(ptx.encode() + b"\0")) == 0
-    assert cuda.cuModuleGetFunction(ctypes.byref(fn), mod, name.encode()) == 0
-    if shared > 48 * 1024:   # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-        assert cuda.cuFuncSetAttribute(fn, 8, ctypes.c_int(shared)) == 0
+    kern = _DriverKernel(name, ptx, shared)
     x = [t.to(DEV) for t in (q, lat, cache, bt, ctx)]
     out = torch.full((B, H, R), float("nan"), dtype=dt, device=DEV)
-    vals = [ctypes.c_uint64(t.data_ptr()) for t in x] + [ctypes.c_int32(MB), ctypes.c_int32(BS)] + \
-        [ctypes.c_uint64(out.data_ptr()), ctypes.c_uint64(x[2].data_ptr())]
-    params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
-    lp = mla_aot.launch_params(B, H, warps, shared)
-    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-    assert cuda.cuLaunchKernel(fn, lp["grid_x"], lp["grid_y"], lp["grid_z"], lp["block_x"], lp["block_y"],
-                               lp["block_z"], lp["shared_mem"], stream, params, None) == 0
+    packed = kern.params(x + [MB, BS, out, x[2]])
+    kern.launch(mla_aot.launch_params(B, H, warps, shared), packed)
     torch.cuda.synchronize()
     assert relerr(out, ro) < 2e-2 and nan_equal(x[2].float().cpu(), rc)
-    cuda.cuModuleUnload(mod)
+    kern.unload()
+
+
+# ------------------------------------------------------------------------------------- Mxfp4Moe ahead of time
+def _moe_case(E, RL, I, T, k, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    w13p = torch.randint(0, 256, (E, 2 * I, RL // 2), dtype=torch.uint8, generator=g)
+    w13s = torch.randint(121, 127, (E, 2 * I, RL // 32), dtype=torch.uint8, generator=g)
+    w2p = torch.randint(0, 256, (E, RL, I // 2), dtype=torch.uint8, generator=g)
+    w2s = torch.randint(118, 124, (E, RL, I // 32), dtype=torch.uint8, generator=g)
+    x = torch.randn(T, RL, generator=g)
+    ids = torch.stack([torch.randperm(E + 4, generator=g)[:k] for _ in range(T)]).int()   # some ids non-local (EP)
+    w = torch.rand(T, k, generator=g)
+    return x, ids, w, w13p, w13s, w2p, w2s
+
+
+def test_moe_aot_pure_helpers():
+    """The four AOT MoE ops' TensorRT parameter order (inputs, extras, outputs), constexprs, grids, type strings."""
+    names = {op: list(moe_aot.kernel_signature(op, "bfloat16")) for op in moe_aot.AOT_OPS}
+    assert names[moe_aot.SORT][:5] == ["ids_ptr", "M", "order_ptr", "tok_ptr", "offs_ptr"]
+    assert names[moe_aot.W13][:6] == ["x_ptr", "tok_ptr", "offs_ptr", "w_ptr", "s_ptr", "h_ptr"]
+    assert names[moe_aot.W2][:7] == ["h_ptr", "pair_ptr", "wts_ptr", "offs_ptr", "w_ptr", "s_ptr", "y_ptr"]
+    assert names[moe_aot.COMBINE][:3] == ["ypair_ptr", "ids_ptr", "y_ptr"]
+    sig = moe_aot.kernel_signature(moe_aot.W13, "bfloat16")
+    assert (sig["x_ptr"], sig["w_ptr"], sig["h_ptr"], sig["tok_ptr"]) == ("*bf16", "*u8", "*bf16", "*i32")
+    assert moe_aot.kernel_signature(moe_aot.W2, "float32")["y_ptr"] == "*fp32"
+    with pytest.raises(ValueError, match="activation dtype"):
+        moe_aot.kernel_signature(moe_aot.W13, "int8")
+    c = moe_aot.kernel_constexprs(moe_aot.W13, latent=3584, inter=3072, situ_beta=4.0, situ_linear_beta=25.0)
+    assert (c["I"], c["RL"], c["BM"], c["BN"], c["BK"], c["DQ"]) == (3072, 3584, 16, 128, 64, 3)
+    assert moe_aot.kernel_constexprs(moe_aot.W2, latent=64, inter=32, interpret=True)["DQ"] == 0
+    assert moe_aot.kernel_constexprs(moe_aot.COMBINE, num_local_experts=112, expert_offset=224, top_k=16,
+                                     latent=3584) == {"E": 112, "EXPERT_OFFSET": 224, "RL": 3584, "K": 16, "BK": 16,
+                                                      "BR": 256}
+    with pytest.raises(ValueError, match="multiples of 32"):
+        moe_aot.kernel_constexprs(moe_aot.W13, latent=48, inter=64)
+    T = object()
+    grids = {op: moe_aot.launch_params(op, num_local_experts=112, num_tokens=T, latent=3584, inter=3072)
+             for op in moe_aot.AOT_OPS}
+    assert (grids[moe_aot.SORT]["grid_x"], grids[moe_aot.W13]["grid_x"], grids[moe_aot.W13]["grid_y"]) == (113, 24, 112)
+    assert (grids[moe_aot.W2]["grid_x"], grids[moe_aot.COMBINE]["grid_y"]) == (28, 14)
+    assert grids[moe_aot.COMBINE]["grid_x"] is T and grids[moe_aot.W2]["block_x"] == 128
+    assert moe_aot.autotune_types(moe_aot.W13).split(", ") == ["FP32|FP16|BF16"] + ["INT32|INT32|INT32"] * 2 + \
+        ["UINT8|UINT8|UINT8"] * 2 + ["FP32|FP16|BF16"]
+
+
+@pytest.mark.parametrize("T,k,eo", [(5, 3, 2), (1, 4, 0)])
+def test_moe_aot_entry_kernels_match_reference(T, k, eo):
+    """The four AOT entry kernels launched in sequence the way TensorRT would (dense tensors, grids of
+    launch_params, attributes as constexprs, intermediates as separate tensors) equal plugins/moe/reference.py,
+    with some ids outside this rank's experts. CPU: plain-Triton dequant, fp32 products; GPU: the compiled form's
+    inline-PTX dequant and bf16 products (h rounded to bf16)."""
+    E, RL, I = (6, 64, 64) if not HAS_CUDA else (8, 256, 128)
+    x, ids, w, w13p, w13s, w2p, w2s = _moe_case(E, RL, I, T, k)
+    act = torch.float32 if not HAS_CUDA else torch.bfloat16
+    ref = moe_ref.mxfp4_moe(x.to(act).float(), ids, w, w13p, w13s, w2p, w2s, expert_offset=eo)
+    d = {n: t.to(DEV) for n, t in zip(("x", "ids", "w", "w13p", "w13s", "w2p", "w2s"),
+                                        (x.to(act), ids, w, w13p, w13s, w2p, w2s))}
+    M = T * k
+    G = Guarded()
+    order, tok, offs = (G.empty(n, dtype=torch.int32) for n in (M, M, E + 1))
+    h, ypair, y = G.empty(M, I, dtype=act), G.empty(M, RL, dtype=torch.float32), G.empty(T, RL, dtype=torch.float32)
+    kw = dict(num_local_experts=E, expert_offset=eo, top_k=k, latent=RL, inter=I, interpret=not HAS_CUDA)
+
+    def run(op, *args):
+        lp = moe_aot.launch_params(op, num_local_experts=E, num_tokens=T, latent=RL, inter=I)
+        c = moe_aot.kernel_constexprs(op, **kw)
+        moe_aot.ENTRY[op][(lp["grid_x"], lp["grid_y"], lp["grid_z"])](*args, **c, num_warps=moe_aot.NUM_WARPS)
+
+    run(moe_aot.SORT, G(d["ids"]), M, order, tok, offs)
+    run(moe_aot.W13, G(d["x"]), tok, offs, G(d["w13p"]), G(d["w13s"]), h)
+    run(moe_aot.W2, h, order, G(d["w"]), offs, G(d["w2p"]), G(d["w2s"]), ypair)
+    run(moe_aot.COMBINE, ypair, G(d["ids"]), y)
+    G.check()
+    assert relerr(y, ref) < (1e-4 if not HAS_CUDA else 1e-2)
+
+
+def test_moe_aot_kernels_compile_to_ptx_for_sm90():
+    """The four entry kernels compile for sm_90 on a CPU machine at K3's per-rank shapes (112 local experts,
+    Rl 3584, I 3072, top-16) with exactly TensorRT's parameters: sort 1 in + M + 3 out, W13 5 + 1, W2 6 + 1,
+    combine 2 + 1."""
+    code = ("from triton.backends.compiler import GPUTarget\n"
+            "from plugins.moe import trt_aot as A\n"
+            "import re\n"
+            "kw = dict(num_local_experts=112, expert_offset=112, top_k=16, latent=3584, inter=3072)\n"
+            "for op in A.AOT_OPS:\n"
+            "    name, ptx, w, sh = A.compile_ptx(op, 'bfloat16', target=GPUTarget('cuda', 90, 32), **kw)\n"
+            "    entry = re.search(r'\\.entry\\s+' + name + r'\\s*\\(([^)]*)\\)', ptx).group(1)\n"
+            "    n = len([p for p in entry.split(',') if p.strip()])\n"
+            "    print(name, n, w, sh, '.target sm_90a' in ptx)\n")
+    lines = _compile_in_subprocess(code)
+    assert [ln[0] for ln in lines] == ["_moe_sort_aot_kernel", "_moe_w13_aot_kernel", "_moe_w2_aot_kernel",
+                                       "_moe_combine_aot_kernel"]
+    assert [int(ln[1]) for ln in lines] == [5, 6, 7, 3] and all(ln[4] == "True" for ln in lines)
+    assert all(int(ln[3]) <= 227 * 1024 for ln in lines)
+
+
+def _moe_onnx(w13_as_input=False):
+    import onnx
+    from onnx import TensorProto, helper
+
+    E, RL, I, k = 6, 64, 32, 2
+    shapes = {"w13_packed": (E, 2 * I, RL // 2), "w13_scale": (E, 2 * I, RL // 32), "w2_packed": (E, RL, I // 2),
+              "w2_scale": (E, RL, I // 32)}
+    inits = [helper.make_tensor(n, TensorProto.UINT8, s, np.zeros(s, np.uint8).tobytes(), raw=True)
+             for n, s in shapes.items() if not (w13_as_input and n == "w13_packed")]
+    ins = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", RL]),
+           helper.make_tensor_value_info("ids", TensorProto.INT32, ["T", k]),
+           helper.make_tensor_value_info("wts", TensorProto.FLOAT, ["T", k])]
+    if w13_as_input:
+        ins.append(helper.make_tensor_value_info("w13_packed", TensorProto.UINT8, None))
+    pre = helper.make_node("Identity", ["x"], ["x1"], name="pre")
+    moe = helper.make_node("Mxfp4Moe", ["x1", "ids", "wts", *shapes], ["y"], name="moe", domain="kimi",
+                           expert_offset=6, situ_beta=3.0, situ_linear_beta=20.0, num_experts=12,
+                           plugin_namespace="kimi", plugin_version="1")
+    post = helper.make_node("Identity", ["y"], ["z"], name="post")
+    g = helper.make_graph([pre, moe, post], "layer", ins, [helper.make_tensor_value_info("z", TensorProto.FLOAT,
+                                                                                          ["T", RL])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("kimi", 1)]), onnx
+
+
+def test_decompose_mxfp4_moe_for_aot():
+    """build_engines --aot: each kimi::Mxfp4Moe node becomes MoeSortPairs -> MoeExpertsW13 -> MoeExpertsW2 ->
+    MoeCombine in its place, wired through new tensors, attributes carried (E from the weights' shape), aot=1;
+    mark_aot_nodes does it when asked for Mxfp4Moe; without a static w13 shape the rewrite names the node."""
+    from onnx import helper
+
+    from engines.build import mark_aot_nodes
+
+    m, onnx = _moe_onnx()
+    assert mark_aot_nodes(m, ["KdaDecode", "Mxfp4Moe"]) == 1
+    ops = [(n.op_type, n.domain) for n in m.graph.node]
+    assert ops == [("Identity", ""), ("MoeSortPairs", "kimi"), ("MoeExpertsW13", "kimi"), ("MoeExpertsW2", "kimi"),
+                   ("MoeCombine", "kimi"), ("Identity", "")]
+    sort, w13, w2, comb = m.graph.node[1:5]
+    a = lambda n: {x.name: helper.get_attribute_value(x) for x in n.attribute}   # noqa: E731
+    assert list(sort.input) == ["ids"] and list(w13.input)[:3] == ["x1", sort.output[1], sort.output[2]]
+    assert list(w13.input)[3:] == ["w13_packed", "w13_scale"]
+    assert list(w2.input) == [w13.output[0], sort.output[0], "wts", sort.output[2], "w2_packed", "w2_scale"]
+    assert list(comb.input) == [w2.output[0], "ids"] and list(comb.output) == ["y"]
+    assert a(sort)["num_local_experts"] == 6 and a(sort)["expert_offset"] == 6 and a(comb)["num_local_experts"] == 6
+    assert a(w13)["situ_beta"] == pytest.approx(3.0) and a(w13)["situ_linear_beta"] == pytest.approx(20.0)
+    assert all(a(n)["aot"] == 1 and a(n)["plugin_namespace"] == b"kimi" for n in (sort, w13, w2, comb))
+    onnx.checker.check_model(m)          # a valid graph (custom-domain nodes are not schema-checked)
+    assert moe_aot.decompose_mxfp4_moe(m) == 0
+    bad, _ = _moe_onnx(w13_as_input=True)
+    with pytest.raises(ValueError, match="'moe'.*static shape"):
+        moe_aot.decompose_mxfp4_moe(bad)
+
+
+class _Sym:
+    """A symbolic shape expression for the stand-in tensorrt.plugin (products and floor division stay symbolic)."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __mul__(self, other):
+        return _Sym(f"({self.name}*{getattr(other, 'name', other)})")
+
+    __rmul__ = __mul__
+
+    def __floordiv__(self, other):
+        return _Sym(f"({self.name}//{other})")
+
+
+def test_moe_aot_qdp_glue_with_stand_in_tensorrt_plugin(monkeypatch):
+    """The four QDP ops against a stand-in tensorrt.plugin: output shapes with T symbolic (M = T*k pairs), the sort's
+    extra M, grids from the static weight shapes, attributes compiled in, a symbolic latent width refused."""
+    trtp, compiled = _install_stand_in_qdp(monkeypatch, moe_aot, ("kern", "PTX", 4, 1024))
+    assert moe_aot.available() and moe_aot.register() == list(moe_aot.AOT_OPS)
+    assert {k for k, _ in trtp.defs} == {"register", "autotune", "aot_impl"}
+    T = _Sym("T")
+    E, RL, I, k = 112, 3584, 3072, 16
+    ids = _FakeDesc((T, k), "I32")
+    i32 = lambda v: np.array([v], np.int32)      # noqa: E731
+    f32 = lambda v: np.array([v], np.float32)    # noqa: E731
+    order, tok, offs = trtp.defs[("register", moe_aot.SORT)](ids, i32(E), i32(224))
+    assert order.shape_expr[0].name == "(T*16)" and offs.shape_expr == [E + 1] and offs.dtype == "I32"
+    name, ptx, lp, extra = trtp.defs[("aot_impl", moe_aot.SORT)](ids, i32(E), i32(224), (order, tok, offs), 0)
+    assert (name, ptx, lp.grid_x, lp.grid_y) == (b"kern", b"PTX", E + 1, 1)
+    assert extra[0] == "exprs" and extra[1][0][1].name == "(T*16)"
+    assert compiled[-1][:2] == (moe_aot.SORT, "float32")
+    x = _FakeDesc((T, RL), "BF16")
+    w13p, w13s = _FakeDesc((E, 2 * I, RL // 2), "U8"), _FakeDesc((E, 2 * I, RL // 32), "U8")
+    (h,) = [trtp.defs[("register", moe_aot.W13)](x, tok, offs, w13p, w13s, f32(4.0), f32(25.0))]
+    assert h.shape_expr[1] == I and h.dtype == "BF16"
+    _, _, lp, extra = trtp.defs[("aot_impl", moe_aot.W13)](x, tok, offs, w13p, w13s, f32(4.0), f32(25.0), (h,), 0)
+    assert (lp.grid_x, lp.grid_y, lp.block_x, lp.shared_mem, extra) == (24, E, 128, 1024, ("exprs", []))
+    assert compiled[-1][:2] == (moe_aot.W13, "bfloat16")
+    h = _FakeDesc((T * k, I), "BF16")
+    w2p, w2s = _FakeDesc((E, RL, I // 2), "U8"), _FakeDesc((E, RL, I // 32), "U8")
+    ypair = trtp.defs[("register", moe_aot.W2)](h, order, _FakeDesc((T, k), "F32"), offs, w2p, w2s)
+    assert ypair.shape_expr[1] == RL and ypair.dtype == "F32"
+    _, _, lp, _ = trtp.defs[("aot_impl", moe_aot.W2)](h, order, _FakeDesc((T, k), "F32"), offs, w2p, w2s, (ypair,), 0)
+    assert (lp.grid_x, lp.grid_y) == (28, E)
+    y = trtp.defs[("register", moe_aot.COMBINE)](_FakeDesc((T * k, RL), "F32"), ids, i32(E), i32(224))
+    assert y.shape_expr[0] is T and y.shape_expr[1] == RL
+    _, _, lp, _ = trtp.defs[("aot_impl", moe_aot.COMBINE)](_FakeDesc((T * k, RL), "F32"), ids, i32(E), i32(224),
+                                                           (y,), 0)
+    assert lp.grid_x is T and lp.grid_y == 14
+    with pytest.raises(ValueError, match="latent width must be static"):
+        trtp.defs[("aot_impl", moe_aot.W13)](_FakeDesc((T, _Sym("RL")), "BF16"), tok, offs, w13p, w13s, f32(4.0),
+                                             f32(25.0), (h,), 0)
+
+
+@gpu_only
+def test_moe_aot_ptx_through_the_driver():
+    """The four MoE AOT kernels' PTX (this GPU's target, bf16, inline-PTX dequant) launched through the CUDA driver
+    in sequence with TensorRT's convention equal plugins/moe/reference.py at K3-like widths (Rl 512, I 256, 16 local
+    experts of 24, top-8, 20 tokens)."""
+    E, RL, I, T, k, eo = 16, 512, 256, 20, 8, 4
+    x, ids, w, w13p, w13s, w2p, w2s = _moe_case(E, RL, I, T, k, seed=8)
+    ref = moe_ref.mxfp4_moe(x.bfloat16().float(), ids, w, w13p, w13s, w2p, w2s, expert_offset=eo)
+    d = [t.to(DEV) for t in (x.bfloat16(), ids, w, w13p, w13s, w2p, w2s)]
+    M = T * k
+    order, tok, offs = (torch.empty(n, dtype=torch.int32, device=DEV) for n in (M, M, E + 1))
+    h = torch.empty(M, I, dtype=torch.bfloat16, device=DEV)
+    ypair = torch.empty(M, RL, dtype=torch.float32, device=DEV)
+    y = torch.full((T, RL), float("nan"), dtype=torch.float32, device=DEV)
+    kw = dict(num_local_experts=E, expert_offset=eo, top_k=k, latent=RL, inter=I)
+    steps = [(moe_aot.SORT, [d[1], M, order, tok, offs]), (moe_aot.W13, [d[0], tok, offs, d[3], d[4], h]),
+             (moe_aot.W2, [h, order, d[2], offs, d[5], d[6], ypair]), (moe_aot.COMBINE, [ypair, d[1], y])]
+    kerns = []
+    for op, args in steps:
+        name, ptx, warps, shared = moe_aot.compile_ptx(op, "bfloat16", **kw)
+        kern = _DriverKernel(name, ptx, shared)
+        kerns.append((kern, kern.params(args)))
+        kern.launch(moe_aot.launch_params(op, num_local_experts=E, num_tokens=T, latent=RL, inter=I, warps=warps,
+                                          shared=shared), kerns[-1][1])
+    torch.cuda.synchronize()
+    assert relerr(y, ref) < 2e-2
+    for kern, _ in kerns:
+        kern.unload()

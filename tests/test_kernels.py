@@ -16,44 +16,10 @@ from plugins.mla import kernels as mla_k          # noqa: E402
 from plugins.moe import kernels as moe_k          # noqa: E402
 from plugins.mla import reference as mla_ref      # noqa: E402  (the lead's oracle)
 from plugins.moe import reference as moe_ref_mod  # noqa: E402
-from kernel_checks import nan_equal, relerr    # noqa: E402  (tests/kernel_checks.py)
+from kernel_checks import Guarded, nan_equal, relerr    # noqa: E402  (tests/kernel_checks.py)
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 gpu_only = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-
-
-class Guarded:
-    """Poisoned memory around every tensor a kernel gets: `g(t)` copies t into the middle of a buffer whose PAD
-    elements on each side hold poison (NaN for floats, -1 / 0xFF for integers) and returns that view. An
-    out-of-bounds read picks up poison (NaN outputs, or a bad index that faults); `g.check()` asserts no margin
-    was written (out-of-bounds stores)."""
-
-    PAD = 256
-
-    def __init__(self):
-        self.bufs = []
-
-    @staticmethod
-    def _poison(dtype):
-        return float("nan") if dtype.is_floating_point else (0xFF if dtype == torch.uint8 else -1)
-
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        buf = torch.full((t.numel() + 2 * self.PAD,), self._poison(t.dtype), dtype=t.dtype, device=t.device)
-        view = buf[self.PAD:self.PAD + t.numel()].view(t.shape)
-        view.copy_(t)
-        self.bufs.append(buf)
-        return view
-
-    def empty(self, *shape, dtype, device=DEV) -> torch.Tensor:
-        return self(torch.zeros(*shape, dtype=dtype, device=device))
-
-    def check(self):
-        for buf in self.bufs:
-            for margin in (buf[:self.PAD], buf[-self.PAD:]):
-                if buf.dtype.is_floating_point:
-                    assert torch.isnan(margin.float()).all(), "a kernel wrote outside its tensor"
-                else:
-                    assert (margin == self._poison(buf.dtype)).all(), "a kernel wrote outside its tensor"
 
 
 def test_guarded_catches_a_write_past_the_end():
