@@ -434,6 +434,26 @@ def test_full_trt_build_registers_the_plugins():
     assert r.stdout.strip() == "KdaPrefill,KdaDecode,MlaPrefill,MlaDecode,Mxfp4Moe"
 
 
+def test_register_build_plugins_aot_op_types(monkeypatch):
+    """With full TensorRT and aot, the op types handed to the parser step are those whose AOT forms registered:
+    KdaDecode, MlaDecode and Mxfp4Moe (rewritten into its four ops); none where tensorrt.plugin lacks aot_impl."""
+    import engines.build as eb
+    import plugins.trt_common as tc
+    from engines.trt import TrtInfo
+    from plugins.kda import trt_aot as kda_aot
+    from plugins.mla import trt_aot as mla_aot
+    from plugins.moe import trt_aot as moe_aot
+
+    monkeypatch.setattr(tc, "register_tensorrt_plugins", lambda trt, aot=False: [])
+    info = TrtInfo(object(), "tensorrt", "10.16.0")
+    for ok in (True, False):
+        monkeypatch.setattr(kda_aot, "register", lambda ok=ok: ["kimi::KdaDecode"] if ok else [])
+        monkeypatch.setattr(mla_aot, "register", lambda ok=ok: ["kimi::MlaDecode"] if ok else [])
+        monkeypatch.setattr(moe_aot, "register", lambda ok=ok: list(moe_aot.AOT_OPS) if ok else [])
+        assert eb.register_build_plugins(info, aot=True) == (["KdaDecode", "MlaDecode", "Mxfp4Moe"] if ok else [])
+        assert eb.register_build_plugins(info) == []
+
+
 def test_build_engine_registers_plugins_before_parsing(tmp_path, monkeypatch):
     """build_engine asks for the kimi plugins (register_build_plugins: full TensorRT registers, RTX nothing) before it
     parses, and hands the AOT op types it got to the parser step; the AOT source hash changes with the sources."""
