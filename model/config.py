@@ -323,8 +323,10 @@ def _validate(c: K3Config) -> None:
         raise ConfigError(f"{t}.rms_norm_eps = {c.rms_norm_eps}: must be > 0")
     if c.qk_rope_head_dim < 0:
         raise ConfigError(f"{t}.qk_rope_head_dim = {c.qk_rope_head_dim}: must be >= 0")
-    if c.gate_lower_bound >= 0:
-        raise ConfigError(f"{t}.linear_attn_config.gate_lower_bound = {c.gate_lower_bound}: must be < 0 (log decay bound, §4.2)")
+    if not -5.0 <= c.gate_lower_bound < 0:
+        raise ConfigError(f"{t}.linear_attn_config.gate_lower_bound = {c.gate_lower_bound}: must be in [-5, 0) (log "
+                          "decay bound, §4.2; the GPU kernels' safe gate keeps chunk-local products in fp32 range only "
+                          "down to -5, K3 uses -5)")
     if c.conv_kernel_size < 2:
         raise ConfigError(f"{t}.linear_attn_config.short_conv_kernel_size = {c.conv_kernel_size}: must be >= 2")
     if c.num_experts_per_token > c.num_experts:

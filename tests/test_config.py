@@ -54,6 +54,8 @@ def tiny(**changes) -> dict:
     ({"kv_lora_rank": -64}, "kv_lora_rank", "-64", "> 0"),
     ({"routed_expert_hidden_size": 100}, "routed_expert_hidden_size", "100", "multiple of 32"),
     ({"hidden_act": "gelu"}, "hidden_act", "gelu", "unknown activation"),
+    ({"linear_attn_config.gate_lower_bound": -6.0}, "gate_lower_bound", "-6.0", "[-5, 0)"),
+    ({"linear_attn_config.gate_lower_bound": 0.0}, "gate_lower_bound", "0.0", "[-5, 0)"),
 ])
 def test_validation_errors_name_key_value_rule(changes, key, value, rule):
     with pytest.raises(ConfigError) as ei:

@@ -207,10 +207,11 @@ def _static_chunks(lens, BT, nt_max):
     return torch.tensor(rows, dtype=torch.int64), co
 
 
-@pytest.mark.parametrize("lens", [[150], [70, 5, 130, 1]])
-def test_kda_chunk_out_norm_kernel(lens):
+@pytest.mark.parametrize("lens,bk", [([150], 16), ([70, 5, 130, 1], 32), ([64, 64], 16), ([70, 1, 64], 32)])
+def test_kda_chunk_out_norm_kernel(lens, bk):
     """Our output kernel (o = scale (q 2^gk) h[c]ᵀ + tril(Aqk) vn, then the gated RMSNorm) against torch, fp32,
-    dense and varlen with padding chunk rows (they must write nothing), the gate read through a row stride."""
+    dense and varlen; [64, 64] and [70, 1, 64] leave padding chunk rows (sequence -1), which must write nothing:
+    the output sits between finite guard rows that must stay as they were. Gate and output through row strides."""
     H, K, BT = 2, 32, kda_k._CHUNK
     T, N, P = sum(lens), len(lens), 2 * 32
     g = torch.Generator().manual_seed(6)
@@ -235,45 +236,78 @@ def test_kda_chunk_out_norm_kernel(lens):
             ref[rr] = o
         bos += L
     ref = ref * torch.rsqrt(ref.pow(2).mean(-1, keepdim=True) + eps) * wn * torch.sigmoid(gate.view(T, H, K))
+    assert (ci[:, 0] < 0).any() == (lens in ([64, 64], [70, 1, 64]))   # the cases with padding rows have them
     G = Guarded()
-    out = G(torch.full((T, P), float("nan")).to(DEV))
+    guard = torch.full((T + 8, P + 16), 7.0, device=DEV)          # finite guard rows and columns around out
+    out = guard[4:T + 4, :P]
+    out.fill_(float("nan"))
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
     gw = G(gate_wide.to(DEV))
     kda_k._chunk_out_norm_kernel[(NT, H)](
         G(q.to(DEV)), G(gk.to(DEV)), G(h.to(DEV)), G(vn.to(DEV)), G(A.to(DEV)), gw[:, :P], G(wn.to(DEV)), out,
         G(cu.to(DEV)), G(ci.to(DEV)) if N > 1 else None, T, gw.stride(0), out.stride(0), scale, eps, H=H, K=K, BT=BT,
-        BK=16, IS_VARLEN=N > 1, num_warps=4)
+        BK=bk, IS_VARLEN=N > 1, num_warps=4)
     G.check()
     assert relerr(out, ref.reshape(T, P)) < FP32_DOT_TOL
+    assert (guard[:4] == 7).all() and (guard[T + 4:] == 7).all() and (guard[:, P:] == 7).all()
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="the chunk core needs fla-core's intra-chunk stage (GPU)")
-@pytest.mark.parametrize("H,lens", [(12, [1, 3, 70, 130]), (96, [2, 67]), (12, [197]), (96, [300]),
-                                    (48, [64, 1, 128])])
-def test_kda_prefill_chunk_impls_agree(H, lens):
+@pytest.mark.parametrize("H,lens,act", [(12, [1, 3, 70, 130], torch.bfloat16), (96, [2, 67], torch.bfloat16),
+                                        (12, [197], torch.bfloat16), (96, [300], torch.bfloat16),
+                                        (48, [64, 1, 128], torch.bfloat16), (12, [64, 64], torch.float32),
+                                        (24, [5, 70], torch.float32)])
+def test_kda_prefill_chunk_impls_agree(H, lens, act):
     """chunk_impl='k3' (fla-core's chunk stages + our output kernel with the norm fused) against 'fla' (the whole
-    fla-core chunk_kda + our norm kernel) on the same bf16 inputs: outputs and final states agree."""
+    fla-core chunk_kda + our norm kernel) on the same inputs: outputs and final states agree. bf16, and fp32
+    activations (conv output in bf16 for fla) written into an output with a row stride."""
+    assert kda_k._fla_stages() is not None, "fla-core's stages are not usable here: 'k3' would run chunk_kda"
     K, N = 128, len(lens)
     T, S = sum(lens), len(lens) + 2
     slots = torch.tensor([S - 1 - i for i in range(N)], dtype=torch.int32, device=DEV)
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEV)
-    d, state, conv = _kda_inputs(T, H, K, S, torch.bfloat16, seed=21)
+    d, state, conv = _kda_inputs(T, H, K, S, act, seed=21)
     d = {k: v.to(DEV) for k, v in d.items()}
     res = {}
     for impl in ("k3", "fla"):
         st, cv = state.to(DEV), conv.to(DEV)
+        wide = torch.full((T, H * K + 64), float("nan"), dtype=act, device=DEV)
         o = kda_k.kda_prefill(**d, state=st, conv=cv, cu_seqlens=cu, slots=slots, num_heads=H, head_dim=K,
-                              chunk_impl=impl)[0]
+                              chunk_impl=impl, out=wide[:, :H * K])[0]
+        assert torch.isnan(wide[:, H * K:]).all()
         res[impl] = (o.float(), st[slots.long()])
     assert relerr(res["k3"][0], res["fla"][0]) < 1e-2
     assert relerr(res["k3"][1], res["fla"][1]) < 1e-2
 
 
-def test_kda_prefill_rejects_unknown_chunk_impl():
+@pytest.mark.parametrize("kw,match", [(dict(chunk_impl="x"), "chunk_impl='x'"), (dict(lower_bound=-6.0), r"\[-5, 0\)"),
+                                      (dict(lower_bound=0.0), r"\[-5, 0\)")])
+def test_kda_prefill_rejects_bad_options(kw, match):
+    """An unknown chunk_impl, or a gate lower bound outside fla's safe-gate range, fails before any pool is
+    touched."""
     d, state, conv = _kda_inputs(4, 2, 16, 2, torch.float32, seed=1)
-    with pytest.raises(ValueError, match="chunk_impl='x'"):
-        kda_k.kda_prefill(**d, state=state, conv=conv, cu_seqlens=torch.tensor([0, 4], dtype=torch.int32),
-                          slots=torch.tensor([1], dtype=torch.int32), num_heads=2, head_dim=16, chunk_impl="x")
+    st0, cv0 = state.clone(), conv.clone()
+    with pytest.raises(ValueError, match=match):
+        kda_k.kda_prefill(**{k: v.to(DEV) for k, v in d.items()}, state=state.to(DEV), conv=conv.to(DEV),
+                          cu_seqlens=torch.tensor([0, 4], dtype=torch.int32, device=DEV),
+                          slots=torch.tensor([1], dtype=torch.int32, device=DEV), num_heads=2, head_dim=16, **kw)
+    assert torch.equal(state, st0) and torch.equal(conv, cv0)
+
+
+def test_fla_stages_only_for_tested_versions(monkeypatch, caplog):
+    """Another fla-core version: kda_prefill's chunk core falls back to the public chunk_kda (the stages are fla's
+    internal API), logged once."""
+    fla = pytest.importorskip("fla")
+    kda_k._fla_stages.cache_clear()
+    monkeypatch.setattr(fla, "__version__", "9.9.9")
+    try:
+        with caplog.at_level("WARNING", logger=kda_k.__name__):
+            assert kda_k._fla_stages() is None and kda_k._fla_stages() is None
+        assert sum("9.9.9" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        kda_k._fla_stages.cache_clear()
+    monkeypatch.undo()
+    assert kda_k._fla_stages() is not None
 
 
 # ------------------------------------------------------------------------------------------------- MLA

@@ -26,7 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from plugins.common import num_sms
 from plugins.workspace import Workspace, plan_bytes
 
 _log = logging.getLogger(__name__)
@@ -456,13 +455,15 @@ def _chunk_out_norm_kernel(q_ptr, gk_ptr, h_ptr, vn_ptr, a_ptr, gate_ptr, w_ptr,
     tl.store(out_ptr + tok * stride_out + i_h * K + o_k, y.to(out_ptr.dtype.element_ty), mask=m_t)
 
 
-def _chunk_core(q, k, v, f, beta, A_log, dt_bias, g, o_norm_w, h0, slots, cu32, out, *, H, K, lower_bound, norm_eps,
+def _chunk_core(q, k, v, f, beta, A_log, dt_bias, g, o_norm_w, h0, cu32, cu64, out, *, H, K, lower_bound, norm_eps,
                 st, out_cfg=None):
     """Chunked delta rule + output norm of the packed tokens: writes `out` [T, P] and returns the final states
     [N, H, V, K] fp32. q, k (L2-normalized), v, f [T, P] y-dtype contiguous; beta [T, H]; g [T, P] (output gate,
-    any row stride); h0 [N, H, V, K] fp32 initial states (gathered from the slots); cu32 [N+1] int32.
-    st: `_fla_stages()`. One sequence: dense; several: fla's static chunk indices (fixed shape
-    nt_max = cdiv(T, 64) + N - 1, built on the device: no host sync). out_cfg overrides `_OUT_CFG`.
+    any row stride); h0 [N, H, V, K] fp32 initial states (gathered from the slots); cu32 [N+1] int32 and cu64
+    [N+1] int64 scratch (filled here). st: `_fla_stages()`. One sequence: dense; several: fla's static chunk indices
+    (fixed shape nt_max = cdiv(T, 64) + N - 1, built on the device: no host sync). out_cfg overrides `_OUT_CFG`.
+    fla's stages are called without fla's `input_guard` (which switches to the tensors' device): like our own
+    launches they run on the current CUDA device, which must hold the tensors.
     The inter-chunk state pass is fla's: ours (one Triton kernel, V split for parallelism) took 926-1330 us at 12
     heads against fla's 720 and tied at 96 heads (H200 run 9), so it was dropped."""
     T = q.shape[0]
@@ -470,10 +471,12 @@ def _chunk_core(q, k, v, f, beta, A_log, dt_bias, g, o_norm_w, h0, slots, cu32, 
     BT = _CHUNK
     view = lambda x: x.view(1, T, H, K)                      # noqa: E731
     varlen = N > 1
-    cu64 = ci = co = None
+    ci = co = None
     NT = triton.cdiv(T, BT)
-    if varlen:
-        cu64 = cu32.to(torch.int64)
+    if not varlen:
+        cu64 = None
+    else:
+        cu64.copy_(cu32)
         NT = NT + N - 1
         ci, co = st.chunk_indices(cu64, BT, NT)
     gk = st.gate_cumsum(g=view(f), A_log=A_log, chunk_size=BT, scale=st.rcp_ln2, dt_bias=dt_bias, cu_seqlens=cu64,
@@ -606,7 +609,8 @@ def kda_prefill(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, cu_
           H200 run 9 (T=32768, one sequence): see benchmarks/RESULTS.md.
       'fla': fla-core's `chunk_kda` (one sequence: its dense path; several: `use_graph=True, max_num_seqs=N` when
           graph_safe, else host-built chunk indices, a device sync), then our gated-norm kernel.
-    ValueError for another chunk_impl. beta = sigmoid(b) is stored in y's dtype (bf16 on the GPU path): on a bf16
+    ValueError for another chunk_impl, or lower_bound outside [-5, 0) (on every device, so a config that the GPU
+    path would refuse fails on the CPU too). beta = sigmoid(b) is stored in y's dtype (bf16 on the GPU path): on a bf16
     case of the CPU fallback that raises the error against the fp32 reference from 5.7e-3 to 6.4e-3 (output) and
     6.9e-3 to 8.4e-3 (state) versus fp32 beta."""
     T = qkv.shape[0]
@@ -614,6 +618,9 @@ def kda_prefill(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, cu_
     P = H * K
     D = 3 * P
     N = slots.shape[0]
+    if not -5.0 <= lower_bound < 0.0:
+        raise ValueError(f"kda_prefill: lower_bound={lower_bound} must be in [-5, 0): the GPU path's safe gate "
+                         "(fla-core) keeps chunk-local gate products in fp32 range only there (MODEL.md §4: -5)")
     if chunk_impl not in ("k3", "fla"):
         raise ValueError(f"kda_prefill: chunk_impl={chunk_impl!r}; use 'k3' (fla-core's chunk stages + our output "
                          "kernel with the gated norm fused) or 'fla' (fla-core's chunk_kda + our norm kernel)")
@@ -649,7 +656,7 @@ def kda_prefill(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, cu_
             fa = f if f.dtype == q.dtype else f.to(q.dtype)
     if st is not None:
         fa = fa if fa.is_contiguous() else fa.contiguous()
-        ht = _chunk_core(q, k, v, fa, beta, A_log, dt_bias, g, o_norm_w, h0, slots, cu32, out, H=H, K=K,
+        ht = _chunk_core(q, k, v, fa, beta, A_log, dt_bias, g, o_norm_w, h0, cu32, cu64, out, H=H, K=K,
                          lower_bound=lower_bound, norm_eps=norm_eps, st=st)
         _copy_rows(ht if ht.dtype == state.dtype else ht.to(state.dtype), state, slots, gather=False)
         return out, state, conv
