@@ -95,7 +95,7 @@ def parse_args(argv=None):
     run.add_argument("--max-num-tokens", type=int, default=8192, help="prefill tokens per step (default %(default)s)")
     run.add_argument("--block-size", type=int, default=16, help="latent block size (multiple of 16 on CUDA)")
     chk = ap.add_argument_group("check")
-    chk.add_argument("--check", action="store_true", help="compare with the CPU fp32 reference (see above)")
+    chk.add_argument("--check", action="store_true", help="compare with the CPU fp32 reference (item 4 of the description below the options)")
     chk.add_argument("--check-requests", type=int, default=2, help="sequences compared (default %(default)s)")
     chk.add_argument("--check-steps", type=int, default=4, help="generated tokens compared per sequence (default %(default)s)")
     chk.add_argument("--check-tol", type=float, default=0.15, help="max median logits relative error (default %(default)s)")

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One GPU session's tests and benchmarks (run on an H200: torch 2.11+cu130, triton 3.6, no network). From the repo root:
+# One GPU session's tests and benchmarks on a GPU machine (written for the project's H200 image: the system python3 with
+# torch 2.11+cu130 and triton 3.6, no network; not .venv). From the repo root:
 #   bash benchmarks/h200_session.sh tests|bench|profile|decode|tp   (results under $OUT, default /tmp/out)
 # tests : GPU pytest of the kernels, CUDA-graph capture and the GPU runtime -> $OUT/junit.xml, $OUT/pytest.log
 #         (PYTEST_ARGS overrides the files; it is re-parsed by the shell: PYTEST_ARGS='tests/a.py -k "x and not y"')
@@ -12,11 +13,11 @@
 # fla-core travels as a wheel in .whl/ (not in git): python3 -m pip download fla-core==0.6.0 --no-deps -d .whl
 # Triton autotune results (fla autotunes for minutes on a fresh machine) are saved per mode to $OUT/autotune_<mode>.tgz;
 # carry them into the next call of the SAME mode as .autotune/<mode>/ (not in git):
-#   mkdir -p .autotune/bench && tar xzf <files_at>/autotune_bench.tgz -C .autotune/bench
+#   mkdir -p .autotune/bench && tar xzf OUTDIR/autotune_bench.tgz -C .autotune/bench   (OUTDIR: where $OUT came back)
 # Never feed tests' results to bench: fla's tuning keys omit T, so picks made at test sizes (T ~ 100) would be reused
 # at T=32768 (run 8 measured chunk_kda 1.3x slower that way).
 set -u -o pipefail          # a failing benchmark fails the script through its `| tee | tail`
-usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
 case "${1:-}" in
   tests|bench|profile|decode|tp) ;;
   -h|--help) usage; exit 0 ;;

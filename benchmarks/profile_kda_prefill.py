@@ -9,7 +9,8 @@ intra-card CP variants rel_err against the same call without it. Variants:
   ours            kda_prefill (conv + beta + fla's gate/intra/state stages + our output kernel with the gated
                   norm fused; chunk_impl='k3', the default)
   ours_fla        kda_prefill(chunk_impl='fla'): conv + beta + fla's whole chunk_kda + our norm kernel
-  ours_ok64_w4_s2 ours with the output kernel's K step, warps and stages forced (32/64, 4/8, 2/3)
+  ours_ok32_w8_s2 ours with the output kernel's K step, warps and stages forced (32/64, 4/8, 2/3; the default
+                  K step 64 / 4 warps / 2 stages is `ours`)
   peer            chunk_kda pre-gated (fp32 gate, bf16 beta, L2-normalized q/k given), as bench_kernels.py times it
   core_ours_flags chunk_kda alone under our op's flags (in-kernel gate, safe_gate, state_v_first, bf16 beta), dense
   core_varlen_cp  the same through cu_seqlens, under torch.inference_mode with fla's intra-card context

@@ -21,8 +21,13 @@ from types import ModuleType
 
 FLAVORS = {"tensorrt": "tensorrt", "tensorrt-rtx": "tensorrt_rtx_bindings"}
 INSTALL_HINT = ("no TensorRT found: install full TensorRT (Linux + NVIDIA GPU, from NVIDIA's package index or an NGC "
-                "container: README 'Quick start') or TensorRT-RTX "
+                "container, see README 'Quick start') or TensorRT-RTX "
                 "(`pip install tensorrt-rtx-cu13-libs tensorrt-rtx-cu13-bindings`, builds engines on CPU)")
+FLAVOR_HINT = {"tensorrt": "full TensorRT is not installed: install it on a Linux + NVIDIA GPU host from NVIDIA's "
+                           "package index or use an NGC container (README 'Quick start'), or drop the flavor choice to "
+                           "use TensorRT-RTX",
+               "tensorrt-rtx": "TensorRT-RTX is not installed: pip install tensorrt-rtx-cu13-libs "
+                               "tensorrt-rtx-cu13-bindings"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +63,7 @@ def load_trt(flavor: str | None = None) -> TrtInfo:
             errors.append(f"{FLAVORS[name]}: {e}")
             continue
         return TrtInfo(mod, name, str(mod.__version__))
-    raise ImportError(INSTALL_HINT + " (" + "; ".join(errors) + ")")
+    raise ImportError((FLAVOR_HINT[flavor] if flavor else INSTALL_HINT) + " (" + "; ".join(errors) + ")")
 
 
 def available() -> bool:

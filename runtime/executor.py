@@ -331,7 +331,8 @@ class TensorRTExecutor(GraphExecutor):
         try:
             import tensorrt as trt
         except ImportError as e:
-            raise ImportError("backend 'tensorrt' needs full TensorRT (`pip install tensorrt`, Linux + NVIDIA GPU); "
+            raise ImportError("backend 'tensorrt' needs full TensorRT (Linux + NVIDIA GPU, from NVIDIA's package index "
+                              "or an NGC container: README 'Quick start'); "
                               f"it is not importable here ({e}). Use backend='onnxruntime' or 'torch' instead.") from e
         if not torch.cuda.is_available():
             raise RuntimeError("backend 'tensorrt' needs a CUDA GPU; torch sees none. Use 'onnxruntime' or 'torch'.")

@@ -139,6 +139,29 @@ def test_run_kernel_inplace_and_copy(monkeypatch):
         run_kernel(spec, {"scale": 1.0}, [x, state], [y, state])
 
 
+def test_load_trt_names_the_missing_flavor(monkeypatch):
+    """Asking for a flavor that is not installed names that flavor and how to get it (not the other one)."""
+    import importlib
+
+    from engines import trt as et
+
+    real = importlib.import_module
+    monkeypatch.setattr(et.importlib, "import_module",
+                        lambda name: (_ for _ in ()).throw(ImportError(f"No module named {name!r}"))
+                        if name in et.FLAVORS.values() else real(name))
+    et.load_trt.cache_clear()
+    try:
+        with pytest.raises(ImportError, match="full TensorRT is not installed") as ei:
+            et.load_trt("tensorrt")
+        assert "tensorrt-rtx-cu13" not in str(ei.value)
+        with pytest.raises(ImportError, match="pip install tensorrt-rtx-cu13-libs"):
+            et.load_trt("tensorrt-rtx")
+        with pytest.raises(ImportError, match="no TensorRT found"):
+            et.load_trt()
+    finally:
+        et.load_trt.cache_clear()
+
+
 def test_plugins_package_without_tensorrt():
     import importlib.util
 
