@@ -337,14 +337,17 @@ def _tensor_meta(trt, t) -> dict:
             "is_shape_tensor": bool(t.is_shape_tensor)}
 
 
-def onnx_custom_ops(onnx_path: str | Path, trt=None) -> dict[str, dict[str, str]]:
+def onnx_custom_ops(onnx_path: str | Path, trt=None, aot_ops: Sequence[str] = ()) -> dict[str, dict[str, str]]:
     """``{"namespace::OpType": {"version": v, "impl": ...}}`` for every non-standard-domain node of the top graph
     (namespace = ``plugin_namespace`` attribute, else the node domain; version = ``plugin_version`` or ``"1"``).
     impl: ``"plugin"`` when a creator is registered in ``trt``'s registry (the engine then needs that plugin at
-    runtime), ``"function-body"`` when not (the parser inlined the ONNX local function), ``"unknown"`` without trt."""
+    runtime), ``"function-body"`` when not (the parser inlined the ONNX local function), ``"unknown"`` without trt.
+    aot_ops: the graph as an AOT build parses it (:func:`mark_aot_nodes`: Mxfp4Moe rewritten into its four ops)."""
     import onnx
 
     model = onnx.load(str(onnx_path), load_external_data=False)
+    if aot_ops:
+        mark_aot_nodes(model, aot_ops)
     ops = {}
     for node in model.graph.node:
         if node.domain in _STD_DOMAINS:
@@ -447,7 +450,7 @@ def build_engine(onnx_path: str | Path, plan_path: str | Path,
         "compute_capability": ccs,
         "plan_bytes": len(data),
         "plan_sha256": hashlib.sha256(data).hexdigest(),
-        "plugins": onnx_custom_ops(onnx_path, trt),
+        "plugins": onnx_custom_ops(onnx_path, trt, aot_ops),
         "aot_ops": sorted(aot_ops),
         "notes": [],
     }

@@ -944,7 +944,7 @@ def _moe_onnx(w13_as_input=False):
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("kimi", 1)]), onnx
 
 
-def test_decompose_mxfp4_moe_for_aot():
+def test_decompose_mxfp4_moe_for_aot(tmp_path):
     """build_engines --aot: each kimi::Mxfp4Moe node becomes MoeSortPairs -> MoeExpertsW13 -> MoeExpertsW2 ->
     MoeCombine in its place, wired through new tensors, attributes carried (E from the weights' shape), aot=1;
     mark_aot_nodes does it when asked for Mxfp4Moe; without a static w13 shape the rewrite names the node."""
@@ -968,6 +968,13 @@ def test_decompose_mxfp4_moe_for_aot():
     assert all(a(n)["aot"] == 1 and a(n)["plugin_namespace"] == b"kimi" for n in (sort, w13, w2, comb))
     onnx.checker.check_model(m)          # a valid graph (custom-domain nodes are not schema-checked)
     assert moe_aot.decompose_mxfp4_moe(m) == 0
+    from engines.build import onnx_custom_ops
+
+    path = tmp_path / "layer.onnx"
+    onnx.save(_moe_onnx()[0], str(path))      # the manifest lists the ops the AOT engine holds
+    assert set(onnx_custom_ops(path)) == {"kimi::Mxfp4Moe"}
+    assert set(onnx_custom_ops(path, aot_ops=["Mxfp4Moe"])) == {f"kimi::{n}" for n in ("MoeSortPairs", "MoeExpertsW13",
+                                                                                        "MoeExpertsW2", "MoeCombine")}
     bad, _ = _moe_onnx(w13_as_input=True)
     with pytest.raises(ValueError, match="'moe'.*static shape"):
         moe_aot.decompose_mxfp4_moe(bad)
