@@ -198,9 +198,11 @@ def smoke(out: Path, ckpt: Path, backend: str, steps: int = 8, tp: int = 1) -> d
 def build(args) -> int:
     """Run the pipeline for parsed CLI `args`; returns the exit status (0 ok, 1 verification/smoke mismatch).
     Raises BuildError / CheckpointError / ConfigError / ValueError / OSError with one message for the user."""
-    if args.aot and args.backend not in (None, "tensorrt"):   # before anything is written (the plan included)
-        raise BuildError(f"--aot: ahead-of-time plugins need full TensorRT (--backend tensorrt), not {args.backend}; "
-                         "install TensorRT >= 10.9 or drop --aot")
+    if args.aot:   # before anything is written (the plan included), --dry-run too
+        aot_backend = args.backend if args.backend not in (None, "tensorrt") else pick_backend(args.backend)
+        if aot_backend != "tensorrt":
+            raise BuildError(f"--aot: ahead-of-time plugins need full TensorRT (--backend tensorrt), not "
+                             f"{aot_backend}; install TensorRT >= 10.9 or drop --aot")
     ckpt = Path(args.checkpoint) if args.checkpoint else default_checkpoint()
     if not ckpt.is_dir() or not (ckpt / "config.json").is_file():
         raise BuildError(f"--checkpoint {ckpt}: no config.json there; point it at a K3 checkpoint directory")
@@ -219,9 +221,6 @@ def build(args) -> int:
         return 0
 
     backend = pick_backend(args.backend)
-    if args.aot and backend != "tensorrt":   # no --backend given and full TensorRT not installed
-        raise BuildError(f"--aot: ahead-of-time plugins need full TensorRT (--backend tensorrt), not {backend}; "
-                         "install TensorRT >= 10.9 or drop --aot")
     out = Path(args.out) if args.out else Path("out") / f"{ckpt.name}-tp{args.tp}-ep{ep}"
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@ idempotent reruns, and every error path with one clear message."""
 from __future__ import annotations
 
 import errno
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -141,7 +142,8 @@ def _copy_ckpt(src: Path, dst: Path) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("case", ["missing_shard", "truncated_shard", "no_config", "tp", "ep", "target_cc", "aot"])
+@pytest.mark.parametrize("case", ["missing_shard", "truncated_shard", "no_config", "tp", "ep", "target_cc", "aot",
+                                  "aot_dry_run"])
 def test_error_paths(case, tiny_ckpt, tmp_path):
     ck = _copy_ckpt(tiny_ckpt, tmp_path / "ck")
     args = ["--checkpoint", ck, "--out", tmp_path / "out"]
@@ -164,6 +166,11 @@ def test_error_paths(case, tiny_ckpt, tmp_path):
         want = "ep = 3"
     elif case == "aot":   # AOT plugins need full TensorRT: refused before step 1
         args += ["--backend", "onnxruntime", "--aot"]
+        want = "--aot: ahead-of-time plugins need full TensorRT"
+    elif case == "aot_dry_run":   # no --backend, full TensorRT not installed: refused by --dry-run too
+        if importlib.util.find_spec("tensorrt") is not None:
+            pytest.skip("full TensorRT is installed here: --aot is valid")
+        args += ["--aot", "--dry-run"]
         want = "--aot: ahead-of-time plugins need full TensorRT"
     else:   # refused before step 1, not after the export
         pytest.importorskip("tensorrt_rtx_bindings", reason="the target check needs the rtx extra")
