@@ -444,12 +444,21 @@ def test_strip_hidden_params():
         aot_common.strip_hidden_params(ptx, "other", 1)
 
 
+# defined for the subprocess snippets: how many parameters kernel `name`'s .entry has in `ptx`
+_ENTRY_PARAMS = ("import re as _re\n"
+                 "def entry_params(name, ptx):\n"
+                 "    entry = _re.search(r'\\.entry\\s+' + name + r'\\s*\\(([^)]*)\\)', ptx).group(1)\n"
+                 "    return len([p for p in entry.split(',') if p.strip()])\n")
+
+
 def _compile_in_subprocess(code: str) -> list[list[str]]:
-    """Run ``code`` in a fresh Python without TRITON_INTERPRET (Triton compiles for real there); returns its stdout
-    lines split on whitespace. Fails the test with the subprocess's stderr on a non-zero exit."""
+    """Run ``code`` in a fresh Python without TRITON_INTERPRET (Triton compiles for real there; ``entry_params(name,
+    ptx)`` is defined for it); returns its stdout lines split on whitespace. Fails the test with the subprocess's
+    stderr on a non-zero exit."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-c", _ENTRY_PARAMS + code], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return [ln.split() for ln in r.stdout.strip().splitlines()]
 
@@ -461,8 +470,7 @@ def test_aot_kernel_compiles_to_ptx_for_sm90():
             "import re\n"
             "for act, H, K, pv in (('bfloat16', 12, 128, None), ('float32', 2, 16, 84)):\n"
             "    name, ptx, w, sh = A.compile_ptx(act, H, K, -5.0, 1e-5, target=GPUTarget('cuda', 90, 32), ptx_version=pv)\n"
-            "    entry = re.search(r'\\.entry\\s+' + name + r'\\s*\\(([^)]*)\\)', ptx).group(1)\n"
-            "    n = len([p for p in entry.split(',') if p.strip()])\n"
+            "    n = entry_params(name, ptx)\n"
             "    ver = re.search(r'\\.version (\\S+)', ptx).group(1)\n"
             "    print(name, n, w, sh, '.target sm_90a' in ptx, ver)\n")
     lines = _compile_in_subprocess(code)
@@ -480,8 +488,7 @@ def test_mla_aot_kernel_compiles_to_ptx_for_sm90():
             "import re\n"
             "for act, H in (('bfloat16', 12), ('bfloat16', 96), ('float32', 4)):\n"
             "    name, ptx, w, sh = A.compile_ptx(act, H, 512, 576, 192 ** -0.5, target=GPUTarget('cuda', 90, 32))\n"
-            "    entry = re.search(r'\\.entry\\s+' + name + r'\\s*\\(([^)]*)\\)', ptx).group(1)\n"
-            "    n = len([p for p in entry.split(',') if p.strip()])\n"
+            "    n = entry_params(name, ptx)\n"
             "    print(name, n, w, sh, '.target sm_90a' in ptx, len(re.findall(r'ld\\.global\\.v4', ptx)))\n")
     lines = _compile_in_subprocess(code)
     assert [ln[0] for ln in lines] == ["_mla_decode_aot_kernel"] * 3
@@ -910,8 +917,7 @@ def test_moe_aot_kernels_compile_to_ptx_for_sm90():
             "kw = dict(num_local_experts=112, expert_offset=112, top_k=16, latent=3584, inter=3072)\n"
             "for op in A.AOT_OPS:\n"
             "    name, ptx, w, sh = A.compile_ptx(op, 'bfloat16', target=GPUTarget('cuda', 90, 32), **kw)\n"
-            "    entry = re.search(r'\\.entry\\s+' + name + r'\\s*\\(([^)]*)\\)', ptx).group(1)\n"
-            "    n = len([p for p in entry.split(',') if p.strip()])\n"
+            "    n = entry_params(name, ptx)\n"
             "    print(name, n, w, sh, '.target sm_90a' in ptx)\n")
     lines = _compile_in_subprocess(code)
     assert [ln[0] for ln in lines] == ["_moe_sort_aot_kernel", "_moe_w13_aot_kernel", "_moe_w2_aot_kernel",

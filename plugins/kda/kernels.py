@@ -388,9 +388,9 @@ _FLA_STAGES_VERSIONS = ("0.6.0",)        # fla-core versions whose internal stag
 @functools.lru_cache(maxsize=None)
 def _fla_stages():
     """fla-core's KDA stage functions (gate cumsum, intra-chunk WY solve, inter-chunk state pass, static chunk
-    indices) where the
-    installed fla-core is a version listed in `_FLA_STAGES_VERSIONS`, else None: they are internal API, so another
-    version makes kda_prefill call the public `chunk_kda` instead (logged once)."""
+    indices) as a namespace where the installed fla-core is a version listed in `_FLA_STAGES_VERSIONS`, else None:
+    they are internal API, so another version (or a failed import) makes kda_prefill call the public `chunk_kda`
+    instead (logged once: the result is cached)."""
     try:
         import fla
         if getattr(fla, "__version__", None) not in _FLA_STAGES_VERSIONS:
@@ -416,7 +416,10 @@ def _chunk_out_norm_kernel(q_ptr, gk_ptr, h_ptr, vn_ptr, a_ptr, gate_ptr, w_ptr,
                            BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr):
     """grid (NT, H): output of one chunk row and head, gated RMSNorm fused (MODEL.md §4):
     o = scale * (q * exp2(gk)) h[c]ᵀ + tril(Aqk) vn;  out = o / sqrt(mean(o²) + eps) * w * sigmoid(gate).
-    Varlen: chunk row c -> (sequence, chunk) from ci [NT, 2] (fla's static chunk indices; sequence -1: padding)."""
+    q, vn [T, H, K] act (vn = V-dim values, V = K); gk [T, H, K] fp32 log2 gate cumsum within the chunk; h [NT, H, V, K]
+    act (state before each chunk); Aqk [T, H, BT] act (scale included); gate [T, H*K] act (row stride stride_gate);
+    w [K] fp32; out [T, H*K] act (row stride stride_out). Varlen: chunk row c -> (sequence, chunk) from ci [NT, 2]
+    int64 (fla's static chunk indices; sequence -1: padding, writes nothing), cu [N+1] int32; dense: one sequence."""
     i_tg = tl.program_id(0)
     i_h = tl.program_id(1)
     if IS_VARLEN:
@@ -464,7 +467,7 @@ def _chunk_core(q, k, v, f, beta, A_log, dt_bias, g, o_norm_w, h0, cu32, cu64, o
     (fixed shape nt_max = cdiv(T, 64) + N - 1, built on the device: no host sync). out_cfg overrides `_OUT_CFG`.
     fla's stages are called without fla's `input_guard` (which switches to the tensors' device): like our own
     launches they run on the current CUDA device, which must hold the tensors.
-    The inter-chunk state pass is fla's: ours (one Triton kernel, V split for parallelism) took 926-1330 us at 12
+    The inter-chunk state pass is fla's: ours (one Triton kernel, V split for parallelism) took 918-1330 us at 12
     heads against fla's 720 and tied at 96 heads (H200 run 9), so it was dropped."""
     T = q.shape[0]
     N = h0.shape[0]

@@ -111,6 +111,11 @@ def _pow2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
 
 
+def _combine_block(latent: int) -> int:
+    """Columns per combine program (as ``mxfp4_moe``): the latent width rounded up to a power of two, at most 256."""
+    return min(256, _pow2(latent))
+
+
 def kernel_constexprs(op: str, *, num_local_experts: int = 0, expert_offset: int = 0, top_k: int = 0,
                       latent: int = 0, inter: int = 0, situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
                       interpret: bool = False) -> dict[str, Any]:
@@ -124,7 +129,7 @@ def kernel_constexprs(op: str, *, num_local_experts: int = 0, expert_offset: int
                 "BLOCK": SORT_BLOCK}
     if op == COMBINE:
         return {"E": int(num_local_experts), "EXPERT_OFFSET": int(expert_offset), "RL": int(latent), "K": int(top_k),
-                "BK": _pow2(top_k), "BR": min(256, _pow2(latent))}
+                "BK": _pow2(top_k), "BR": _combine_block(latent)}
     RL, I = int(latent), int(inter)
     tiles = {"I": I, "RL": RL, "BM": BLOCK_M, "BN": BLOCK_N, "BK": default_block_k(RL, I, BLOCK_M),
              "DQ": 0 if interpret else 3, "CDT": tl.float32 if interpret else tl.bfloat16,
@@ -141,7 +146,7 @@ def launch_params(op: str, *, num_local_experts: int = 0, num_tokens=None, laten
     W2 (cdiv(Rl, 128), E, 1); combine (T, cdiv(Rl, BR), 1). ``num_tokens`` may be a TensorRT shape expression."""
     E = int(num_local_experts)
     grid = {SORT: (E + 1, 1, 1), W13: (-(-int(inter) // BLOCK_N), E, 1), W2: (-(-int(latent) // BLOCK_N), E, 1),
-            COMBINE: (num_tokens, -(-int(latent) // min(256, _pow2(latent))) if latent else 1, 1)}[op]
+            COMBINE: (num_tokens, -(-int(latent) // _combine_block(latent)) if latent else 1, 1)}[op]
     return {"grid_x": grid[0], "grid_y": grid[1], "grid_z": grid[2], "block_x": 32 * int(warps), "block_y": 1,
             "block_z": 1, "shared_mem": int(shared)}
 
