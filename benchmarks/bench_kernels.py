@@ -8,7 +8,7 @@ shape; plus the pytest junit results when given). A roofline PNG is written besi
 """
 import argparse, json, math, os, statistics, sys, time, xml.etree.ElementTree as ET
 
-FAMILIES = "kda_decode,graph,mla,moe,kda_prefill"
+FAMILIES = "kda_decode,graph,mla,moe,kda_prefill,aot_prefill"
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--out", default="/tmp/k3deploy_bench/bench.jsonl",
                 help="JSON lines output; roofline.png goes beside it (default: %(default)s)")
@@ -17,7 +17,8 @@ ap.add_argument("--junit", default=None,
                      "marks its kernels' records correct=false")
 ap.add_argument("--only", default=FAMILIES,
                 help=f"comma-separated families to run (default: all = {FAMILIES}); record names: kda_decode, "
-                     "cuda_graph_decode_step, mla_decode, mxfp4_moe, kda_prefill")
+                     "cuda_graph_decode_step, mla_decode, mxfp4_moe, kda_prefill, aot_prefill (the --aot engines' "
+                     "KdaPrefill/MlaPrefill chains vs the JIT ops)")
 ap.add_argument("--rounds", type=int, default=3,
                 help="KDA decode: interleaved timing rounds over all variants and the peer; each variant reports the "
                      "median and the spread (default: %(default)s)")
@@ -496,6 +497,73 @@ if "kda_prefill" in ONLY and HAVE_FLA:
             del d, q, kk, v, gg
         except Exception as e:
             out(what="kda_prefill", H=H, error=repr(e)[:400])
+
+# ------------------------------------------------------------------ AOT prefill chains (build_engines.py --aot)
+# The chains of single-launch ops an --aot engine runs for KdaPrefill / MlaPrefill (plugins/*/trt_aot_prefill.py),
+# launched by Triton with the same configs as their PTX, vs the JIT ops; both captured in CUDA graphs (GPU time).
+if "aot_prefill" in ONLY:
+    from onnx import helper as onnx_helper
+    from plugins import aot_ops
+    from plugins.kda import trt_aot_prefill as kda_pre
+    from plugins.mla import trt_aot_prefill as mla_pre
+
+    def chain(mod, op_type, names, outs, env, **attrs):
+        node = onnx_helper.make_node(op_type, list(names), list(outs), name="n0", domain="kimi", **attrs)
+        model = onnx_helper.make_model(onnx_helper.make_graph([node], "g", [], []))
+        getattr(mod, f"decompose_{op_type[:3].lower()}_prefill")(model)
+        ops = {op.name: op for op in mod.OPS.values()}
+        return lambda: aot_ops.run_nodes(model.graph.node, dict(env), ops)
+
+    for H in PREFILL_HEADS:
+        if not (kda_pre.ENTRY and HAVE_FLA):
+            out(what="aot_kda_prefill", H=H, error="needs fla-core 0.6.0"); break
+        try:
+            T, P = 32768, H * K
+            d = dict(qkv=torch.randn(T, 3 * P, device=dev).bfloat16(), f=torch.randn(T, P, device=dev).bfloat16(),
+                     b=torch.randn(T, H, device=dev).bfloat16(), g=torch.randn(T, P, device=dev).bfloat16(),
+                     conv_w=torch.randn(3 * P, 4, device=dev) * 0.5, A_log=torch.randn(H, device=dev) * 0.5,
+                     dt_bias=torch.randn(P, device=dev) * 0.3, o_norm_w=torch.rand(K, device=dev) + 0.5,
+                     state=torch.zeros(3, H, K, K, device=dev), conv=torch.zeros(3, 3 * P, 3, device=dev).bfloat16(),
+                     cu_seqlens=torch.tensor([0, T], dtype=torch.int32, device=dev),
+                     slots=torch.tensor([2], dtype=torch.int32, device=dev))
+            run = chain(kda_pre, "KdaPrefill", d, ("out", "state_out", "conv_out"), d, num_heads=H, head_dim=K,
+                        lower_bound=-5.0, norm_eps=1e-5)
+            o_aot = run()["out"].clone()
+            s_aot = d["state"][2].clone()
+            d["state"].zero_(); d["conv"].zero_()
+            jit = lambda: kda_k.kda_prefill(**d, num_heads=H, head_dim=K)
+            o_jit = jit()[0].clone()
+            err = max(rel(o_aot.float(), o_jit.float()), rel(s_aot, d["state"][2]))
+            ok = err < 2e-2
+            res = {n_: bench(graphed(f_), rep=100) * 1e3 for n_, f_ in (("aot_chain", run), ("jit", jit))} if ok else {}
+            out(what="aot_kda_prefill", H=H, T=T, correct=ok, err_vs_jit=err, us=res.get("aot_chain"),
+                jit_us=res.get("jit"), ratio=res["jit"] / res["aot_chain"] if ok else None, note="CUDA graphs")
+            del d, o_aot, o_jit
+        except Exception as e:
+            out(what="aot_kda_prefill", H=H, error=repr(e)[:400])
+    for H in PREFILL_HEADS:
+        try:
+            T, R, DR, Dn, Dv, BS = 4096, 512, 64, 128, 128, 64
+            MB = T // BS + 1
+            m = dict(q=torch.randn(T, H, Dn + DR, device=dev).bfloat16(),
+                     latent=torch.randn(T, R + DR, device=dev).bfloat16(),
+                     kv_b=(torch.randn(H * (Dn + Dv), R, device=dev) * R ** -0.5).bfloat16(),
+                     cache=torch.zeros(MB + 1, BS, R + DR, device=dev).bfloat16(),
+                     block_tables=(torch.arange(MB, device=dev) + 1).int().view(1, MB),
+                     cu_seqlens=torch.tensor([0, T], dtype=torch.int32, device=dev),
+                     context_lens=torch.tensor([0], dtype=torch.int32, device=dev))
+            attrs = dict(num_heads=H, qk_nope_head_dim=Dn, v_head_dim=Dv, kv_lora_rank=R, scale=(Dn + DR) ** -0.5)
+            run = chain(mla_pre, "MlaPrefill", m, ("out", "cache_out"), m, **attrs)
+            jit = lambda: mla_k.mla_prefill(*m.values(), graph_safe=True, **attrs)
+            err = rel(run()["out"].float(), jit()[0].float())
+            ok = err < 2e-2
+            res = {n_: bench(graphed(f_), rep=100) * 1e3 for n_, f_ in (("aot_chain", run), ("jit", jit))} if ok else {}
+            out(what="aot_mla_prefill", H=H, T=T, correct=ok, err_vs_jit=err, us=res.get("aot_chain"),
+                jit_us=res.get("jit"), ratio=res["jit"] / res["aot_chain"] if ok else None, note="CUDA graphs")
+            del m
+        except Exception as e:
+            out(what="aot_mla_prefill", H=H, error=repr(e)[:400])
+    torch.cuda.empty_cache()
 
 # ------------------------------------------------------------------ plot
 try:

@@ -22,9 +22,10 @@ Any other symbolic dim (pool sizes S/NB, block-table width MB, ...) must be give
 Plugins: with full TensorRT the ``kimi`` plugins are registered before parsing (``register_tensorrt_plugins``), so the
 parser maps every ``kimi`` node (it carries ``plugin_namespace``) to its plugin; unregistered, it would silently
 inline the node's ONNX function body, the O(context) reference (STACK.md §1c). ``aot=True`` (``--aot``) registers
-the ahead-of-time forms where ``tensorrt.plugin`` has them (KdaDecode, MlaDecode, and Mxfp4Moe as four single-launch
-ops: PTX baked into the engine, no Python at runtime), marks those nodes ``aot=1`` for the parser and rewrites each
-Mxfp4Moe node into its four ops (plugins/moe/trt_aot.py); the manifest records them per engine (``aot_ops``).
+the ahead-of-time forms where ``tensorrt.plugin`` has them (PTX baked into the engine, no Python at runtime): KdaDecode
+and MlaDecode as one kernel each, marked ``aot=1`` for the parser; Mxfp4Moe, KdaPrefill and MlaPrefill rewritten into
+chains of single-launch ops (four, nine and four: plugins/moe/trt_aot.py, plugins/kda/trt_aot_prefill.py,
+plugins/mla/trt_aot_prefill.py); the manifest records them per engine (``aot_ops``).
 TensorRT-RTX registers nothing: its parser aborts on Python plugins, and the nodes are inlined from their bodies.
 
 TensorRT-RTX (``engines.trt``) builds ahead of time for ``target_cc`` (``sm75/80/86/89/120/121``; no ``sm90``) with no
@@ -36,6 +37,7 @@ before serialization (``verified: "network"`` in the manifest); with a GPU it is
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import time
 import warnings
@@ -57,8 +59,9 @@ _STD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
 def register_build_plugins(info: TrtInfo, aot: bool = False) -> list[str]:
     """Register the ``kimi`` plugins with full TensorRT before parsing; nothing for TensorRT-RTX (its parser aborts on
     Python plugins; the nodes are then inlined from their function bodies). Returns the op types registered ahead of
-    time (``["KdaDecode", "MlaDecode", "Mxfp4Moe"]`` with ``aot`` where ``tensorrt.plugin`` supports AOT, else ``[]``;
-    Mxfp4Moe nodes are then rewritten into four AOT ops at parse time, plugins/moe/trt_aot.py).
+    time (with ``aot`` where ``tensorrt.plugin`` supports AOT: KdaDecode, MlaDecode, Mxfp4Moe, KdaPrefill (needs a
+    tested fla-core), MlaPrefill; else ``[]``; the last three are rewritten into chains of AOT ops at parse time:
+    :func:`mark_aot_nodes`).
     Raises ValueError for ``aot`` with TensorRT-RTX."""
     if info.is_rtx:
         if aot:
@@ -67,41 +70,53 @@ def register_build_plugins(info: TrtInfo, aot: bool = False) -> list[str]:
         return []
     from plugins.kda import trt_aot as kda_aot
     from plugins.mla import trt_aot as mla_aot
-    from plugins.moe import trt_aot as moe_aot
     from plugins.trt_common import register_tensorrt_plugins
 
     register_tensorrt_plugins(info.module, aot=aot)
     if not aot:
         return []
-    return [pid.split("::")[1] for pid in kda_aot.register() + mla_aot.register()] + \
-        (["Mxfp4Moe"] if moe_aot.register() else [])
+    ops = [pid.split("::")[1] for pid in kda_aot.register() + mla_aot.register()]
+    for op_type, (module, _) in _DECOMPOSED.items():
+        if importlib.import_module(module).register():
+            ops.append(op_type)
+    return ops
+
+
+# op type -> (module, rewrite function): ops whose AOT form is a chain of single-launch ops
+_DECOMPOSED = {"Mxfp4Moe": ("plugins.moe.trt_aot", "decompose_mxfp4_moe"),
+               "KdaPrefill": ("plugins.kda.trt_aot_prefill", "decompose_kda_prefill"),
+               "MlaPrefill": ("plugins.mla.trt_aot_prefill", "decompose_mla_prefill")}
 
 
 def aot_sources_sha256() -> str:
     """sha256 over the sources that make the AOT kernels' PTX (which an AOT engine embeds): in the build options
     of ``aot`` builds, so a kernel change rebuilds those engines."""
     import hashlib
-    import importlib
 
     h = hashlib.sha256()
-    for mod in ("plugins.aot_common", "plugins.kda.trt_aot", "plugins.kda.kernels", "plugins.mla.trt_aot",
-                "plugins.mla.kernels", "plugins.moe.trt_aot", "plugins.moe.kernels"):
+    for mod in ("plugins.aot_common", "plugins.aot_ops", "plugins.kda.trt_aot", "plugins.kda.trt_aot_prefill",
+                "plugins.kda.kernels", "plugins.mla.trt_aot", "plugins.mla.trt_aot_prefill", "plugins.mla.kernels",
+                "plugins.moe.trt_aot", "plugins.moe.kernels"):
         h.update(Path(importlib.import_module(mod).__file__).read_bytes())
+    try:   # the KdaPrefill chain compiles fla-core's stage kernels in
+        import fla
+        h.update(str(fla.__version__).encode())
+    except Exception:   # noqa: BLE001 - no fla-core: no KdaPrefill AOT ops either
+        h.update(b"no fla")
     return h.hexdigest()
 
 
 def mark_aot_nodes(model, op_types: Sequence[str]) -> int:
     """Set the attribute ``aot=1`` on every top-level node of domain ``kimi`` whose op type is in ``op_types`` (the
-    ONNX form of ``network.add_plugin(..., aot=True)``, STACK.md §1b); with ``"Mxfp4Moe"`` in ``op_types`` those
-    nodes are replaced by the four AOT MoE ops instead (plugins/moe/trt_aot.decompose_mxfp4_moe). Returns how many
-    nodes were marked or replaced."""
+    ONNX form of ``network.add_plugin(..., aot=True)``, STACK.md §1b); Mxfp4Moe, KdaPrefill and MlaPrefill nodes of
+    those types are replaced by their chains of AOT ops instead (``_DECOMPOSED``). Returns how many nodes were marked
+    or replaced."""
     import onnx
 
     n = 0
-    if "Mxfp4Moe" in op_types:
-        from plugins.moe.trt_aot import decompose_mxfp4_moe
-
-        n += decompose_mxfp4_moe(model)
+    for op_type, (module, fn) in _DECOMPOSED.items():
+        if op_type in op_types:
+            n += getattr(importlib.import_module(module), fn)(model)
     for node in model.graph.node:
         if node.domain == "kimi" and node.op_type in op_types:
             keep = [a for a in node.attribute if a.name != "aot"]
@@ -342,7 +357,8 @@ def onnx_custom_ops(onnx_path: str | Path, trt=None, aot_ops: Sequence[str] = ()
     (namespace = ``plugin_namespace`` attribute, else the node domain; version = ``plugin_version`` or ``"1"``).
     impl: ``"plugin"`` when a creator is registered in ``trt``'s registry (the engine then needs that plugin at
     runtime), ``"function-body"`` when not (the parser inlined the ONNX local function), ``"unknown"`` without trt.
-    aot_ops: the graph as an AOT build parses it (:func:`mark_aot_nodes`: Mxfp4Moe rewritten into its four ops)."""
+    aot_ops: the graph as an AOT build parses it (:func:`mark_aot_nodes`: Mxfp4Moe, KdaPrefill and MlaPrefill
+    rewritten into their chains of AOT ops)."""
     import onnx
 
     model = onnx.load(str(onnx_path), load_external_data=False)
@@ -378,7 +394,7 @@ def build_engine(onnx_path: str | Path, plan_path: str | Path,
     timing_cache: file path or shared :class:`TimingCacheFile` (loaded before, saved after the build).
     shape_values: per profile ``{input_name: (min_values, opt_values, max_values)}`` for inputs TensorRT treats as
     shape tensors (values that determine shapes).
-    aot: full TensorRT only: the AOT forms of KdaDecode/MlaDecode/Mxfp4Moe (see the module docstring).
+    aot: full TensorRT only: the AOT forms of every kimi op (see the module docstring).
     Returns metadata: ``inputs``/``outputs`` (name, shape with -1 = dynamic, dtype, is_shape_tensor), ``profiles``
     (read back from the profile objects), ``compute_capability``, ``plan_bytes``, ``plan_sha256``, ``plugins``,
     ``aot_ops``, ``verified`` ("engine" when the plan was deserialized and checked, "network" otherwise), ``notes``.

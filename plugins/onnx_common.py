@@ -172,8 +172,8 @@ def attach_functions(model: onnx.ModelProto) -> onnx.ModelProto:
     nested = {n.op_type for f in model.functions if f.domain == DOMAIN for n in f.node if n.domain == DOMAIN}
     nested -= used
     if nested:
-        import onnx.inliner
-        model.CopyFrom(onnx.inliner.inline_selected_functions(model, [(DOMAIN, n) for n in sorted(nested)]))
+        from onnx import inliner   # not `import onnx.inliner`: that makes `onnx` a local of this whole function
+        model.CopyFrom(inliner.inline_selected_functions(model, [(DOMAIN, n) for n in sorted(nested)]))
     return model
 
 

@@ -52,10 +52,10 @@ plugins has run (full TensorRT is not installable here nor on the H200 image).
 Ahead of time: ``kimi::KdaDecode`` and ``kimi::MlaDecode`` also exist as ``tensorrt.plugin`` QDPs with
 ``@trtp.aot_impl`` (TensorRT >= 10.9; plugins/kda/trt_aot.py, plugins/mla/trt_aot.py, helpers in
 plugins/aot_common.py): one Triton kernel each, compiled to PTX, baked into the engine, no Python at runtime; choose
-them with ``register_tensorrt_plugins(aot=True)``; ``kimi::Mxfp4Moe`` gets an AOT form as four single-launch ops that
-the ``--aot`` build rewrites its nodes into (plugins/moe/trt_aot.py). The prefill ops stay JIT Python plugins: each
-is several launches (plus fla for KdaPrefill), and an AOT plugin is exactly one precompiled kernel (plugins/kda/trt_aot.py says why per
-op).
+them with ``register_tensorrt_plugins(aot=True)``. ``kimi::Mxfp4Moe``, ``kimi::KdaPrefill`` and ``kimi::MlaPrefill`` are
+several launches each, and an AOT plugin is exactly one precompiled kernel, so their AOT forms are chains of
+single-launch ops that the ``--aot`` build rewrites their nodes into (plugins/moe/trt_aot.py,
+plugins/kda/trt_aot_prefill.py, plugins/mla/trt_aot_prefill.py; table and glue: plugins/aot_ops.py).
 """
 
 from __future__ import annotations
@@ -559,12 +559,11 @@ def register_tensorrt_plugins(trt=None, aot: bool = False) -> list[str]:
     deserializing engines that contain them. Returns ``["kimi::KdaPrefill", ...]`` in :func:`all_specs` order.
     aot: register ``kimi::KdaDecode`` and ``kimi::MlaDecode`` as ahead-of-time ``tensorrt.plugin`` QDPs
     (plugins/kda/trt_aot.py, plugins/mla/trt_aot.py: one Triton kernel each compiled to PTX and baked into the
-    engine, no Python at runtime) instead of the Python IPluginV3s, and the four single-launch ops that
-    ``build_engines.py --aot`` rewrites ``kimi::Mxfp4Moe`` into (plugins/moe/trt_aot.py); where ``tensorrt.plugin``
-    (TensorRT >= 10.9) or Triton is missing this logs a warning and registers the IPluginV3s. The prefill ops always
-    stay JIT Python plugins (several launches and fla-core, see plugins/kda/trt_aot.py). The choice is made once per
-    process (a second call with the
-    other ``aot`` raises RuntimeError).
+    engine, no Python at runtime) instead of the Python IPluginV3s, and the single-launch ops that
+    ``build_engines.py --aot`` rewrites ``kimi::Mxfp4Moe``, ``kimi::KdaPrefill`` and ``kimi::MlaPrefill`` into
+    (plugins/moe/trt_aot.py, plugins/kda/trt_aot_prefill.py, plugins/mla/trt_aot_prefill.py); where
+    ``tensorrt.plugin`` (TensorRT >= 10.9) or Triton is missing this logs a warning and registers the IPluginV3s.
+    The choice is made once per process (a second call with the other ``aot`` raises RuntimeError).
     Raises ImportError (with the install hint) when TensorRT is missing. Do not use with ``tensorrt_rtx_bindings`` in
     a process that then parses ONNX: TensorRT-RTX's parser aborts the process on Python creators (STACK.md §1a)."""
     if trt is None:
@@ -582,8 +581,14 @@ def register_tensorrt_plugins(trt=None, aot: bool = False) -> list[str]:
             from plugins.mla import trt_aot as mla_aot
             from plugins.moe import trt_aot as moe_aot
 
+            from plugins.kda import trt_aot_prefill as kda_pre
+            from plugins.mla import trt_aot_prefill as mla_pre
+
             aot_names = kda_aot.register() + mla_aot.register()
-            moe_aot.register()   # new op names (MoeSortPairs, ...): Mxfp4Moe's IPluginV3 stays for non-rewritten graphs
+            # new op names (MoeSortPairs, KdaConvBeta, MlaAbsorbQ, ...): the IPluginV3s of Mxfp4Moe, KdaPrefill and
+            # MlaPrefill stay for graphs that were not rewritten
+            for chain in (moe_aot, kda_pre, mla_pre):
+                chain.register()
             if not aot_names:
                 logger.warning("aot=True but tensorrt.plugin (TensorRT >= 10.9) with aot_impl, or Triton, is not "
                                "importable: kimi::KdaDecode and kimi::MlaDecode stay JIT Python plugins")

@@ -1,8 +1,17 @@
 """Comparison helpers and the poisoned-margin tensor guard shared by the kernel tests (tests/test_kernels.py,
-tests/test_graph_safe.py)."""
+tests/test_graph_safe.py,
+tests/test_aot_prefill.py), and the AOT helpers: PTX compiled in a subprocess, PTX launched through the CUDA driver
+the way TensorRT's AOT launcher does, a stand-in ``tensorrt.plugin``."""
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
 import torch
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+REPO = Path(__file__).resolve().parents[1]
 
 
 def relerr(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -50,3 +59,126 @@ class Guarded:
                     assert torch.isnan(margin.float()).all(), "a kernel wrote outside its tensor"
                 else:
                     assert (margin == self._poison(buf.dtype)).all(), "a kernel wrote outside its tensor"
+
+
+# ---------------------------------------------------------------- ahead-of-time kernels (issue 6)
+# defined for the subprocess snippets: how many parameters kernel `name`'s .entry has in `ptx`
+ENTRY_PARAMS = ("import re as _re\n"
+                 "def entry_params(name, ptx):\n"
+                 "    entry = _re.search(r'\\.entry\\s+' + name + r'\\s*\\(([^)]*)\\)', ptx).group(1)\n"
+                 "    return len([p for p in entry.split(',') if p.strip()])\n")
+
+
+def compile_in_subprocess(code: str) -> list[list[str]]:
+    """Run ``code`` in a fresh Python without TRITON_INTERPRET (Triton compiles for real there; ``entry_params(name,
+    ptx)`` is defined for it); returns its stdout lines split on whitespace. Fails the test with the subprocess's
+    stderr on a non-zero exit."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", ENTRY_PARAMS + code], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [ln.split() for ln in r.stdout.strip().splitlines()]
+
+
+class DriverKernel:
+    """An AOT kernel's PTX loaded with cuModuleLoadData and launched the way TensorRT's AOT launcher does: every
+    argument a pointer (tensor) or an int32 (extra), in the kernel's parameter order, on torch's current stream;
+    above 48 KB of static shared memory the function is opted in first. Call ``unload()`` at the end."""
+
+    def __init__(self, name: str, ptx: str, shared: int):
+        import ctypes
+
+        self.ct = ctypes
+        self.cuda = ctypes.CDLL("libcuda.so.1")
+        torch.cuda.current_stream().synchronize()
+        self.mod, self.fn = ctypes.c_void_p(), ctypes.c_void_p()
+        assert self.cuda.cuModuleLoadData(ctypes.byref(self.mod), ctypes.c_char_p(ptx.encode() + b"\0")) == 0
+        assert self.cuda.cuModuleGetFunction(ctypes.byref(self.fn), self.mod, name.encode()) == 0
+        if shared > 48 * 1024:   # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+            assert self.cuda.cuFuncSetAttribute(self.fn, 8, ctypes.c_int(shared)) == 0
+
+    def params(self, args):
+        ct = self.ct
+        vals = [ct.c_uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else ct.c_int32(int(a)) for a in args]
+        return vals, (ct.c_void_p * len(vals))(*[ct.cast(ct.byref(v), ct.c_void_p) for v in vals])
+
+    def launch(self, lp: dict, packed) -> None:
+        """Launch with ``lp`` (launch_params) and ``packed = self.params(args)`` (kept alive by the caller)."""
+        stream = self.ct.c_void_p(torch.cuda.current_stream().cuda_stream)
+        rc_ = self.cuda.cuLaunchKernel(self.fn, lp["grid_x"], lp["grid_y"], lp["grid_z"], lp["block_x"],
+                                       lp["block_y"], lp["block_z"], lp["shared_mem"], stream, packed[1], None)
+        assert rc_ == 0, rc_
+
+    def unload(self) -> None:
+        self.cuda.cuModuleUnload(self.mod)
+
+
+class FakeDesc:
+    def __init__(self, shape, dtype):
+        self.shape_expr, self.dtype, self.alias_of = list(shape), dtype, None
+
+    def aliased(self):
+        d = FakeDesc(self.shape_expr, self.dtype)
+        d.alias_of = self
+        return d
+
+
+def fake_tensorrt_plugin():
+    trt = types.ModuleType("tensorrt")
+    trt.float32, trt.float16, trt.bfloat16, trt.int32 = "F32", "F16", "BF16", "I32"
+    trtp = types.ModuleType("tensorrt.plugin")
+    trtp.defs = {}
+
+    def deco(kind):
+        def make(pid):
+            def wrap(fn):
+                trtp.defs[(kind, pid)] = fn
+                return fn
+            return wrap
+        return make
+
+    for kind in ("register", "autotune", "aot_impl", "impl"):
+        setattr(trtp, kind, deco(kind))
+    trtp.TensorDesc = FakeDesc
+    trtp.from_shape_expr = lambda shape, dtype: FakeDesc(shape, dtype)
+    trtp.AutoTuneCombination = lambda s: ("combo", s)
+
+    class KernelLaunchParams:
+        pass
+
+    trtp.KernelLaunchParams = KernelLaunchParams
+    trtp.SymInt32 = lambda e: ("i32", e)
+    trtp.cdiv = lambda a, b: Sym(f"cdiv({getattr(a, 'name', a)},{b})")
+    trtp.SymIntExprs = types.SimpleNamespace(from_tuple=lambda xs: ("exprs", list(xs)))
+    trt.plugin = trtp
+    return trt, trtp
+
+
+class Sym:
+    """A symbolic shape expression for the stand-in tensorrt.plugin: arithmetic stays symbolic (``name`` spells it)."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def _op(self, sym, other, swap=False):
+        a, b = self.name, getattr(other, "name", other)
+        return Sym(f"({b}{sym}{a})" if swap else f"({a}{sym}{b})")
+
+    def __mul__(self, other):
+        return self._op("*", other)
+
+    def __rmul__(self, other):
+        return self._op("*", other)
+
+    def __add__(self, other):
+        return self._op("+", other)
+
+    def __radd__(self, other):
+        return self._op("+", other, swap=True)
+
+    def __sub__(self, other):
+        return self._op("-", other)
+
+    def __floordiv__(self, other):
+        return self._op("//", other)

@@ -39,7 +39,8 @@ from plugins.moe import reference as moe_ref         # noqa: E402
 from plugins.moe import trt_aot as moe_aot           # noqa: E402
 from plugins.moe.trt import MXFP4_MOE                # noqa: E402
 from plugins.trt_common import ACT, F32, Like, OpSpec, run_kernel, workspace_size  # noqa: E402
-from kernel_checks import Guarded, nan_equal, relerr    # noqa: E402  (tests/kernel_checks.py)
+from kernel_checks import (DriverKernel, FakeDesc, Guarded, Sym, compile_in_subprocess,  # noqa: E402
+                           fake_tensorrt_plugin, nan_equal, relerr)     # (tests/kernel_checks.py)
 
 REPO = Path(__file__).resolve().parents[1]
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -444,25 +445,6 @@ def test_strip_hidden_params():
         aot_common.strip_hidden_params(ptx, "other", 1)
 
 
-# defined for the subprocess snippets: how many parameters kernel `name`'s .entry has in `ptx`
-_ENTRY_PARAMS = ("import re as _re\n"
-                 "def entry_params(name, ptx):\n"
-                 "    entry = _re.search(r'\\.entry\\s+' + name + r'\\s*\\(([^)]*)\\)', ptx).group(1)\n"
-                 "    return len([p for p in entry.split(',') if p.strip()])\n")
-
-
-def _compile_in_subprocess(code: str) -> list[list[str]]:
-    """Run ``code`` in a fresh Python without TRITON_INTERPRET (Triton compiles for real there; ``entry_params(name,
-    ptx)`` is defined for it); returns its stdout lines split on whitespace. Fails the test with the subprocess's
-    stderr on a non-zero exit."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", _ENTRY_PARAMS + code], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return [ln.split() for ln in r.stdout.strip().splitlines()]
-
-
 def test_aot_kernel_compiles_to_ptx_for_sm90():
     """Triton compiles the entry kernel for sm_90 on a machine without a GPU (a subprocess: no interpreter)."""
     code = ("from triton.backends.compiler import GPUTarget\n"
@@ -473,7 +455,7 @@ def test_aot_kernel_compiles_to_ptx_for_sm90():
             "    n = entry_params(name, ptx)\n"
             "    ver = re.search(r'\\.version (\\S+)', ptx).group(1)\n"
             "    print(name, n, w, sh, '.target sm_90a' in ptx, ver)\n")
-    lines = _compile_in_subprocess(code)
+    lines = compile_in_subprocess(code)
     assert [ln[0] for ln in lines] == ["_kda_decode_aot_kernel"] * 2
     assert [int(ln[1]) for ln in lines] == [15, 15]          # exactly TensorRT's arguments: 11 in + T + 3 out
     assert [int(ln[2]) for ln in lines] == [8, 4] and all(ln[4] == "True" for ln in lines)
@@ -490,7 +472,7 @@ def test_mla_aot_kernel_compiles_to_ptx_for_sm90():
             "    name, ptx, w, sh = A.compile_ptx(act, H, 512, 576, 192 ** -0.5, target=GPUTarget('cuda', 90, 32))\n"
             "    n = entry_params(name, ptx)\n"
             "    print(name, n, w, sh, '.target sm_90a' in ptx, len(re.findall(r'ld\\.global\\.v4', ptx)))\n")
-    lines = _compile_in_subprocess(code)
+    lines = compile_in_subprocess(code)
     assert [ln[0] for ln in lines] == ["_mla_decode_aot_kernel"] * 3
     assert [int(ln[1]) for ln in lines] == [9, 9, 9] and [int(ln[2]) for ln in lines] == [4, 4, 4]
     assert all(ln[4] == "True" for ln in lines) and all(int(ln[5]) > 0 for ln in lines)
@@ -579,50 +561,10 @@ def test_mla_aot_constant_shape_expressions():
     assert mla_aot._constant(sym) is sym and mla_aot._constant(fake) is fake
 
 
-class _FakeDesc:
-    def __init__(self, shape, dtype):
-        self.shape_expr, self.dtype, self.alias_of = list(shape), dtype, None
-
-    def aliased(self):
-        d = _FakeDesc(self.shape_expr, self.dtype)
-        d.alias_of = self
-        return d
-
-
-def _fake_tensorrt_plugin():
-    trt = types.ModuleType("tensorrt")
-    trt.float32, trt.float16, trt.bfloat16, trt.int32 = "F32", "F16", "BF16", "I32"
-    trtp = types.ModuleType("tensorrt.plugin")
-    trtp.defs = {}
-
-    def deco(kind):
-        def make(pid):
-            def wrap(fn):
-                trtp.defs[(kind, pid)] = fn
-                return fn
-            return wrap
-        return make
-
-    for kind in ("register", "autotune", "aot_impl", "impl"):
-        setattr(trtp, kind, deco(kind))
-    trtp.TensorDesc = _FakeDesc
-    trtp.from_shape_expr = lambda shape, dtype: _FakeDesc(shape, dtype)
-    trtp.AutoTuneCombination = lambda s: ("combo", s)
-
-    class KernelLaunchParams:
-        pass
-
-    trtp.KernelLaunchParams = KernelLaunchParams
-    trtp.SymInt32 = lambda e: ("i32", e)
-    trtp.SymIntExprs = types.SimpleNamespace(from_tuple=lambda xs: ("exprs", list(xs)))
-    trt.plugin = trtp
-    return trt, trtp
-
-
 def _install_stand_in_qdp(monkeypatch, module, compiled_result):
     """Stand-in tensorrt / tensorrt.plugin modules, the AOT ``module`` unregistered, its compile_ptx recording its
     arguments and returning ``compiled_result``. Returns (the stand-in tensorrt.plugin, the recorded calls)."""
-    trt, trtp = _fake_tensorrt_plugin()
+    trt, trtp = fake_tensorrt_plugin()
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
     monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
     monkeypatch.setattr(module, "_DONE", [])
@@ -638,9 +580,9 @@ def test_aot_qdp_glue_with_stand_in_tensorrt_plugin(monkeypatch):
     assert trt_aot.register() == ["kimi::KdaDecode"] and trt_aot.register() == ["kimi::KdaDecode"]
     assert {k for k, _ in trtp.defs} == {"register", "autotune", "aot_impl", "impl"}
     T = object()   # symbolic token count
-    ins = [_FakeDesc((T, 3 * 1536), "BF16"), _FakeDesc((T, 1536), "BF16"), _FakeDesc((T, 12), "BF16"),
-           _FakeDesc((T, 1536), "BF16")] + [_FakeDesc((n,), "F32") for n in (4608, 12, 1536, 128)] + \
-          [_FakeDesc(("S", 12, 128, 128), "F32"), _FakeDesc(("S", 4608, 3), "BF16"), _FakeDesc((T,), "I32")]
+    ins = [FakeDesc((T, 3 * 1536), "BF16"), FakeDesc((T, 1536), "BF16"), FakeDesc((T, 12), "BF16"),
+           FakeDesc((T, 1536), "BF16")] + [FakeDesc((n,), "F32") for n in (4608, 12, 1536, 128)] + \
+          [FakeDesc(("S", 12, 128, 128), "F32"), FakeDesc(("S", 4608, 3), "BF16"), FakeDesc((T,), "I32")]
     attrs = [np.array([12], np.int32), np.array([128], np.int32), np.array([-5.0], np.float32),
              np.array([1e-5], np.float32)]
     out, st, cv = trtp.defs[("register", "kimi::KdaDecode")](*ins, *attrs)
@@ -660,8 +602,8 @@ def test_mla_aot_qdp_glue_with_stand_in_tensorrt_plugin(monkeypatch):
     trtp, compiled = _install_stand_in_qdp(monkeypatch, mla_aot, ("kern", "PTX", 4, 4096))
     assert mla_aot.available() and mla_aot.register() == ["kimi::MlaDecode"]
     B, MB = object(), object()          # symbolic batch and block-table width
-    ins = [_FakeDesc((B, 96, 576), "BF16"), _FakeDesc((B, 576), "BF16"), _FakeDesc(("NB", 64, 576), "BF16"),
-           _FakeDesc((B, MB), "I32"), _FakeDesc((B,), "I32")]
+    ins = [FakeDesc((B, 96, 576), "BF16"), FakeDesc((B, 576), "BF16"), FakeDesc(("NB", 64, 576), "BF16"),
+           FakeDesc((B, MB), "I32"), FakeDesc((B,), "I32")]
     attrs = [np.array([96], np.int32), np.array([512], np.int32), np.array([0.07], np.float32)]
     out, cache_out = trtp.defs[("register", "kimi::MlaDecode")](*ins, *attrs)
     assert out.shape_expr == [B, 96, 512] and out.dtype == "BF16" and cache_out.alias_of is ins[2]
@@ -671,7 +613,7 @@ def test_mla_aot_qdp_glue_with_stand_in_tensorrt_plugin(monkeypatch):
     assert compiled[0][:4] == ("bfloat16", 96, 512, 576) and compiled[0][4] == pytest.approx(0.07)
     assert (lp.grid_x, lp.grid_y) == (6, 1) and lp.grid_z is B and lp.block_x == 128 and lp.shared_mem == 4096
     assert extra == ("exprs", [("i32", MB), ("i32", 64)])
-    ins[2] = _FakeDesc(("NB", 8, 576), "BF16")
+    ins[2] = FakeDesc(("NB", 8, 576), "BF16")
     with pytest.raises(ValueError, match="multiple of 16"):
         trtp.defs[("aot_impl", "kimi::MlaDecode")](*ins, *attrs, (out, cache_out), 0)
 
@@ -739,39 +681,6 @@ def test_cuda_graph_capture_and_replay(case):
                 assert relerr(r, e) < 1e-3, case.name
 
 
-class _DriverKernel:
-    """An AOT kernel's PTX loaded with cuModuleLoadData and launched the way TensorRT's AOT launcher does: every
-    argument a pointer (tensor) or an int32 (extra), in the kernel's parameter order, on torch's current stream;
-    above 48 KB of static shared memory the function is opted in first. Call ``unload()`` at the end."""
-
-    def __init__(self, name: str, ptx: str, shared: int):
-        import ctypes
-
-        self.ct = ctypes
-        self.cuda = ctypes.CDLL("libcuda.so.1")
-        torch.cuda.current_stream().synchronize()
-        self.mod, self.fn = ctypes.c_void_p(), ctypes.c_void_p()
-        assert self.cuda.cuModuleLoadData(ctypes.byref(self.mod), ctypes.c_char_p(ptx.encode() + b"\0")) == 0
-        assert self.cuda.cuModuleGetFunction(ctypes.byref(self.fn), self.mod, name.encode()) == 0
-        if shared > 48 * 1024:   # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-            assert self.cuda.cuFuncSetAttribute(self.fn, 8, ctypes.c_int(shared)) == 0
-
-    def params(self, args):
-        ct = self.ct
-        vals = [ct.c_uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else ct.c_int32(int(a)) for a in args]
-        return vals, (ct.c_void_p * len(vals))(*[ct.cast(ct.byref(v), ct.c_void_p) for v in vals])
-
-    def launch(self, lp: dict, packed) -> None:
-        """Launch with ``lp`` (launch_params) and ``packed = self.params(args)`` (kept alive by the caller)."""
-        stream = self.ct.c_void_p(torch.cuda.current_stream().cuda_stream)
-        rc_ = self.cuda.cuLaunchKernel(self.fn, lp["grid_x"], lp["grid_y"], lp["grid_z"], lp["block_x"],
-                                       lp["block_y"], lp["block_z"], lp["shared_mem"], stream, packed[1], None)
-        assert rc_ == 0, rc_
-
-    def unload(self) -> None:
-        self.cuda.cuModuleUnload(self.mod)
-
-
 @gpu_only
 def test_kda_decode_aot_ptx_through_the_driver():
     """The AOT PTX loaded with cuModuleLoadData and launched with TensorRT's convention (inputs, T, outputs; grid
@@ -781,7 +690,7 @@ def test_kda_decode_aot_ptx_through_the_driver():
     x = {k: v.to(DEV) for k, v in _kda_make(B, H, K, 9, act, slots)(3).items()}
     ro, rs, rc = kda_ref.kda_decode(*[v.cpu() for v in x.values()], num_heads=H, head_dim=K)
     name, ptx, warps, shared = trt_aot.compile_ptx("bfloat16", H, K, -5.0, 1e-5)
-    kern = _DriverKernel(name, ptx, shared)
+    kern = DriverKernel(name, ptx, shared)
     out = torch.empty(B, H * K, dtype=act, device=DEV)
     args = [x[k] for k in ("qkv", "f", "b", "g", "conv_w", "A_log", "dt_bias", "o_norm_w", "state", "conv",
                            "slots")] + [B, out, x["state"], x["conv"]]
@@ -823,7 +732,7 @@ def test_mla_decode_aot_ptx_through_the_driver():
     lat = torch.randn(B, R + DR, generator=g).to(dt)
     ro, rc = mla_ref.mla_decode(q.float(), lat.float(), cache.float(), bt, ctx, num_heads=H, kv_lora_rank=R, scale=0.05)
     name, ptx, warps, shared = mla_aot.compile_ptx("bfloat16", H, R, R + DR, 0.05)
-    kern = _DriverKernel(name, ptx, shared)
+    kern = DriverKernel(name, ptx, shared)
     x = [t.to(DEV) for t in (q, lat, cache, bt, ctx)]
     out = torch.full((B, H, R), float("nan"), dtype=dt, device=DEV)
     packed = kern.params(x + [MB, BS, out, x[2]])
@@ -919,7 +828,7 @@ def test_moe_aot_kernels_compile_to_ptx_for_sm90():
             "    name, ptx, w, sh = A.compile_ptx(op, 'bfloat16', target=GPUTarget('cuda', 90, 32), **kw)\n"
             "    n = entry_params(name, ptx)\n"
             "    print(name, n, w, sh, '.target sm_90a' in ptx)\n")
-    lines = _compile_in_subprocess(code)
+    lines = compile_in_subprocess(code)
     assert [ln[0] for ln in lines] == ["_moe_sort_aot_kernel", "_moe_w13_aot_kernel", "_moe_w2_aot_kernel",
                                        "_moe_combine_aot_kernel"]
     assert [int(ln[1]) for ln in lines] == [5, 6, 7, 3] and all(ln[4] == "True" for ln in lines)
@@ -986,30 +895,15 @@ def test_decompose_mxfp4_moe_for_aot(tmp_path):
         moe_aot.decompose_mxfp4_moe(bad)
 
 
-class _Sym:
-    """A symbolic shape expression for the stand-in tensorrt.plugin (products and floor division stay symbolic)."""
-
-    def __init__(self, name):
-        self.name = name
-
-    def __mul__(self, other):
-        return _Sym(f"({self.name}*{getattr(other, 'name', other)})")
-
-    __rmul__ = __mul__
-
-    def __floordiv__(self, other):
-        return _Sym(f"({self.name}//{other})")
-
-
 def test_moe_aot_qdp_glue_with_stand_in_tensorrt_plugin(monkeypatch):
     """The four QDP ops against a stand-in tensorrt.plugin: output shapes with T symbolic (M = T*k pairs), the sort's
     extra M, grids from the static weight shapes, attributes compiled in, a symbolic latent width refused."""
     trtp, compiled = _install_stand_in_qdp(monkeypatch, moe_aot, ("kern", "PTX", 4, 1024))
     assert moe_aot.available() and moe_aot.register() == list(moe_aot.AOT_OPS)
     assert {k for k, _ in trtp.defs} == {"register", "autotune", "aot_impl"}
-    T = _Sym("T")
+    T = Sym("T")
     E, RL, I, k = 112, 3584, 3072, 16
-    ids = _FakeDesc((T, k), "I32")
+    ids = FakeDesc((T, k), "I32")
     i32 = lambda v: np.array([v], np.int32)      # noqa: E731
     f32 = lambda v: np.array([v], np.float32)    # noqa: E731
     order, tok, offs = trtp.defs[("register", moe_aot.SORT)](ids, i32(E), i32(224))
@@ -1018,26 +912,26 @@ def test_moe_aot_qdp_glue_with_stand_in_tensorrt_plugin(monkeypatch):
     assert (name, ptx, lp.grid_x, lp.grid_y) == (b"kern", b"PTX", E + 1, 1)
     assert extra[0] == "exprs" and extra[1][0][1].name == "(T*16)"
     assert compiled[-1][:2] == (moe_aot.SORT, "float32")
-    x = _FakeDesc((T, RL), "BF16")
-    w13p, w13s = _FakeDesc((E, 2 * I, RL // 2), "U8"), _FakeDesc((E, 2 * I, RL // 32), "U8")
+    x = FakeDesc((T, RL), "BF16")
+    w13p, w13s = FakeDesc((E, 2 * I, RL // 2), "U8"), FakeDesc((E, 2 * I, RL // 32), "U8")
     (h,) = [trtp.defs[("register", moe_aot.W13)](x, tok, offs, w13p, w13s, f32(4.0), f32(25.0))]
     assert h.shape_expr[1] == I and h.dtype == "BF16"
     _, _, lp, extra = trtp.defs[("aot_impl", moe_aot.W13)](x, tok, offs, w13p, w13s, f32(4.0), f32(25.0), (h,), 0)
     assert (lp.grid_x, lp.grid_y, lp.block_x, lp.shared_mem, extra) == (24, E, 128, 1024, ("exprs", []))
     assert compiled[-1][:2] == (moe_aot.W13, "bfloat16")
-    h = _FakeDesc((T * k, I), "BF16")
-    w2p, w2s = _FakeDesc((E, RL, I // 2), "U8"), _FakeDesc((E, RL, I // 32), "U8")
-    ypair = trtp.defs[("register", moe_aot.W2)](h, order, _FakeDesc((T, k), "F32"), offs, w2p, w2s)
+    h = FakeDesc((T * k, I), "BF16")
+    w2p, w2s = FakeDesc((E, RL, I // 2), "U8"), FakeDesc((E, RL, I // 32), "U8")
+    ypair = trtp.defs[("register", moe_aot.W2)](h, order, FakeDesc((T, k), "F32"), offs, w2p, w2s)
     assert ypair.shape_expr[1] == RL and ypair.dtype == "F32"
-    _, _, lp, _ = trtp.defs[("aot_impl", moe_aot.W2)](h, order, _FakeDesc((T, k), "F32"), offs, w2p, w2s, (ypair,), 0)
+    _, _, lp, _ = trtp.defs[("aot_impl", moe_aot.W2)](h, order, FakeDesc((T, k), "F32"), offs, w2p, w2s, (ypair,), 0)
     assert (lp.grid_x, lp.grid_y) == (28, E)
-    y = trtp.defs[("register", moe_aot.COMBINE)](_FakeDesc((T * k, RL), "F32"), ids, i32(E), i32(224))
+    y = trtp.defs[("register", moe_aot.COMBINE)](FakeDesc((T * k, RL), "F32"), ids, i32(E), i32(224))
     assert y.shape_expr[0] is T and y.shape_expr[1] == RL
-    _, _, lp, _ = trtp.defs[("aot_impl", moe_aot.COMBINE)](_FakeDesc((T * k, RL), "F32"), ids, i32(E), i32(224),
+    _, _, lp, _ = trtp.defs[("aot_impl", moe_aot.COMBINE)](FakeDesc((T * k, RL), "F32"), ids, i32(E), i32(224),
                                                            (y,), 0)
     assert lp.grid_x is T and lp.grid_y == 14
     with pytest.raises(ValueError, match="latent width must be static"):
-        trtp.defs[("aot_impl", moe_aot.W13)](_FakeDesc((T, _Sym("RL")), "BF16"), tok, offs, w13p, w13s, f32(4.0),
+        trtp.defs[("aot_impl", moe_aot.W13)](FakeDesc((T, Sym("RL")), "BF16"), tok, offs, w13p, w13s, f32(4.0),
                                              f32(25.0), (h,), 0)
 
 
@@ -1061,7 +955,7 @@ def test_moe_aot_ptx_through_the_driver():
     kerns = []
     for op, args in steps:
         name, ptx, warps, shared = moe_aot.compile_ptx(op, "bfloat16", **kw)
-        kern = _DriverKernel(name, ptx, shared)
+        kern = DriverKernel(name, ptx, shared)
         kerns.append((kern, kern.params(args)))
         kern.launch(moe_aot.launch_params(op, num_local_experts=E, num_tokens=T, latent=RL, inter=I, warps=warps,
                                           shared=shared), kerns[-1][1])

@@ -14,17 +14,14 @@ the kernel's static shared memory. Triton >= 3.3 appends hidden scratch pointers
 exactly the declared arguments, so ``plugins.aot_common.strip_hidden_params`` removes them from the PTX when they are
 unused (the kernel needs no global/profile scratch) and refuses otherwise.
 
-Which ops are AOT: KdaDecode (here) and MlaDecode (plugins/mla/trt_aot.py: one kernel without the split along the
-sequence). The others stay JIT Python IPluginV3 plugins (plugins/trt_common.py), because an AOT plugin is exactly
-one precompiled kernel launch with launch parameters as shape expressions:
-* KdaPrefill: Triton conv prologue + token map + fla-core ``chunk_kda`` (a dozen launches, autotuned, with its own
-  torch-allocated intermediates) + gated RMSNorm;
-* MlaPrefill: latent write + W_UK absorption + paged attention + W_UV (four launches with different grids);
-* MlaDecode's JIT form: latent write + split-K attention + log-sum-exp combine (three launches, split partials in
-  scratch); its AOT form drops the split;
-* Mxfp4Moe: counting sort + two grouped GEMMs + combine (four launches, data-dependent expert offsets read on the
-  device between them).
-Each is CUDA-graph safe as a JIT plugin with the caller workspace (see plugins/trt_common.py for the exact limits).
+Every kimi op has an AOT form. An AOT plugin is exactly one precompiled kernel launch with launch parameters as shape
+expressions, so KdaDecode (here) and MlaDecode (plugins/mla/trt_aot.py: one kernel without the split along the
+sequence) are single ops, while the multi-launch ops become chains of single-launch ops that ``--aot`` builds rewrite
+their nodes into: Mxfp4Moe (four: sort, two grouped GEMMs, combine; plugins/moe/trt_aot.py), KdaPrefill (nine: conv,
+conv history, chunk indices, then fla-core's chunk stages and our output kernel; plugins/kda/trt_aot_prefill.py),
+MlaPrefill (four: latent write, W_UK absorption, paged attention, W_UV; plugins/mla/trt_aot_prefill.py). The JIT
+IPluginV3 plugins (plugins/trt_common.py) stay for engines built without ``--aot``; each is CUDA-graph safe with
+the caller workspace (see plugins/trt_common.py for the exact limits).
 
 Use: ``plugins.register_tensorrt_plugins(aot=True)`` (registers this QDP instead of the KdaDecode IPluginV3); with
 ``network.add_plugin(trtp.op.kimi.KdaDecode(...), aot=True)``, or an ONNX node carrying the bool attribute

@@ -304,9 +304,10 @@ def _find_row_tile(cu_ptr, N, H, pid, BM: tl.constexpr, BNS: tl.constexpr):
 
 
 @triton.jit
-def _write_latents_varlen_kernel(lat_ptr, cache_ptr, bt_ptr, cu_ptr, ctx_ptr, N, stride_lat, stride_bt,
-                                 BS: tl.constexpr, DL: tl.constexpr, BDL: tl.constexpr, BNS: tl.constexpr):
-    """grid (T,): latent row t -> cache position context_lens[n] + (t - cu_seqlens[n]) of its sequence n."""
+def _write_latents_varlen_kernel(lat_ptr, cache_ptr, bt_ptr, cu_ptr, ctx_ptr, N, stride_lat, stride_bt, BS,
+                                 DL: tl.constexpr, BDL: tl.constexpr, BNS: tl.constexpr):
+    """grid (T,): latent row t -> cache position context_lens[n] + (t - cu_seqlens[n]) of its sequence n. BS (the
+    cache block size) is a runtime value: the AOT form (plugins/mla/trt_aot_prefill.py) takes it from the shapes."""
     t = tl.program_id(0)
     n = _seq_of_token(cu_ptr, N, t, BNS)
     pos = tl.load(ctx_ptr + n) + t - tl.load(cu_ptr + n)
@@ -345,14 +346,15 @@ def _mla_absorb_q_kernel(q_ptr, w_ptr, qa_ptr, T, H, stride_qt, stride_qh, strid
 
 @triton.jit
 def _mla_prefill_attn_kernel(
-    qa_ptr, cache_ptr, bt_ptr, cu_ptr, ctx_ptr, ol_ptr, N, H, stride_bt, sm_scale,
-    BS: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BNS: tl.constexpr,
+    qa_ptr, cache_ptr, bt_ptr, cu_ptr, ctx_ptr, ol_ptr, N, H, stride_bt, sm_scale, BS,
+    R: tl.constexpr, DR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BNS: tl.constexpr,
 ):
     """grid (cdiv(T*H, BM) + N,). The absorbed paged kernel of mla_decode generalized to several query tokens:
     one program = BM consecutive query rows (token-major, head-minor: row = t*H + h) of ONE sequence n; row r of
     token t sees cached latents 0 .. context_lens[n] + (t - cu_seqlens[n]) (its causal limit). Each [BN, 576]
     latent tile lies inside one paged block (BN divides BS) and is read once for all BM rows; fp32 online softmax
-    (base 2); values = first R latent columns; out_latent[r] = softmax-weighted sum (act dtype)."""
+    (base 2); values = first R latent columns; out_latent[r] = softmax-weighted sum (act dtype). BS (cache block
+    size, a multiple of BN) is a runtime value, as in the AOT form."""
     pid = tl.program_id(0)
     n, tile = _find_row_tile(cu_ptr, N, H, pid, BM, BNS)
     if n < 0:
