@@ -512,7 +512,20 @@ if "aot_prefill" in ONLY:
         model = onnx_helper.make_model(onnx_helper.make_graph([node], "g", [], []))
         getattr(mod, f"decompose_{op_type[:3].lower()}_prefill")(model)
         ops = {op.name: op for op in mod.OPS.values()}
-        return lambda: aot_ops.run_nodes(model.graph.node, dict(env), ops)
+        return lambda: aot_ops.run_nodes(model.graph.node, dict(env), ops), model.graph.node, ops
+
+    def per_op_us(nodes, ops, env):
+        """GPU time of each node of the chain alone (CUDA graphs), on the tensors of one full run (env)."""
+        res = {}
+        for nd in nodes:
+            op = ops[nd.op_type]
+            attrs = {a_.name: onnx_helper.get_attribute_value(a_) for a_ in nd.attribute if a_.name in dict(op.attrs)}
+            ins = {n_: env[i_] for (n_, _), i_ in zip(op.inputs, nd.input)}
+            try:
+                res[op.name] = bench(graphed(lambda: aot_ops.run_op(op, ins, attrs)), rep=50) * 1e3
+            except Exception as e:
+                res[op.name] = repr(e)[:120]
+        return res
 
     for H in PREFILL_HEADS:
         if not (kda_pre.ENTRY and HAVE_FLA):
@@ -526,9 +539,10 @@ if "aot_prefill" in ONLY:
                      state=torch.zeros(3, H, K, K, device=dev), conv=torch.zeros(3, 3 * P, 3, device=dev).bfloat16(),
                      cu_seqlens=torch.tensor([0, T], dtype=torch.int32, device=dev),
                      slots=torch.tensor([2], dtype=torch.int32, device=dev))
-            run = chain(kda_pre, "KdaPrefill", d, ("out", "state_out", "conv_out"), d, num_heads=H, head_dim=K,
-                        lower_bound=-5.0, norm_eps=1e-5)
-            o_aot = run()["out"].clone()
+            run, nodes, ops = chain(kda_pre, "KdaPrefill", d, ("out", "state_out", "conv_out"), d, num_heads=H,
+                                    head_dim=K, lower_bound=-5.0, norm_eps=1e-5)
+            env = run()
+            o_aot = env["out"].clone()
             s_aot = d["state"][2].clone()
             d["state"].zero_(); d["conv"].zero_()
             jit = lambda: kda_k.kda_prefill(**d, num_heads=H, head_dim=K)
@@ -537,8 +551,9 @@ if "aot_prefill" in ONLY:
             ok = err < 2e-2
             res = {n_: bench(graphed(f_), rep=100) * 1e3 for n_, f_ in (("aot_chain", run), ("jit", jit))} if ok else {}
             out(what="aot_kda_prefill", H=H, T=T, correct=ok, err_vs_jit=err, us=res.get("aot_chain"),
-                jit_us=res.get("jit"), ratio=res["jit"] / res["aot_chain"] if ok else None, note="CUDA graphs")
-            del d, o_aot, o_jit
+                jit_us=res.get("jit"), ratio=res["jit"] / res["aot_chain"] if ok else None, note="CUDA graphs",
+                per_op_us=per_op_us(nodes, ops, env) if ok else None)
+            del d, o_aot, o_jit, env
         except Exception as e:
             out(what="aot_kda_prefill", H=H, error=repr(e)[:400])
     for H in PREFILL_HEADS:
@@ -553,14 +568,16 @@ if "aot_prefill" in ONLY:
                      cu_seqlens=torch.tensor([0, T], dtype=torch.int32, device=dev),
                      context_lens=torch.tensor([0], dtype=torch.int32, device=dev))
             attrs = dict(num_heads=H, qk_nope_head_dim=Dn, v_head_dim=Dv, kv_lora_rank=R, scale=(Dn + DR) ** -0.5)
-            run = chain(mla_pre, "MlaPrefill", m, ("out", "cache_out"), m, **attrs)
+            run, nodes, ops = chain(mla_pre, "MlaPrefill", m, ("out", "cache_out"), m, **attrs)
             jit = lambda: mla_k.mla_prefill(*m.values(), graph_safe=True, **attrs)
-            err = rel(run()["out"].float(), jit()[0].float())
+            env = run()
+            err = rel(env["out"].float(), jit()[0].float())
             ok = err < 2e-2
             res = {n_: bench(graphed(f_), rep=100) * 1e3 for n_, f_ in (("aot_chain", run), ("jit", jit))} if ok else {}
             out(what="aot_mla_prefill", H=H, T=T, correct=ok, err_vs_jit=err, us=res.get("aot_chain"),
-                jit_us=res.get("jit"), ratio=res["jit"] / res["aot_chain"] if ok else None, note="CUDA graphs")
-            del m
+                jit_us=res.get("jit"), ratio=res["jit"] / res["aot_chain"] if ok else None, note="CUDA graphs",
+                per_op_us=per_op_us(nodes, ops, env) if ok else None)
+            del m, env
         except Exception as e:
             out(what="aot_mla_prefill", H=H, error=repr(e)[:400])
     torch.cuda.empty_cache()

@@ -631,8 +631,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--flavor", choices=["tensorrt", "tensorrt-rtx"], default=None,
                     help="force a TensorRT flavor (default: full TensorRT if installed, else RTX)")
     ap.add_argument("--aot", action="store_true",
-                    help="full TensorRT >= 10.9: KdaDecode/MlaDecode/Mxfp4Moe as ahead-of-time plugins (PTX in the "
-                         "engine, no Python at runtime); refused with TensorRT-RTX")
+                    help="full TensorRT >= 10.9: every kimi op as ahead-of-time plugins (PTX in the engine, no "
+                         "Python at runtime; Mxfp4Moe/KdaPrefill/MlaPrefill as chains of single-launch ops); refused "
+                         "with TensorRT-RTX")
     ap.add_argument("--force", action="store_true", help="rebuild every engine even when unchanged")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("-v", "--verbose", action="count", default=0, help="-v: info, -vv: debug incl. TensorRT log")

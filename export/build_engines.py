@@ -349,10 +349,10 @@ def parse_args(argv=None):
     ap.add_argument("--max-num-tokens", type=int, default=256, help="prefill profile: max packed tokens per step (default 256)")
     ap.add_argument("--max-context", type=int, default=None, help="max tokens per request (default min(config, 4096))")
     ap.add_argument("--aot", action="store_true",
-                    help="full TensorRT >= 10.9 only: KdaDecode, MlaDecode and Mxfp4Moe (as four single-launch ops) "
-                         "as ahead-of-time plugins (PTX baked into the engines, no Python at runtime for them; AOT "
-                         "MlaDecode does not split the context, so it is slower at long contexts); the prefill ops "
-                         "stay Python plugins")
+                    help="full TensorRT >= 10.9 only: every kimi op as ahead-of-time plugins (PTX baked into the "
+                         "engines, no Python at runtime; Mxfp4Moe, KdaPrefill and MlaPrefill as chains of "
+                         "single-launch ops; AOT MlaDecode does not split the context, so it is slower at long "
+                         "contexts; the KdaPrefill chain needs fla-core 0.6.0)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan only; allocates no weights")
     ap.add_argument("--force", action="store_true", help="redo every step even when its inputs are unchanged")
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")

@@ -56,11 +56,15 @@ class KernelOp:
     launch: Callable
     constexprs: Callable
     num_warps: int = 4
-    num_stages: Any = None
+    num_stages: Any = None          # an int, None (Triton's default) or a function of the attributes
 
     @property
     def name(self) -> str:
         return self.op_id.split("::")[1]
+
+    def stages(self, attrs: dict):
+        """Software-pipelining stages for an op instance with ``attrs``."""
+        return self.num_stages(attrs) if callable(self.num_stages) else self.num_stages
 
 
 def int_cdiv(a, b):
@@ -123,11 +127,11 @@ def op_act(op: KernelOp, dtypes: dict) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _compile_cached(op, act, consts, target, ptx_version):
+def _compile_cached(op, act, consts, stages, target, ptx_version):
     # the table's names need not be the entry's parameter names: map them by position
     sig = dict(zip(op.entry.arg_names, signature(op, act).values()))
     sig.update({k: "constexpr" for k, _ in consts})
-    return compile_entry(op.entry, sig, dict(consts), num_warps=op.num_warps, num_stages=op.num_stages,
+    return compile_entry(op.entry, sig, dict(consts), num_warps=op.num_warps, num_stages=stages,
                          n_args=len(op.inputs) + len(op.extra) + len(op.outputs), what=op.op_id, target=target,
                          ptx_version=ptx_version)
 
@@ -139,7 +143,7 @@ def compile_op(op: KernelOp, act: str, dims: dict, attrs: dict, target=None, ptx
     if op.entry is None:
         raise RuntimeError(f"{op.op_id} AOT needs Triton (pip install triton)")
     consts = tuple(op.constexprs(dims, attrs).items())
-    return _compile_cached(op, act, consts, target, ptx_version)
+    return _compile_cached(op, act, consts, op.stages(attrs), target, ptx_version)
 
 
 def _torch_dtypes():
@@ -187,8 +191,9 @@ def run_op(op: KernelOp, tensors: dict, attrs: dict, y_dtype=None, fill=None) ->
     grid, args = kernel_args(op, tensors, outs, attrs)
     dims = {n: tuple(int(d) for d in tensors[n].shape) for n, _ in op.inputs}
     if all(grid):
+        stages = op.stages(attrs)
         op.entry[grid](*args, **op.constexprs(dims, attrs), num_warps=op.num_warps,
-                       **({"num_stages": op.num_stages} if op.num_stages else {}))
+                       **({"num_stages": stages} if stages else {}))
     return outs
 
 

@@ -591,7 +591,7 @@ def register_tensorrt_plugins(trt=None, aot: bool = False) -> list[str]:
                 chain.register()
             if not aot_names:
                 logger.warning("aot=True but tensorrt.plugin (TensorRT >= 10.9) with aot_impl, or Triton, is not "
-                               "importable: kimi::KdaDecode and kimi::MlaDecode stay JIT Python plugins")
+                               "importable: every kimi op stays a JIT Python plugin")
         registry = trt.get_plugin_registry()
         creators, names = [], []
         for spec in all_specs():

@@ -158,11 +158,12 @@ def _mla_chain_vs_reference(lens, ctxl, H, R, DR, Dn, Dv, BS, dt, run, tol):
     assert nan_equal(env["cache_out"].float(), rc.to(dt).float())     # other blocks keep their NaN poison
 
 
-@pytest.mark.parametrize("lens,ctxl", [([3, 7, 1], [0, 5, 9]), ([1], [0]), ([9, 9, 9, 1], [3, 0, 18, 2])])
-def test_mla_prefill_aot_chain_matches_reference(lens, ctxl):
+@pytest.mark.parametrize("lens,ctxl,BS", [([3, 7, 1], [0, 5, 9], 16), ([1], [0], 16), ([9, 9, 9, 1], [3, 0, 18, 2], 16),
+                                         ([9, 9, 9, 1], [3, 0, 40, 2], 32)])
+def test_mla_prefill_aot_chain_matches_reference(lens, ctxl, BS):
     """Four launches, node by node: prefix context in the cache, several sequences, random block tables, the cache
-    block size a runtime extra (16: the attention tile)."""
-    _mla_chain_vs_reference(lens, ctxl, H=3, R=32, DR=16, Dn=16, Dv=16, BS=16, dt=torch.float32,
+    block size a runtime extra (16: the 16-token attention tiles; 32: the 32-token ones)."""
+    _mla_chain_vs_reference(lens, ctxl, H=3, R=32, DR=16, Dn=16, Dv=16, BS=BS, dt=torch.float32,
                             run=aot_ops.run_op, tol=2e-3 if HAS_CUDA else 1e-5)
 
 
@@ -300,7 +301,7 @@ def test_prefill_aot_qdp_glue_with_stand_in_tensorrt_plugin(monkeypatch):
     o, so = trtp.defs[("register", out.op_id)](*oins, i32(12), i32(128), f32(1e-5))
     assert o.shape_expr[0] is T and o.shape_expr[1] == 1536 and o.dtype == "BF16" and so.alias_of is oins[-1]
     _, _, lp, extra = trtp.defs[("aot_impl", out.op_id)](*oins, i32(12), i32(128), f32(1e-5), (o, so), 0)
-    assert lp.grid_x.name == "(NT+N)" and lp.grid_y == 12 and extra[1][1][1].name == "NT"
+    assert lp.grid_x.name == "(NT+N)" and lp.grid_y == 12 and extra[1][2][1].name == "NT" and extra[1][1][1] is N
     assert compiled[-1][2]["norm_eps"] == pytest.approx(1e-5)
     attn = mla_pre.OPS["attn"]
     mattrs = [i32(12), i32(128), i32(128), i32(512), f32(0.07)]

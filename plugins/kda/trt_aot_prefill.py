@@ -18,13 +18,16 @@ the device with fla's fixed-shape convention (NT = cdiv(T, 64) + N - 1 rows, pad
     KdaChunkOut(y, gk, h, vn, Aqk, g, o_norm_w, cu, ci, ht, slots, state)
                                                        -> out [T, P] act, state_out (in place)
 
-``y`` = the chunk compute dtype (bf16 for fp32 activations, else the activations'). Entry kernels: ours
+``y`` = the chunk compute dtype (bf16 for fp32 activations, else the activations'). With one sequence (N = 1, an
+int32 extra of every chunk op) the entries call the kernels' dense forms (no chunk-index loads; the JIT path's
+choice for one sequence), with several their varlen forms: a runtime branch, both compiled in (the state pass: varlen
+only, see its entry). Entry kernels: ours
 (`_conv_main_kernel` + `_beta_kernel`; `_conv_start_kernel` then, after a CTA barrier, `_conv_hist_kernel`;
 `_copy_rows_kernel` + the chunk-index builder; `_chunk_out_norm_kernel` + the final-state scatter) and fla-core's
 stage kernels called as device functions (the raw ``triton.jit`` functions under fla's autotune/heuristics wrappers)
 with the configs fla's autotuner chose on the H200 (run 9 caches, T=32768, 12 and 96 heads): gate cumsum BS=64 /
-4 warps, intra sub-chunk 1 warp, inter-solve BK=32 / 1 warp, WY recompute 4 warps, state pass BV=64 / 4 warps /
-2 stages. fla-core's internal kernels are only used for the versions plugins/kda/kernels.py tested
+4 warps, intra sub-chunk 1 warp, inter-solve BK=32 / 1 warp, WY recompute 4 warps, state pass 4 warps with
+:func:`state_config` (BV=32 / 4 stages below 48 heads, BV=64 / 2 stages from 48). fla-core's internal kernels are only used for the versions plugins/kda/kernels.py tested
 (``_FLA_STAGES_VERSIONS``); with another version (or without fla-core) :func:`available` is False and KdaPrefill
 stays a JIT plugin. fla reads machine properties at import (tf32 support, ``tl.gather``): compile on the deployment
 GPU's machine, as TensorRT builds are.
@@ -46,7 +49,14 @@ from plugins.aot_common import qdp_available, register_qdp
 BT, BC = 64, 16                         # fla's KDA chunk and sub-chunk sizes (kernels._CHUNK)
 CONV_BT = 32                            # conv / beta token tile
 COPY_BLOCK = 4096                       # fp32 elements per state-row copy program
-GATE_BS, SOLVE_BK, STATE_BV = 64, 32, 64
+GATE_BS, SOLVE_BK = 64, 32
+
+
+def state_config(num_heads: int) -> tuple[int, int]:
+    """(BV, pipeline stages) of the inter-chunk state pass: fla's autotuner on the H200 (run 9 caches) picked
+    BV=32 / 4 stages at 12 heads (twice the programs of BV=64: 2*H per sequence is few) and BV=64 / 2 stages at 96;
+    AOT with BV=64 / 2 stages at 12 heads took 1166 us vs ~720 (run 10)."""
+    return (32, 4) if num_heads < 48 else (64, 2)
 OUT_BK = 64                             # kernels._OUT_CFG block_k
 
 try:  # the entry kernels need Triton, our kernels and fla-core's stage kernels; the tables do not
@@ -151,24 +161,35 @@ try:  # the entry kernels need Triton, our kernels and fla-core's stage kernels;
             _chunk_index_body(cu_ptr, ci_ptr, co_ptr, T, N, BT=BT, BR=BR, BNS=BNS)
 
     @triton.jit
-    def _kda_gate_aot(f_ptr, alog_ptr, dtb_ptr, cu_ptr, ci_ptr, T, gk_ptr, H: tl.constexpr, K: tl.constexpr,
+    def _kda_gate_aot(f_ptr, alog_ptr, dtb_ptr, cu_ptr, ci_ptr, T, N, gk_ptr, H: tl.constexpr, K: tl.constexpr,
                       BT: tl.constexpr, BS: tl.constexpr, LOWER_BOUND: tl.constexpr, SCALE: tl.constexpr):
         """grid (cdiv(K, BS) * NT, H): fla's lower-bound gate + chunk-local cumsum (log2 units)."""
-        _fla_gate(f_ptr, alog_ptr, dtb_ptr, gk_ptr, SCALE, cu_ptr, ci_ptr, LOWER_BOUND, T, H=H, S=K, BT=BT, BS=BS,
-                  REVERSE=False, HAS_A=True, HAS_BIAS=True, HAS_SCALE=True, IS_VARLEN=True, USE_LOWER_BOUND=True,
-                  USE_GRAPH=True)
+        if N == 1:
+            _fla_gate(f_ptr, alog_ptr, dtb_ptr, gk_ptr, SCALE, cu_ptr, ci_ptr, LOWER_BOUND, T, H=H, S=K, BT=BT,
+                      BS=BS, REVERSE=False, HAS_A=True, HAS_BIAS=True, HAS_SCALE=True, IS_VARLEN=False,
+                      USE_LOWER_BOUND=True, USE_GRAPH=True)
+        else:
+            _fla_gate(f_ptr, alog_ptr, dtb_ptr, gk_ptr, SCALE, cu_ptr, ci_ptr, LOWER_BOUND, T, H=H, S=K, BT=BT,
+                      BS=BS, REVERSE=False, HAS_A=True, HAS_BIAS=True, HAS_SCALE=True, IS_VARLEN=True,
+                      USE_LOWER_BOUND=True, USE_GRAPH=True)
 
     @triton.jit
-    def _kda_intra_aot(y_ptr, gk_ptr, beta_ptr, cu_ptr, ci_ptr, T, aqk_ptr, akkd_ptr, H: tl.constexpr,
+    def _kda_intra_aot(y_ptr, gk_ptr, beta_ptr, cu_ptr, ci_ptr, T, N, aqk_ptr, akkd_ptr, H: tl.constexpr,
                        K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, SCALE: tl.constexpr,
                        GATE_SHIFT: tl.constexpr, USE_GATHER: tl.constexpr):
         """grid (NT, BT/BC, H): fla's intra sub-chunk kernel (safe gate) on q = y[0], k = y[1]."""
-        _fla_intra(y_ptr, y_ptr + _i64(T) * (H * K), gk_ptr, beta_ptr, aqk_ptr, akkd_ptr, SCALE, cu_ptr,
-                   ci_ptr, T, H=H, HV=H, K=K, BT=BT, BC=BC, BK=BK, IS_VARLEN=True, GATE_SHIFT=GATE_SHIFT,
-                   USE_GATHER=USE_GATHER, USE_GRAPH=True)
+        k_ptr = y_ptr + _i64(T) * (H * K)
+        if N == 1:
+            _fla_intra(y_ptr, k_ptr, gk_ptr, beta_ptr, aqk_ptr, akkd_ptr, SCALE, cu_ptr, ci_ptr, T, H=H, HV=H, K=K,
+                       BT=BT, BC=BC, BK=BK, IS_VARLEN=False, GATE_SHIFT=GATE_SHIFT, USE_GATHER=USE_GATHER,
+                       USE_GRAPH=True)
+        else:
+            _fla_intra(y_ptr, k_ptr, gk_ptr, beta_ptr, aqk_ptr, akkd_ptr, SCALE, cu_ptr, ci_ptr, T, H=H, HV=H, K=K,
+                       BT=BT, BC=BC, BK=BK, IS_VARLEN=True, GATE_SHIFT=GATE_SHIFT, USE_GATHER=USE_GATHER,
+                       USE_GRAPH=True)
 
     @triton.jit
-    def _kda_solve_aot(y_ptr, gk_ptr, beta_ptr, aqk_ptr, akkd_ptr, cu_ptr, ci_ptr, T, aqk_out_ptr, akk_ptr,
+    def _kda_solve_aot(y_ptr, gk_ptr, beta_ptr, aqk_ptr, akkd_ptr, cu_ptr, ci_ptr, T, N, aqk_out_ptr, akk_ptr,
                        H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                        SCALE: tl.constexpr):
         """grid (NT, H): zero the strict upper triangle of this chunk's Akk rows, then fla's fused inter-sub-chunk
@@ -182,37 +203,54 @@ try:  # the entry kernels need Triton, our kernels and fla-core's stage kernels;
             upper = (r < L)[:, None] & (c[None, :] > tl.arange(0, BT)[:, None])
             p = akk_ptr + ((bos + r).to(tl.int64)[:, None] * H + tl.program_id(1)) * BT + c[None, :]
             tl.store(p, tl.zeros([BT, BT], dtype=akk_ptr.dtype.element_ty), mask=upper)
-        _fla_solve(y_ptr, y_ptr + _i64(T) * (H * K), gk_ptr, beta_ptr, aqk_out_ptr, akkd_ptr, akk_ptr, SCALE,
-                   cu_ptr, ci_ptr, T, H=H, HV=H, K=K, BT=BT, BC=BC, NC=BT // BC, BK=BK, IS_VARLEN=True,
-                   USE_SAFE_GATE=True, USE_GRAPH=True)
+        k_ptr = y_ptr + _i64(T) * (H * K)
+        if N == 1:
+            _fla_solve(y_ptr, k_ptr, gk_ptr, beta_ptr, aqk_out_ptr, akkd_ptr, akk_ptr, SCALE, cu_ptr, ci_ptr, T, H=H,
+                       HV=H, K=K, BT=BT, BC=BC, NC=BT // BC, BK=BK, IS_VARLEN=False, USE_SAFE_GATE=True,
+                       USE_GRAPH=True)
+        else:
+            _fla_solve(y_ptr, k_ptr, gk_ptr, beta_ptr, aqk_out_ptr, akkd_ptr, akk_ptr, SCALE, cu_ptr, ci_ptr, T, H=H,
+                       HV=H, K=K, BT=BT, BC=BC, NC=BT // BC, BK=BK, IS_VARLEN=True, USE_SAFE_GATE=True,
+                       USE_GRAPH=True)
 
     @triton.jit
-    def _kda_wu_aot(y_ptr, beta_ptr, akk_ptr, gk_ptr, cu_ptr, ci_ptr, T, w_ptr, u_ptr, kg_ptr, H: tl.constexpr,
+    def _kda_wu_aot(y_ptr, beta_ptr, akk_ptr, gk_ptr, cu_ptr, ci_ptr, T, N, w_ptr, u_ptr, kg_ptr, H: tl.constexpr,
                     K: tl.constexpr, BT: tl.constexpr):
         """grid (NT, H): fla's WY recompute: w, u = Akk (beta k exp2(gk)), Akk (beta v); kg = k exp2(g_last - gk)."""
-        t64 = _i64(T)
-        _fla_wu(y_ptr, y_ptr + t64 * (H * K), kg_ptr, kg_ptr, y_ptr + 2 * t64 * (H * K), beta_ptr, w_ptr, u_ptr,
-                akk_ptr, gk_ptr, cu_ptr, ci_ptr, T, H=H, HV=H, K=K, V=K, BT=BT, BK=64, BV=64, STORE_QG=False,
-                STORE_KG=True, IS_VARLEN=True, USE_GRAPH=True)
+        k_ptr = y_ptr + _i64(T) * (H * K)
+        v_ptr = k_ptr + _i64(T) * (H * K)
+        if N == 1:
+            _fla_wu(y_ptr, k_ptr, kg_ptr, kg_ptr, v_ptr, beta_ptr, w_ptr, u_ptr, akk_ptr, gk_ptr, cu_ptr, ci_ptr, T,
+                    H=H, HV=H, K=K, V=K, BT=BT, BK=64, BV=64, STORE_QG=False, STORE_KG=True, IS_VARLEN=False,
+                    USE_GRAPH=True)
+        else:
+            _fla_wu(y_ptr, k_ptr, kg_ptr, kg_ptr, v_ptr, beta_ptr, w_ptr, u_ptr, akk_ptr, gk_ptr, cu_ptr, ci_ptr, T,
+                    H=H, HV=H, K=K, V=K, BT=BT, BK=64, BV=64, STORE_QG=False, STORE_KG=True, IS_VARLEN=True,
+                    USE_GRAPH=True)
 
     @triton.jit
-    def _kda_state_aot(kg_ptr, w_ptr, u_ptr, gk_ptr, h0_ptr, cu_ptr, co_ptr, T, h_ptr, vn_ptr, ht_ptr,
+    def _kda_state_aot(kg_ptr, w_ptr, u_ptr, gk_ptr, h0_ptr, cu_ptr, co_ptr, T, N, h_ptr, vn_ptr, ht_ptr,
                        H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
         """grid (K/BV * N * H,): fla's inter-chunk state pass (states before each chunk, new values, final states;
-        state_v_first layout [V, K])."""
+        state_v_first layout [V, K]); varlen form only (N unused): it differs from the dense one by two offset loads
+        per program, and with both compiled in, their pipelining buffers add up past the 227 KB of shared memory."""
         _fla_h(kg_ptr, u_ptr, w_ptr, vn_ptr, gk_ptr, gk_ptr, h_ptr, h0_ptr, ht_ptr, cu_ptr, co_ptr, T, H=H, HV=H,
                K=K, V=K, BT=BT, BV=BV, USE_G=False, USE_GK=True, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True,
                SAVE_NEW_VALUE=True, STATE_V_FIRST=True, IS_VARLEN=True)
 
     @triton.jit
     def _kda_out_aot(y_ptr, gk_ptr, h_ptr, vn_ptr, aqk_ptr, g_ptr, onw_ptr, cu_ptr, ci_ptr, ht_ptr, slots_ptr,
-                     state_ptr, T, NT, out_ptr, state_out_ptr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                     state_ptr, T, N, NT, out_ptr, state_out_ptr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
                      BK: tl.constexpr, SCALE: tl.constexpr, NORM_EPS: tl.constexpr, BLOCK: tl.constexpr):
         """grid (NT + N, H): rows < NT: `_chunk_out_norm_kernel` (chunk output + gated RMSNorm); row NT + n copies
         the final state ht[n, h] into the pool row of slot n (in place through state_out)."""
         if tl.program_id(0) < NT:
-            _chunk_out_norm_kernel(y_ptr, gk_ptr, h_ptr, vn_ptr, aqk_ptr, g_ptr, onw_ptr, out_ptr, cu_ptr, ci_ptr, T,
-                                   H * K, H * K, SCALE, NORM_EPS, H=H, K=K, BT=BT, BK=BK, IS_VARLEN=True)
+            if N == 1:
+                _chunk_out_norm_kernel(y_ptr, gk_ptr, h_ptr, vn_ptr, aqk_ptr, g_ptr, onw_ptr, out_ptr, cu_ptr, ci_ptr,
+                                       T, H * K, H * K, SCALE, NORM_EPS, H=H, K=K, BT=BT, BK=BK, IS_VARLEN=False)
+            else:
+                _chunk_out_norm_kernel(y_ptr, gk_ptr, h_ptr, vn_ptr, aqk_ptr, g_ptr, onw_ptr, out_ptr, cu_ptr, ci_ptr,
+                                       T, H * K, H * K, SCALE, NORM_EPS, H=H, K=K, BT=BT, BK=BK, IS_VARLEN=True)
         else:
             n = (tl.program_id(0) - NT).to(tl.int64)
             hh = tl.program_id(1)
@@ -242,6 +280,7 @@ def _pow2(n: int) -> int:
 
 HK = (("num_heads", int), ("head_dim", int))
 CU = (("cu", "i32"), ("ci", "i32"))
+TN = (("T", "i32"), ("N", "i32"))
 
 
 def _nt(T, N, cdiv):
@@ -276,55 +315,56 @@ def _ops() -> dict:
             constexprs=lambda d, a: dict(H=_hk(a)[0], K=_hk(a)[1], BT=BT, BLOCK=COPY_BLOCK, BR=128, BNS=64)),
         "gate": KernelOp(
             "kimi::KdaGateCumsum", e("gate"), (("f", "act"), ("A_log", "f32"), ("dt_bias", "f32")) + CU,
-            (("T", "i32"),), (("gk", "f32"),), HK + (("lower_bound", float),),
+            TN, (("gk", "f32"),), HK + (("lower_bound", float),),
             shapes=lambda d, a, c: [(d["f"][0], _hk(a)[0], _hk(a)[1])],
-            launch=lambda d, a, c: ((d["ci"][0] * -(-_hk(a)[1] // GATE_BS), _hk(a)[0], 1), [d["f"][0]]),
+            launch=lambda d, a, c: ((d["ci"][0] * -(-_hk(a)[1] // GATE_BS), _hk(a)[0], 1), [d["f"][0], d["cu"][0] - 1]),
             constexprs=lambda d, a: dict(H=_hk(a)[0], K=_hk(a)[1], BT=BT, BS=GATE_BS,
                                          LOWER_BOUND=float(a["lower_bound"]), SCALE=RCP_LN2),
             num_warps=4, num_stages=3),
         "intra": KernelOp(
-            "kimi::KdaIntraChunk", e("intra"), (("y", "y"), ("gk", "f32"), ("beta", "y")) + CU, (("T", "i32"),),
+            "kimi::KdaIntraChunk", e("intra"), (("y", "y"), ("gk", "f32"), ("beta", "y")) + CU, TN,
             (("aqk", "y"), ("akkd", "f32")), HK + (("lower_bound", float),),
             shapes=lambda d, a, c: [(d["y"][1], _hk(a)[0], BT), (d["y"][1], _hk(a)[0], BC)],
-            launch=lambda d, a, c: ((d["ci"][0], BT // BC, _hk(a)[0]), [d["y"][1]]),
+            launch=lambda d, a, c: ((d["ci"][0], BT // BC, _hk(a)[0]), [d["y"][1], d["cu"][0] - 1]),
             constexprs=lambda d, a: dict(H=_hk(a)[0], K=_hk(a)[1], BT=BT, BC=BC, BK=_pow2(_hk(a)[1]),
                                          SCALE=_hk(a)[1] ** -0.5, GATE_SHIFT=-float(a["lower_bound"]) * RCP_LN2,
                                          USE_GATHER=USE_GATHER),
             num_warps=1, num_stages=3),
         "solve": KernelOp(
             "kimi::KdaInterSolve", e("solve"),
-            (("y", "y"), ("gk", "f32"), ("beta", "y"), ("aqk", "y"), ("akkd", "f32")) + CU, (("T", "i32"),),
+            (("y", "y"), ("gk", "f32"), ("beta", "y"), ("aqk", "y"), ("akkd", "f32")) + CU, TN,
             (("aqk_out", "y"), ("akk", "y")), HK,
             shapes=lambda d, a, c: ["aqk", (d["y"][1], _hk(a)[0], BT)],
-            launch=lambda d, a, c: ((d["ci"][0], _hk(a)[0], 1), [d["y"][1]]),
+            launch=lambda d, a, c: ((d["ci"][0], _hk(a)[0], 1), [d["y"][1], d["cu"][0] - 1]),
             constexprs=lambda d, a: dict(H=_hk(a)[0], K=_hk(a)[1], BT=BT, BC=BC, BK=SOLVE_BK,
                                          SCALE=_hk(a)[1] ** -0.5),
             num_warps=1, num_stages=3),
         "wu": KernelOp(
             "kimi::KdaRecomputeWU", e("wu"), (("y", "y"), ("beta", "y"), ("akk", "y"), ("gk", "f32")) + CU,
-            (("T", "i32"),), (("w", "y"), ("u", "y"), ("kg", "y")), HK,
+            TN, (("w", "y"), ("u", "y"), ("kg", "y")), HK,
             shapes=lambda d, a, c: [(d["y"][1], _hk(a)[0], _hk(a)[1])] * 3,
-            launch=lambda d, a, c: ((d["ci"][0], _hk(a)[0], 1), [d["y"][1]]),
+            launch=lambda d, a, c: ((d["ci"][0], _hk(a)[0], 1), [d["y"][1], d["cu"][0] - 1]),
             constexprs=lambda d, a: dict(H=_hk(a)[0], K=_hk(a)[1], BT=BT),
             num_warps=4, num_stages=3),
         "state": KernelOp(
             "kimi::KdaStatePass", e("state"),
             (("kg", "y"), ("w", "y"), ("u", "y"), ("gk", "f32"), ("h0", "f32"), ("cu", "i32"), ("co", "i32")),
-            (("T", "i32"),), (("h", "y"), ("vn", "y"), ("ht", "f32")), HK,
+            TN, (("h", "y"), ("vn", "y"), ("ht", "f32")), HK,
             shapes=lambda d, a, c: [(_nt(d["kg"][0], d["co"][0] - 1, c), _hk(a)[0], _hk(a)[1], _hk(a)[1]),
                                     (d["kg"][0], _hk(a)[0], _hk(a)[1]),
                                     (d["co"][0] - 1, _hk(a)[0], _hk(a)[1], _hk(a)[1])],
-            launch=lambda d, a, c: (((d["co"][0] - 1) * (_hk(a)[0] * -(-_hk(a)[1] // STATE_BV)), 1, 1),
-                                    [d["kg"][0]]),
-            constexprs=lambda d, a: dict(H=_hk(a)[0], K=_hk(a)[1], BT=BT, BV=STATE_BV),
-            num_warps=4, num_stages=2),
+            launch=lambda d, a, c: (((d["co"][0] - 1) * (_hk(a)[0] * -(-_hk(a)[1] // state_config(_hk(a)[0])[0])),
+                                     1, 1), [d["kg"][0], d["co"][0] - 1]),
+            constexprs=lambda d, a: dict(H=_hk(a)[0], K=_hk(a)[1], BT=BT, BV=state_config(_hk(a)[0])[0]),
+            num_warps=4, num_stages=lambda a: state_config(_hk(a)[0])[1]),
         "out": KernelOp(
             "kimi::KdaChunkOut", e("out"),
             (("y", "y"), ("gk", "f32"), ("h", "y"), ("vn", "y"), ("aqk", "y"), ("g", "act"), ("o_norm_w", "f32"))
             + CU + (("ht", "f32"), ("slots", "i32"), ("state", "f32")),
-            (("T", "i32"), ("NT", "i32")), (("out", "act"), ("state_out", "f32")), HK + (("norm_eps", float),),
+            TN + (("NT", "i32"),), (("out", "act"), ("state_out", "f32")), HK + (("norm_eps", float),),
             shapes=lambda d, a, c: [(d["g"][0], P(a)), "state"],
-            launch=lambda d, a, c: ((d["ci"][0] + d["slots"][0], _hk(a)[0], 1), [d["g"][0], d["ci"][0]]),
+            launch=lambda d, a, c: ((d["ci"][0] + d["slots"][0], _hk(a)[0], 1),
+                                    [d["g"][0], d["slots"][0], d["ci"][0]]),
             constexprs=lambda d, a: dict(H=_hk(a)[0], K=_hk(a)[1], BT=BT, BK=min(OUT_BK, _hk(a)[1]),
                                          SCALE=_hk(a)[1] ** -0.5, NORM_EPS=float(a["norm_eps"]),
                                          BLOCK=min(COPY_BLOCK, _hk(a)[1] ** 2)),

@@ -11,7 +11,8 @@ Contract: docs/DESIGN.md. act = fp32/bf16/fp16 (one dtype per node; the latent p
 enqueue calls ``plugins.mla.kernels.mla_prefill`` (``graph_safe=True``: the absorbed Triton path, no host reads) /
 ``mla_decode`` with ``workspace=`` carved from TensorRT's workspace (sizes: ``mla_prefill_workspace_bytes`` /
 ``mla_decode_workspace_bytes`` on the profile's max dims). Both are JIT Python plugins (several launches each);
-MlaDecode also has an ahead-of-time form (one kernel, no split along the sequence): plugins/mla/trt_aot.py.
+MlaDecode also has an ahead-of-time form (one kernel, no split along the sequence): plugins/mla/trt_aot.py;
+MlaPrefill one as a chain of four single-launch ops: plugins/mla/trt_aot_prefill.py.
 Plugin/creator classes (``MlaPrefillPlugin``, ``MlaPrefillPluginCreator``, ``MlaDecodePlugin``,
 ``MlaDecodePluginCreator``) are built on first access with full TensorRT; the specs import without it.
 """

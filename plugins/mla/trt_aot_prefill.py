@@ -12,11 +12,12 @@ allocates::
     MlaUpProject(ol, kv_b, q)                                      -> out [T, H*Dv] act (ol W_UVᵀ)
 
 ``q`` feeds MlaUpProject only for its token count. Extras (int32, from the shapes): N (sequences), MB (block-table
-width), BS (cache block size: exported graphs keep it symbolic, so the kernels take it at run time) and T. The
-attention tile is BN = 16 cached tokens, which must lie inside one cache block: a block size that 16 does not divide
-makes the attention write NaN (fails loudly; the runtime allocates 16, 32 or 64). Tiles as the JIT path on the GPU:
-absorption 64 tokens x 128 latent columns (8 warps), attention 32 query rows (8 warps, 2 stages), up-projection
-64 tokens x 64 outputs (4 warps). Attributes compiled in: num_heads, qk_nope_head_dim, v_head_dim, kv_lora_rank,
+width), BS (cache block size: exported graphs keep it symbolic, so the kernels take it at run time) and T. An
+attention tile of cached tokens must lie inside one cache block: 32 tokens (the JIT path's tile) where 32 divides
+BS, else 16 (both compiled in, chosen at run time); a block size that 16 does not divide makes the attention write
+NaN (fails loudly; the runtime allocates 16, 32 or 64). Tiles as the JIT path on the GPU: absorption 64 tokens x
+128 latent columns (8 warps), attention 32 query rows (8 warps, 2 stages), up-projection 64 tokens x 64 outputs
+(4 warps). H200 (benchmarks/RESULTS.md run 10) with 16-token tiles only: 0.57x the JIT op at T=4096. Attributes compiled in: num_heads, qk_nope_head_dim, v_head_dim, kv_lora_rank,
 scale; the rope width Dr and the latent width come from q's and latent's static last dims.
 """
 # no `from __future__ import annotations`: tensorrt.plugin reads the QDP functions' annotations as objects
@@ -24,7 +25,7 @@ scale; the rope width Dr and the latent width come from q's and latent's static 
 from plugins.aot_common import qdp_available, register_qdp
 from plugins.aot_ops import KernelOp, define_qdp, make_aot_node, replace_nodes, static_int
 
-BT, BR, BM, BN, BNS = 64, 128, 32, 16, 64
+BT, BR, BM, BN, BNS = 64, 128, 32, 32, 64
 
 try:  # the entry kernels need Triton; the tables do not
     import triton
@@ -51,11 +52,15 @@ try:  # the entry kernels need Triton; the tables do not
     def _mla_attn_aot(qa_ptr, cache_ptr, bt_ptr, cu_ptr, ctx_ptr, N, MB, BS, ol_ptr, H: tl.constexpr,
                       R: tl.constexpr, DR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BNS: tl.constexpr,
                       SCALE: tl.constexpr):
-        """grid (cdiv(T*H, BM) + N,): `_mla_prefill_attn_kernel`; with a block size BN does not divide, program p
-        writes NaN over output rows p*BM .. p*BM+BM-1 instead (a tile would straddle two blocks)."""
+        """grid (cdiv(T*H, BM) + N,): `_mla_prefill_attn_kernel` with BN-token tiles where BN divides the block
+        size BS, else 16-token tiles (a runtime branch: both are compiled in); with a block size 16 does not divide,
+        program p writes NaN over output rows p*BM .. p*BM+BM-1 instead (a tile would straddle two blocks)."""
         if BS % BN == 0:
             _mla_prefill_attn_kernel(qa_ptr, cache_ptr, bt_ptr, cu_ptr, ctx_ptr, ol_ptr, N, H, MB, SCALE, BS, R=R,
                                      DR=DR, BM=BM, BN=BN, BNS=BNS)
+        elif BS % 16 == 0:
+            _mla_prefill_attn_kernel(qa_ptr, cache_ptr, bt_ptr, cu_ptr, ctx_ptr, ol_ptr, N, H, MB, SCALE, BS, R=R,
+                                     DR=DR, BM=BM, BN=16, BNS=BNS)
         else:
             rows = tl.program_id(0) * BM + tl.arange(0, BM)
             T = tl.load(cu_ptr + N)
