@@ -36,6 +36,7 @@ import numpy as np
 
 from plugins.aot_common import (autotune_string, compile_entry, entry_signature, qdp_available, register_qdp,
                                  scalar)
+from plugins.aot_ops import static_int
 
 SORT, W13, W2, COMBINE = "kimi::MoeSortPairs", "kimi::MoeExpertsW13", "kimi::MoeExpertsW2", "kimi::MoeCombine"
 AOT_OPS = (SORT, W13, W2, COMBINE)
@@ -248,15 +249,9 @@ def register() -> list[str]:
 
 
 def _static(expr, what: str) -> int:
-    """A shape expression that must be a build-time constant (a weight or latent width) as an int."""
-    if isinstance(expr, (int, np.integer)):
-        return int(expr)
-    try:
-        if expr.is_constant:
-            return int(expr.constant_value())
-    except (AttributeError, RuntimeError):
-        pass
-    raise ValueError(f"Mxfp4Moe AOT: {what} must be static")
+    """A shape expression that must be a build-time constant (a weight or latent width) as an int
+    (plugins/aot_ops.static_int; ValueError otherwise)."""
+    return static_int(expr, what)
 
 
 def _define_qdp(trt, trtp) -> None:
