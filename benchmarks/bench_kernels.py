@@ -380,7 +380,8 @@ def graphed(fn):
 
 # conv pass configurations (overrides of kernels._CONV_CFG) timed as stages (run 9 also timed 2-8 tiles per
 # program with software pipelining: no gain, dropped)
-CONV_CFGS = (dict(), dict(BT=16, num_warps=4), dict(BT=64, num_warps=4))
+CONV_CFGS = (dict(), dict(BT=16, num_warps=4), dict(head_fast=True), dict(head_fast=True, BT=16),
+             dict(head_fast=True, BT=64))
 if "kda_prefill" in ONLY and HAVE_FLA:
     for H in PREFILL_HEADS:
         try:

@@ -79,6 +79,11 @@ def register_build_plugins(info: TrtInfo, aot: bool = False) -> list[str]:
     for op_type, (module, _) in _DECOMPOSED.items():
         if importlib.import_module(module).register():
             ops.append(op_type)
+    missing = sorted({"KdaDecode", "MlaDecode", *_DECOMPOSED} - set(ops))
+    if missing:
+        logger.warning("--aot: no ahead-of-time form registered for %s (needs tensorrt.plugin with aot_impl, Triton, "
+                       "and for KdaPrefill fla-core %s): those nodes stay JIT Python plugins, so their engines need "
+                       "Python (the manifest's aot_ops lists what is AOT)", ", ".join(missing), "0.6.0")
     return ops
 
 
@@ -93,14 +98,17 @@ def aot_sources_sha256() -> str:
     of ``aot`` builds, so a kernel change rebuilds those engines."""
     import hashlib
 
-    h = hashlib.sha256()
+    import triton
+
+    h = hashlib.sha256(f"triton {triton.__version__}".encode())   # Triton generates every AOT kernel's PTX
     for mod in ("plugins.aot_common", "plugins.aot_ops", "plugins.kda.trt_aot", "plugins.kda.trt_aot_prefill",
                 "plugins.kda.kernels", "plugins.mla.trt_aot", "plugins.mla.trt_aot_prefill", "plugins.mla.kernels",
                 "plugins.moe.trt_aot", "plugins.moe.kernels"):
         h.update(Path(importlib.import_module(mod).__file__).read_bytes())
-    try:   # the KdaPrefill chain compiles fla-core's stage kernels in
+    try:   # the KdaPrefill chain compiles fla-core's stage kernels in, with machine-dependent choices
         import fla
-        h.update(str(fla.__version__).encode())
+        from fla.utils import IS_GATHER_SUPPORTED, IS_TF32_SUPPORTED
+        h.update(f"{fla.__version__} tf32={IS_TF32_SUPPORTED} gather={IS_GATHER_SUPPORTED}".encode())
     except Exception:   # noqa: BLE001 - no fla-core: no KdaPrefill AOT ops either
         h.update(b"no fla")
     return h.hexdigest()
@@ -476,6 +484,10 @@ def build_engine(onnx_path: str | Path, plan_path: str | Path,
     meta["verified"] = _verify_engine(info, trt_logger, data, meta)
     if meta["verified"] == "network":
         meta["notes"].append("no CUDA device: plan not deserialized; I/O and profiles checked on the network")
+    if aot_ops:
+        meta["notes"].append("AOT ops: kernels above 48 KB of shared memory (e.g. the KdaPrefill chain's, up to 148 KB) "
+                             "need TensorRT's AOT launcher to opt them in, not verified without TensorRT here: run "
+                             "one request through the engines after building")
     if info.is_rtx:
         meta["notes"].append("TensorRT-RTX: timing cache is a no-op; kernels are JIT-compiled on first run "
                              "(use a runtime cache in runtime/)")

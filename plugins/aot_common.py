@@ -1,7 +1,8 @@
 """Shared helpers of the ahead-of-time ``tensorrt.plugin`` forms (QDP with ``@trtp.aot_impl``, TensorRT >= 10.9):
 one Triton kernel compiled to PTX per plugin, baked into the engine and launched by TensorRT without Python
 (STACK.md §1b). Users: plugins/kda/trt_aot.py (``kimi::KdaDecode``), plugins/mla/trt_aot.py (``kimi::MlaDecode``),
-plugins/moe/trt_aot.py (``kimi::Mxfp4Moe`` as four single-launch ops).
+plugins/moe/trt_aot.py (``kimi::Mxfp4Moe`` as four single-launch ops), plugins/aot_ops.py (the table-driven chains
+of plugins/kda/trt_aot_prefill.py and plugins/mla/trt_aot_prefill.py).
 
 TensorRT's AOT launch passes exactly: input pointers, then the int32 extra arguments, then output pointers. Triton
 >= 3.3 appends hidden scratch pointers to every kernel, so :func:`compile_entry` removes them from the PTX

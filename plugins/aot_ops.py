@@ -176,7 +176,9 @@ def allocate_outputs(op: KernelOp, tensors: dict, attrs: dict, y_dtype=None, fil
 
 
 def kernel_args(op: KernelOp, tensors: dict, outs: dict, attrs: dict) -> tuple[tuple, list]:
-    """(grid, arguments in TensorRT's order: input tensors, int extras, output tensors) for concrete tensors."""
+    """For concrete tensors (``tensors``: input name -> dense torch tensor, ``outs``: output name -> tensor, as from
+    :func:`allocate_outputs`): ``((gx, gy, gz) ints, [input tensors, int extras, output tensors])`` in TensorRT's
+    AOT parameter order."""
     dims = {n: tuple(int(d) for d in tensors[n].shape) for n, _ in op.inputs}
     grid, extra = op.launch(dims, attrs, int_cdiv)
     args = [tensors[n] for n, _ in op.inputs] + [int(e) for e in extra] + [outs[n] for n, _ in op.outputs]
@@ -186,7 +188,7 @@ def kernel_args(op: KernelOp, tensors: dict, outs: dict, attrs: dict) -> tuple[t
 def run_op(op: KernelOp, tensors: dict, attrs: dict, y_dtype=None, fill=None) -> dict:
     """Launch ``op``'s entry kernel through Triton's JIT (the GPU, or the interpreter with ``TRITON_INTERPRET=1``) on
     ``tensors`` (input name -> dense torch tensor); returns output name -> tensor (:func:`allocate_outputs`; an
-    aliasing output is written in place)."""
+    aliasing output is written in place). A grid with a zero dimension (no tokens) launches nothing."""
     outs = allocate_outputs(op, tensors, attrs, y_dtype, fill)
     grid, args = kernel_args(op, tensors, outs, attrs)
     dims = {n: tuple(int(d) for d in tensors[n].shape) for n, _ in op.inputs}
@@ -221,11 +223,14 @@ def define_qdp(trt, trtp, ops) -> None:
     shapes from the rule, dtypes from the classes, aliases through ``TensorDesc.aliased()``), ``@trtp.autotune``
     (:func:`autotune_types`) and ``@trtp.aot_impl`` (:func:`compile_op`, launch parameters and ``SymInt32`` extras
     from the rule, grids as shape expressions with ``trtp.cdiv``). The functions' signatures are built from the
-    table (``__signature__``), as tensorrt.plugin reads parameters and annotations through ``inspect``."""
+    table (``__signature__``), as tensorrt.plugin reads parameters and annotations through ``inspect``. At build
+    time the registered functions raise ValueError for a dim a rule needs static that is not (:func:`static_int`)."""
     import numpy.typing as npt
 
     names = {trt.float32: "float32", trt.float16: "float16", trt.bfloat16: "bfloat16", trt.int32: "int32"}
     trt_dt = {"float32": trt.float32, "float16": trt.float16, "bfloat16": trt.bfloat16, "int32": trt.int32}
+    if hasattr(trt, "uint8"):
+        names[trt.uint8], trt_dt["uint8"] = "uint8", trt.uint8
     TD = trtp.TensorDesc
     ann = {int: npt.NDArray[np.int32], float: npt.NDArray[np.float32]}
     P = inspect.Parameter

@@ -343,7 +343,7 @@ class TensorRTExecutor(GraphExecutor):
         if not mpath.is_file():
             raise FileNotFoundError(f"{mpath}: missing; build engines with python -m engines.build")
         manifest = json.loads(mpath.read_text())
-        # the same plugin forms as the build (engines built with --aot hold AOT KdaDecode/MlaDecode/MoE ops)
+        # the same plugin forms as the build (engines built with --aot hold the AOT ops of every kimi op)
         register_tensorrt_plugins(trt, aot=any(e.get("aot_ops") for e in manifest.get("engines", {}).values()))
         self.index = read_index(onnx_dir or self.dir)
         self.cfg = load_config(self.index["config"])

@@ -174,7 +174,7 @@ def test_mla_prefill_aot_attention_refuses_a_straddling_block_size():
     model = _one_node_model("MlaPrefill", MLA_NAMES, ["out", "cache_out"], **attrs)
     mla_pre.decompose_mla_prefill(model)
     env = _run_chain(model, dict(x), {op.name: op for op in mla_pre.OPS.values()}, aot_ops.run_op)
-    assert torch.isnan(env["n0__mla_ol"]).all()
+    assert torch.isnan(env["out__mla_ol"]).all()
 
 
 @gpu_only
@@ -221,16 +221,23 @@ def test_decompose_prefill_nodes_order_attributes_and_aliasing():
             getattr(mod, f"decompose_{op_type[:3].lower()}_prefill")(model)
 
 
-def test_mark_aot_nodes_rewrites_prefill_ops():
-    """engines.build.mark_aot_nodes rewrites KdaPrefill / MlaPrefill only when asked, and onnx_custom_ops lists the
-    chain's ops as the engine's plugins."""
-    from engines.build import mark_aot_nodes
+def test_mark_aot_nodes_rewrites_prefill_ops(tmp_path):
+    """engines.build.mark_aot_nodes rewrites KdaPrefill / MlaPrefill only when asked, and onnx_custom_ops (the
+    manifest's plugin list) names the chains' thirteen ops, not the replaced ones."""
+    from engines.build import mark_aot_nodes, onnx_custom_ops
 
     kda = _one_node_model("KdaPrefill", KDA_NAMES, ["out", "state_out", "conv_out"], num_heads=2, head_dim=32)
     assert mark_aot_nodes(kda, ["KdaDecode"]) == 0 and [n.op_type for n in kda.graph.node] == ["KdaPrefill"]
-    assert mark_aot_nodes(kda, ["KdaPrefill", "MlaPrefill"]) == 1
-    assert [n.op_type for n in kda.graph.node][0] == "KdaConvBeta"
-    assert any(o.domain == "kimi" for o in kda.opset_import) and isinstance(kda, onnx.ModelProto)
+    mla = _one_node_model("MlaPrefill", MLA_NAMES, ["mout", "cache_out"], num_heads=2, qk_nope_head_dim=16,
+                          v_head_dim=16, kv_lora_rank=32, scale=0.2)
+    kda.graph.node.extend(mla.graph.node)
+    onnx.save(kda, tmp_path / "two.onnx")
+    ops = onnx_custom_ops(tmp_path / "two.onnx", aot_ops=["KdaPrefill", "MlaPrefill"])
+    assert sorted(ops) == sorted(kda_pre.AOT_OPS + mla_pre.AOT_OPS)
+    assert mark_aot_nodes(kda, ["KdaPrefill", "MlaPrefill"]) == 2
+    assert [n.op_type for n in kda.graph.node] == [op.name for op in kda_pre.OPS.values()] + \
+        [op.name for op in mla_pre.OPS.values()]
+    assert any(o.domain == "kimi" for o in kda.opset_import)
 
 
 # --------------------------------------------------------------------------------------------------------- PTX
@@ -291,8 +298,11 @@ def test_prefill_aot_qdp_glue_with_stand_in_tensorrt_plugin(monkeypatch):
                                                                              {"num_heads": 12, "head_dim": 128})
     conv = kda_pre.OPS["conv"]
     cins = [FakeDesc((T, 4608), "F32"), FakeDesc((4608, 4), "F32"), FakeDesc((T, 12), "F32")]
-    y, beta = trtp.defs[("register", conv.op_id)](*cins, i32(12), i32(128))
+    y, beta, akk = trtp.defs[("register", conv.op_id)](*cins, i32(12), i32(128))
     assert y.dtype == "BF16" and beta.dtype == "BF16" and y.shape_expr[0] == 3   # fp32 activations: bf16 compute
+    assert akk.shape_expr[1:] == [12, 64] and akk.dtype == "BF16"
+    _, _, lp, _ = trtp.defs[("aot_impl", conv.op_id)](*cins, i32(12), i32(128), (y, beta, akk), 0)
+    assert lp.grid_x.name == "cdiv(T,32)" and lp.grid_y == 4 * 12 + 1
     out = kda_pre.OPS["out"]
     oins = [FakeDesc((3, T, 1536), "BF16"), FakeDesc((T, 12, 128), "F32"), FakeDesc((Sym("NT"), 12, 128, 128), "BF16"),
             FakeDesc((T, 12, 128), "BF16"), FakeDesc((T, 12, 64), "BF16"), FakeDesc((T, 1536), "BF16"),

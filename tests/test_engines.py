@@ -459,12 +459,15 @@ def test_full_trt_build_registers_the_plugins():
 
 def test_register_build_plugins_aot_op_types(monkeypatch):
     """With full TensorRT and aot, the op types handed to the parser step are those whose AOT forms registered:
-    KdaDecode, MlaDecode and Mxfp4Moe (rewritten into its four ops); none where tensorrt.plugin lacks aot_impl."""
+    KdaDecode, MlaDecode, and Mxfp4Moe, KdaPrefill, MlaPrefill (rewritten into chains of ops); none where
+    tensorrt.plugin lacks aot_impl."""
     import engines.build as eb
     import plugins.trt_common as tc
     from engines.trt import TrtInfo
     from plugins.kda import trt_aot as kda_aot
     from plugins.mla import trt_aot as mla_aot
+    from plugins.kda import trt_aot_prefill as kda_pre
+    from plugins.mla import trt_aot_prefill as mla_pre
     from plugins.moe import trt_aot as moe_aot
 
     monkeypatch.setattr(tc, "register_tensorrt_plugins", lambda trt, aot=False: [])
@@ -472,8 +475,10 @@ def test_register_build_plugins_aot_op_types(monkeypatch):
     for ok in (True, False):
         monkeypatch.setattr(kda_aot, "register", lambda ok=ok: ["kimi::KdaDecode"] if ok else [])
         monkeypatch.setattr(mla_aot, "register", lambda ok=ok: ["kimi::MlaDecode"] if ok else [])
-        monkeypatch.setattr(moe_aot, "register", lambda ok=ok: list(moe_aot.AOT_OPS) if ok else [])
-        assert eb.register_build_plugins(info, aot=True) == (["KdaDecode", "MlaDecode", "Mxfp4Moe"] if ok else [])
+        for chain in (moe_aot, kda_pre, mla_pre):
+            monkeypatch.setattr(chain, "register", lambda ok=ok, c=chain: list(c.AOT_OPS) if ok else [])
+        assert eb.register_build_plugins(info, aot=True) == (
+            ["KdaDecode", "MlaDecode", "Mxfp4Moe", "KdaPrefill", "MlaPrefill"] if ok else [])
         assert eb.register_build_plugins(info) == []
 
 

@@ -257,10 +257,13 @@ def _conv_prefill(qkv, conv_w, conv, slots, cu32, y, T, D, P, K, cfg=None):
     `_conv_main_kernel` convolves the packed tokens as if they were one sequence (no token->sequence lookups, so
     every load is independent); `_conv_start_kernel` then rewrites the first three tokens of each sequence with
     the slot's history in place of the previous sequence's tokens. One head of K channels per program column;
-    `cfg` overrides `_CONV_CFG` (BT, num_warps) of the main kernel."""
+    `cfg` overrides `_CONV_CFG` (BT, num_warps, head_fast: program ids run over the head blocks of a token tile
+    first, so the programs in flight read and write whole rows) of the main kernel."""
     c = dict(_CONV_CFG, **(cfg or {}))
-    _conv_main_kernel[(triton.cdiv(T, c["BT"]), triton.cdiv(D, K))](
-        qkv, conv_w, y, T, qkv.stride(0), D=D, P=P, BT=c["BT"], BD=K, num_warps=c["num_warps"])
+    tiles, cols = triton.cdiv(T, c["BT"]), triton.cdiv(D, K)
+    hf = bool(c.get("head_fast", False))
+    _conv_main_kernel[(cols, tiles) if hf else (tiles, cols)](
+        qkv, conv_w, y, T, qkv.stride(0), D=D, P=P, BT=c["BT"], BD=K, HEAD_FAST=hf, num_warps=c["num_warps"])
     _conv_start_kernel[(slots.shape[0], triton.cdiv(D, K))](
         qkv, conv_w, conv, slots, cu32, y, T, qkv.stride(0), D=D, P=P, BD=K, num_warps=4)
 
@@ -300,19 +303,22 @@ def _conv_store(acc, y_ptr, tt, cc, m2, T, P: tl.constexpr, IS_QK):
 
 @triton.jit
 def _conv_main_kernel(qkv_ptr, convw_ptr, y_ptr, T, stride_qkv, D: tl.constexpr, P: tl.constexpr,
-                      BT: tl.constexpr, BD: tl.constexpr):
+                      BT: tl.constexpr, BD: tl.constexpr, HEAD_FAST: tl.constexpr = False):
     """grid (cdiv(T, BT), cdiv(D, BD)): y[c // P, t, c % P] = silu(sum_j w[c,j] x_{t-3+j}[c]) over the packed
     tokens as one sequence (x_{<0} = 0); the rows of each sequence's first three tokens are rewritten afterwards
-    by `_conv_start_kernel` (whatever this kernel left there, inf/NaN included, is overwritten, not combined)."""
-    cc = tl.program_id(1) * BD + tl.arange(0, BD)
+    by `_conv_start_kernel` (whatever this kernel left there, inf/NaN included, is overwritten, not combined).
+    HEAD_FAST: grid (cdiv(D, BD), cdiv(T, BT)) instead (axes swapped)."""
+    pid_t = tl.program_id(1) if HEAD_FAST else tl.program_id(0)
+    pid_c = tl.program_id(0) if HEAD_FAST else tl.program_id(1)
+    cc = pid_c * BD + tl.arange(0, BD)
     cmask = cc < D
-    tt = tl.program_id(0) * BT + tl.arange(0, BT)
+    tt = pid_t * BT + tl.arange(0, BT)
     m2 = (tt < T)[:, None] & cmask[None, :]
     acc = _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 0)
     acc += _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 1)
     acc += _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 2)
     acc += _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 3)
-    _conv_store(acc, y_ptr, tt, cc, m2, T, P, (tl.program_id(1) * BD) < 2 * P)
+    _conv_store(acc, y_ptr, tt, cc, m2, T, P, (pid_c * BD) < 2 * P)
 
 
 @triton.jit

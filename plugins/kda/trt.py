@@ -8,7 +8,8 @@ Fields (ONNX attributes; INT arrives as INT32): num_heads, head_dim, lower_bound
 enqueue calls ``plugins.kda.kernels.kda_prefill`` (``graph_safe=True``: fla ``chunk_kda(use_graph=True)``, or its dense path for one sequence) /
 ``kda_decode`` (same argument order as the reference) with ``workspace=`` carved from TensorRT's workspace, whose
 size is the ops' workspace rule (``kda_prefill_workspace_bytes`` / ``kda_decode_workspace_bytes`` on the profile's
-max dims). ``kimi::KdaDecode`` also has an ahead-of-time form: plugins/kda/trt_aot.py.
+max dims). Both also have ahead-of-time forms: KdaDecode one kernel (plugins/kda/trt_aot.py), KdaPrefill a chain
+of nine single-launch ops (plugins/kda/trt_aot_prefill.py).
 
 The pure parts (:data:`KDA_PREFILL`, :data:`KDA_DECODE`) import without TensorRT. ``KdaPrefillPlugin``,
 ``KdaPrefillPluginCreator``, ``KdaDecodePlugin``, ``KdaDecodePluginCreator`` are built on first access with full

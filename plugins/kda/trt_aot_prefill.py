@@ -6,13 +6,13 @@ The chain is ``kda_prefill``'s GPU path (plugins/kda/kernels.py, ``chunk_impl='k
 and every scratch buffer a tensor TensorRT allocates; always the varlen form (N is dynamic), chunk indices built on
 the device with fla's fixed-shape convention (NT = cdiv(T, 64) + N - 1 rows, padding rows (-1, 0))::
 
-    KdaConvBeta(qkv, conv_w, b)                        -> y [3, T, P] y, beta [T, H] y
+    KdaConvBeta(qkv, conv_w, b)                        -> y [3, T, P] y, beta [T, H] y, Akk [T, H, 64] y (zeros)
     KdaConvStart(qkv, conv_w, conv, slots, cu, y)      -> y (in place), conv_out (in place)
     KdaChunkPrep(state, slots, cu, b)                  -> state (pass-through), h0 [N, H, K, K] f32, ci [NT, 2] i32,
                                                           co [N+1] i32
     KdaGateCumsum(f, A_log, dt_bias, cu, ci)           -> gk [T, H, K] f32 (log2 gate cumsum within chunks)
     KdaIntraChunk(y, gk, beta, cu, ci)                 -> Aqk [T, H, 64] y (diagonal blocks), Akkd [T, H, 16] f32
-    KdaInterSolve(y, gk, beta, Aqk, Akkd, cu, ci)      -> Aqk (in place), Akk [T, H, 64] y
+    KdaInterSolve(y, gk, beta, Aqk, Akkd, Akk, cu, ci) -> Aqk, Akk (both in place; Akk = the WY inverse)
     KdaRecomputeWU(y, beta, Akk, gk, cu, ci)           -> w, u, kg [T, H, K] y
     KdaStatePass(kg, w, u, gk, h0, cu, co)             -> h [NT, H, K, K] y, vn [T, H, K] y, ht [N, H, K, K] f32
     KdaChunkOut(y, gk, h, vn, Aqk, g, o_norm_w, cu, ci, ht, slots, state)
@@ -32,9 +32,9 @@ with the configs fla's autotuner chose on the H200 (run 9 caches, T=32768, 12 an
 stays a JIT plugin. fla reads machine properties at import (tf32 support, ``tl.gather``): compile on the deployment
 GPU's machine, as TensorRT builds are.
 
-``Akk`` must be zero above the diagonal (the solve writes the lower triangle only; the JIT path zero-fills it):
-``KdaInterSolve``'s entry zeroes the strict upper triangle of its own chunk rows first (values the solve never
-writes, so no ordering with its stores is needed).
+``Akk`` must be zero above the diagonal (the solve writes the lower triangle only; fla zero-fills it with torch):
+``KdaConvBeta`` writes it as zeros with H more program columns of full-width stores (run 10: zeroing the upper
+triangle inside the 1-warp solve programs instead cost ~60 µs at 12 heads, T=32768).
 
 Attributes compiled in: num_heads, head_dim (all ops), lower_bound (gate), norm_eps (output). Errors: ValueError from
 :func:`decompose_kda_prefill` for a node missing an attribute.
@@ -94,15 +94,20 @@ try:  # the entry kernels need Triton, our kernels and fla-core's stage kernels;
         return tl.full((), 0, tl.int64) + x
 
     @triton.jit
-    def _kda_conv_beta_aot(qkv_ptr, convw_ptr, b_ptr, T, y_ptr, beta_ptr, H: tl.constexpr, K: tl.constexpr,
-                           BT: tl.constexpr, BH: tl.constexpr):
-        """grid (cdiv(T, BT), 3H + 1): column blocks < 3H run `_conv_main_kernel` (one head of K channels), the last
-        one beta = sigmoid(b) for the same tokens."""
+    def _kda_conv_beta_aot(qkv_ptr, convw_ptr, b_ptr, T, y_ptr, beta_ptr, akk_ptr, H: tl.constexpr,
+                           K: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, CH: tl.constexpr):
+        """grid (cdiv(T, BT), 4H + 1): column blocks < 3H run `_conv_main_kernel` (one head of K channels), block 3H
+        beta = sigmoid(b) for the same tokens, blocks 3H+1+h zero Akk[tokens, h, :] (CH = 64 columns)."""
         P: tl.constexpr = H * K
-        if tl.program_id(1) < 3 * H:
+        col = tl.program_id(1)
+        if col < 3 * H:
             _conv_main_kernel(qkv_ptr, convw_ptr, y_ptr, T, 3 * P, D=3 * P, P=P, BT=BT, BD=K)
-        else:
+        elif col == 3 * H:
             _beta_kernel(b_ptr, beta_ptr, T, H, H=H, BT=BT, BH=BH)
+        else:
+            tt = tl.program_id(0) * BT + tl.arange(0, BT)
+            p = akk_ptr + (tt.to(tl.int64)[:, None] * H + (col - 3 * H - 1)) * CH + tl.arange(0, CH)[None, :]
+            tl.store(p, tl.zeros([BT, CH], dtype=akk_ptr.dtype.element_ty), mask=(tt < T)[:, None])
 
     @triton.jit
     def _kda_conv_start_aot(qkv_ptr, convw_ptr, conv_ptr, slots_ptr, cu_ptr, y_ptr, T, y_out_ptr, conv_out_ptr,
@@ -189,20 +194,12 @@ try:  # the entry kernels need Triton, our kernels and fla-core's stage kernels;
                        USE_GRAPH=True)
 
     @triton.jit
-    def _kda_solve_aot(y_ptr, gk_ptr, beta_ptr, aqk_ptr, akkd_ptr, cu_ptr, ci_ptr, T, N, aqk_out_ptr, akk_ptr,
-                       H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                       SCALE: tl.constexpr):
-        """grid (NT, H): zero the strict upper triangle of this chunk's Akk rows, then fla's fused inter-sub-chunk
-        + triangular solve (off-diagonal Aqk blocks in place, Akk = the WY inverse)."""
-        i_n = tl.load(ci_ptr + tl.program_id(0) * 2)
-        if i_n >= 0:
-            bos = tl.load(cu_ptr + i_n)
-            L = tl.load(cu_ptr + i_n + 1) - bos
-            r = tl.load(ci_ptr + tl.program_id(0) * 2 + 1) * BT + tl.arange(0, BT)
-            c = tl.arange(0, BT)
-            upper = (r < L)[:, None] & (c[None, :] > tl.arange(0, BT)[:, None])
-            p = akk_ptr + ((bos + r).to(tl.int64)[:, None] * H + tl.program_id(1)) * BT + c[None, :]
-            tl.store(p, tl.zeros([BT, BT], dtype=akk_ptr.dtype.element_ty), mask=upper)
+    def _kda_solve_aot(y_ptr, gk_ptr, beta_ptr, aqk_ptr, akkd_ptr, akk_ptr, cu_ptr, ci_ptr, T, N, aqk_out_ptr,
+                       akk_out_ptr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                       BK: tl.constexpr, SCALE: tl.constexpr):
+        """grid (NT, H): fla's fused inter-sub-chunk + triangular solve (off-diagonal Aqk blocks, Akk = the WY
+        inverse: its lower triangle; KdaConvBeta zeroed the rest), both in place."""
+        akk_ptr = akk_out_ptr
         k_ptr = y_ptr + _i64(T) * (H * K)
         if N == 1:
             _fla_solve(y_ptr, k_ptr, gk_ptr, beta_ptr, aqk_out_ptr, akkd_ptr, akk_ptr, SCALE, cu_ptr, ci_ptr, T, H=H,
@@ -294,10 +291,10 @@ def _ops() -> dict:
     return {
         "conv": KernelOp(
             "kimi::KdaConvBeta", e("conv"), (("qkv", "act"), ("conv_w", "f32"), ("b", "act")), (("T", "i32"),),
-            (("y", "y"), ("beta", "y")), HK,
-            shapes=lambda d, a, c: [(3, d["qkv"][0], P(a)), (d["qkv"][0], _hk(a)[0])],
-            launch=lambda d, a, c: ((c(d["qkv"][0], CONV_BT), 3 * _hk(a)[0] + 1, 1), [d["qkv"][0]]),
-            constexprs=lambda d, a: dict(H=_hk(a)[0], K=_hk(a)[1], BT=CONV_BT, BH=_pow2(_hk(a)[0]))),
+            (("y", "y"), ("beta", "y"), ("akk", "y")), HK,
+            shapes=lambda d, a, c: [(3, d["qkv"][0], P(a)), (d["qkv"][0], _hk(a)[0]), (d["qkv"][0], _hk(a)[0], BT)],
+            launch=lambda d, a, c: ((c(d["qkv"][0], CONV_BT), 4 * _hk(a)[0] + 1, 1), [d["qkv"][0]]),
+            constexprs=lambda d, a: dict(H=_hk(a)[0], K=_hk(a)[1], BT=CONV_BT, BH=_pow2(_hk(a)[0]), CH=BT)),
         "start": KernelOp(
             "kimi::KdaConvStart", e("start"),
             (("qkv", "act"), ("conv_w", "f32"), ("conv", "act"), ("slots", "i32"), ("cu", "i32"), ("y", "y")),
@@ -332,9 +329,9 @@ def _ops() -> dict:
             num_warps=1, num_stages=3),
         "solve": KernelOp(
             "kimi::KdaInterSolve", e("solve"),
-            (("y", "y"), ("gk", "f32"), ("beta", "y"), ("aqk", "y"), ("akkd", "f32")) + CU, TN,
-            (("aqk_out", "y"), ("akk", "y")), HK,
-            shapes=lambda d, a, c: ["aqk", (d["y"][1], _hk(a)[0], BT)],
+            (("y", "y"), ("gk", "f32"), ("beta", "y"), ("aqk", "y"), ("akkd", "f32"), ("akk", "y")) + CU, TN,
+            (("aqk_out", "y"), ("akk_out", "y")), HK,
+            shapes=lambda d, a, c: ["aqk", "akk"],
             launch=lambda d, a, c: ((d["ci"][0], _hk(a)[0], 1), [d["y"][1], d["cu"][0] - 1]),
             constexprs=lambda d, a: dict(H=_hk(a)[0], K=_hk(a)[1], BT=BT, BC=BC, BK=SOLVE_BK,
                                          SCALE=_hk(a)[1] ** -0.5),
@@ -372,8 +369,8 @@ def _ops() -> dict:
     }
 
 
-OPS = _ops()
-AOT_OPS = tuple(op.op_id for op in OPS.values())
+OPS = _ops()              # the nine ops in launch order: key -> KernelOp
+AOT_OPS = tuple(op.op_id for op in OPS.values())   # their plugin ids ("kimi::...")
 
 
 # --------------------------------------------------------------------------------------------- the ONNX rewrite
@@ -384,20 +381,21 @@ def _expand(node, attrs) -> list:
     attrs = {"lower_bound": -5.0, "norm_eps": 1e-5, **attrs}
     qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, cu, slots = node.input
     out, state_out, conv_out = node.output
-    base = node.name or out
-    t = {k: f"{base}__kda_{k}" for k in ("y0", "beta", "y", "state1", "h0", "ci", "co", "gk", "aqk0", "akkd", "aqk",
-                                          "akk", "w", "u", "kg", "h", "vn", "ht")}
+    base = out          # tensor names are unique in a valid graph, node names need not be
+    t = {k: f"{base}__kda_{k}" for k in ("y0", "beta", "akk0", "y", "state1", "h0", "ci", "co", "gk", "aqk0", "akkd",
+                                          "aqk", "akk", "w", "u", "kg", "h", "vn", "ht")}
 
     def mk(key, ins, outs):
         return make_aot_node(OPS[key], ins, outs, f"{base}__{key}", attrs)
 
     return [
-        mk("conv", [qkv, conv_w, b], [t["y0"], t["beta"]]),
+        mk("conv", [qkv, conv_w, b], [t["y0"], t["beta"], t["akk0"]]),
         mk("start", [qkv, conv_w, conv, slots, cu, t["y0"]], [t["y"], conv_out]),
         mk("prep", [state, slots, cu, b], [t["state1"], t["h0"], t["ci"], t["co"]]),
         mk("gate", [f, A_log, dt_bias, cu, t["ci"]], [t["gk"]]),
         mk("intra", [t["y"], t["gk"], t["beta"], cu, t["ci"]], [t["aqk0"], t["akkd"]]),
-        mk("solve", [t["y"], t["gk"], t["beta"], t["aqk0"], t["akkd"], cu, t["ci"]], [t["aqk"], t["akk"]]),
+        mk("solve", [t["y"], t["gk"], t["beta"], t["aqk0"], t["akkd"], t["akk0"], cu, t["ci"]],
+           [t["aqk"], t["akk"]]),
         mk("wu", [t["y"], t["beta"], t["akk"], t["gk"], cu, t["ci"]], [t["w"], t["u"], t["kg"]]),
         mk("state", [t["kg"], t["w"], t["u"], t["gk"], t["h0"], cu, t["co"]], [t["h"], t["vn"], t["ht"]]),
         mk("out", [t["y"], t["gk"], t["h"], t["vn"], t["aqk"], g, o_norm_w, cu, t["ci"], t["ht"], slots, t["state1"]],
