@@ -380,7 +380,9 @@ def graphed(fn):
 
 # conv pass configurations (overrides of kernels._CONV_CFG) timed as stages (run 9 also timed 2-8 tiles per
 # program with software pipelining: no gain, dropped; run 10 the grid with head blocks fastest: -2%, and its output
-# was not bit-equal to the default's on the GPU, dropped; BT 64 / 4 warps: +26% / +43%)
+# was not bit-equal to the default's on the GPU (neither is BT 16's: fp32 reduction order), dropped; BT 64 / 4
+# warps: +26% / +43%; fla's gate cumsum on a side stream during the conv pass: bit-equal, no gain (both are
+# bandwidth-bound), dropped)
 CONV_CFGS = (dict(), dict(BT=16, num_warps=4))
 if "kda_prefill" in ONLY and HAVE_FLA:
     for H in PREFILL_HEADS:
@@ -473,17 +475,8 @@ if "kda_prefill" in ONLY and HAVE_FLA:
             stages["ours_chunk_impl_fla"] = lambda: kda_k.kda_prefill(**d, state=state, conv=conv, cu_seqlens=cu,
                                                                       slots=slots, num_heads=H, head_dim=K,
                                                                       chunk_impl="fla")
-            # fla's gate cumsum on a side stream during the conv pass (kda_prefill overlap_gate), eager and graphed
-            fn_ov = lambda: kda_k.kda_prefill(**d, state=state, conv=conv, cu_seqlens=cu, slots=slots, num_heads=H,
-                                              head_dim=K, overlap_gate=True)
-            state.zero_(); conv.zero_()
-            o_ov = fn_ov()[0].clone()
-            state.zero_(); conv.zero_()
-            o_nov = fn()[0]
-            stages["ours_overlap_gate_equal"] = float(torch.equal(o_ov, o_nov))
-            stages["ours_overlap_gate"] = fn_ov
             # both captured in CUDA graphs (no Python launch overhead: the GPU time of our op vs the peer's)
-            to_graph = {"ours_cuda_graph": fn, "ours_overlap_gate_cuda_graph": fn_ov,
+            to_graph = {"ours_cuda_graph": fn,
                         "peer_cuda_graph": lambda: chunk_kda(q, kk, v, gg, be, initial_state=h0, output_final_state=True)}
             stages.update(to_graph)
             o_n = torch.randn(T, H, K, device=dev).bfloat16(); out_n = torch.empty(T, P, device=dev).bfloat16()
@@ -492,9 +485,6 @@ if "kda_prefill" in ONLY and HAVE_FLA:
                 num_warps=4)
             breakdown = {}
             for name, fn_s in stages.items():
-                if isinstance(fn_s, float):
-                    breakdown[name] = fn_s
-                    continue
                 try:
                     fn_s = graphed(fn_s) if name in to_graph else fn_s
                     fn_s()

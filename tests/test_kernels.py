@@ -160,8 +160,9 @@ def test_kda_prefill_bad_token_stays_in_its_sequence(lens):
 
 @pytest.mark.parametrize("cfg", [dict(BT=16), dict(BT=64, num_warps=8)])
 def test_kda_conv_pass_configs_agree(cfg):
-    """The conv pass under other tilings (tokens per tile, with a ragged last tile) writes exactly what the default
-    tiling writes (the default is checked against the reference by test_kda_prefill)."""
+    """The conv pass under other tilings (tokens per tile, with a ragged last tile) writes what the default tiling
+    writes (the default is checked against the reference by test_kda_prefill): exactly under the interpreter; on
+    the GPU to fp32 rounding (the tiling changes the layout, so the order of the q/k row-norm sums)."""
     T, H, K = 150, 2, 16
     P, D = H * K, 3 * H * K
     g = torch.Generator().manual_seed(4)
@@ -173,7 +174,8 @@ def test_kda_conv_pass_configs_agree(cfg):
         y = torch.full((3, T, P), float("nan"), device=DEV)
         kda_k._conv_prefill(qkv.to(DEV), w.to(DEV), conv.to(DEV), slots, cu, y, T, D, P, K, cfg=c)
         ys.append(y)
-    assert not torch.isnan(ys[0]).any() and torch.equal(ys[0], ys[1])
+    assert not torch.isnan(ys[0]).any()
+    assert torch.equal(ys[0], ys[1]) if not HAS_CUDA else relerr(ys[1], ys[0]) < 1e-6
 
 
 def test_kda_state_rows_through_slots():
@@ -278,49 +280,6 @@ def test_kda_prefill_chunk_impls_agree(H, lens, act):
         res[impl] = (o.float(), st[slots.long()])
     assert relerr(res["k3"][0], res["fla"][0]) < 1e-2
     assert relerr(res["k3"][1], res["fla"][1]) < 1e-2
-
-
-@pytest.mark.skipif(not HAS_CUDA, reason="the side stream and the chunk core need a GPU with fla-core")
-@pytest.mark.parametrize("H", [12, 96])
-def test_kda_prefill_overlap_gate_is_exact(H):
-    """overlap_gate (the gate cumsum on a side stream during the conv pass) changes no bit of the output or the final
-    state, eagerly and replayed from a CUDA graph on new inputs (the side stream forks from and joins the capture)."""
-    K, T, S = 128, 300, 3
-    slots = torch.tensor([2], dtype=torch.int32, device=DEV)
-    cu = torch.tensor([0, T], dtype=torch.int32, device=DEV)
-    d, state, conv = _kda_inputs(T, H, K, S, torch.bfloat16, seed=5)
-    d = {k: v.to(DEV) for k, v in d.items()}
-
-    def run(overlap, x):
-        st, cv = state.to(DEV), conv.to(DEV)
-        o = kda_k.kda_prefill(**x, state=st, conv=cv, cu_seqlens=cu, slots=slots, num_heads=H, head_dim=K,
-                              overlap_gate=overlap)[0]
-        return o.clone(), st[2].clone()
-
-    ref_o, ref_s = run(False, d)
-    o, s_ = run(True, d)
-    assert torch.equal(o, ref_o) and torch.equal(s_, ref_s)
-    static = {k: v.clone() for k, v in d.items()}
-    st, cv = state.to(DEV), conv.to(DEV)
-    fn = lambda: kda_k.kda_prefill(**static, state=st, conv=cv, cu_seqlens=cu, slots=slots,  # noqa: E731
-                                   num_heads=H, head_dim=K, overlap_gate=True)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()[0]
-    d2, _, _ = _kda_inputs(T, H, K, S, torch.bfloat16, seed=6)
-    for k, v in d2.items():
-        static[k].copy_(v)
-    st.copy_(state.to(DEV))
-    cv.copy_(conv.to(DEV))
-    graph.replay()
-    torch.cuda.synchronize()
-    ref2_o, ref2_s = run(False, {k: v.to(DEV) for k, v in d2.items()})
-    assert torch.equal(out, ref2_o) and torch.equal(st[2], ref2_s)
 
 
 @pytest.mark.parametrize("kw,match", [(dict(chunk_impl="x"), "chunk_impl='x'"), (dict(lower_bound=-6.0), r"\[-5, 0\)"),

@@ -459,7 +459,7 @@ def _chunk_out_norm_kernel(q_ptr, gk_ptr, h_ptr, vn_ptr, a_ptr, gate_ptr, w_ptr,
 
 
 def _chunk_core(q, k, v, f, beta, A_log, dt_bias, g, o_norm_w, h0, cu32, cu64, out, *, H, K, lower_bound, norm_eps,
-                st, out_cfg=None, gk=None):
+                st, out_cfg=None):
     """Chunked delta rule + output norm of the packed tokens: writes `out` [T, P] and returns the final states
     [N, H, V, K] fp32. q, k (L2-normalized), v, f [T, P] y-dtype contiguous; beta [T, H]; g [T, P] (output gate,
     any row stride); h0 [N, H, V, K] fp32 initial states (gathered from the slots); cu32 [N+1] int32 and cu64
@@ -482,9 +482,8 @@ def _chunk_core(q, k, v, f, beta, A_log, dt_bias, g, o_norm_w, h0, cu32, cu64, o
         cu64.copy_(cu32)
         NT = NT + N - 1
         ci, co = st.chunk_indices(cu64, BT, NT)
-    if gk is None:   # else computed by the caller (kda_prefill's overlap_gate: dense, one sequence)
-        gk = st.gate_cumsum(g=view(f), A_log=A_log, chunk_size=BT, scale=st.rcp_ln2, dt_bias=dt_bias,
-                            cu_seqlens=cu64, chunk_indices=ci, lower_bound=lower_bound, use_graph=varlen)
+    gk = st.gate_cumsum(g=view(f), A_log=A_log, chunk_size=BT, scale=st.rcp_ln2, dt_bias=dt_bias, cu_seqlens=cu64,
+                        chunk_indices=ci, lower_bound=lower_bound, use_graph=varlen)
     w, u, _, kg, Aqk, _ = st.intra(q=view(q), k=view(k), v=view(v), gk=gk, beta=beta.view(1, T, H), scale=K ** -0.5,
                                    cu_seqlens=cu64, chunk_size=BT, chunk_indices=ci, safe_gate=True,
                                    disable_recompute=False, use_graph=varlen)
@@ -495,17 +494,6 @@ def _chunk_core(q, k, v, f, beta, A_log, dt_bias, g, o_norm_w, h0, cu32, cu64, o
                                     K ** -0.5, float(norm_eps), H=H, K=K, BT=BT, BK=min(oc["block_k"], K),
                                     IS_VARLEN=varlen, num_warps=oc["num_warps"], num_stages=oc["num_stages"])
     return ht
-
-
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(device) -> "torch.cuda.Stream":
-    """One cached side stream per device (kda_prefill's overlap_gate)."""
-    key = str(device)
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[key]
 
 
 def _fla_available(device) -> bool:
@@ -605,8 +593,7 @@ def kda_prefill_workspace_bytes(num_tokens: int, num_seqs: int, num_heads: int, 
 
 def kda_prefill(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, cu_seqlens, slots, *,
                 num_heads: int, head_dim: int, lower_bound: float = -5.0, norm_eps: float = 1e-5, out=None,
-                graph_safe: bool = True, workspace: torch.Tensor | None = None, chunk_impl: str = "k3",
-                overlap_gate: bool = False):
+                graph_safe: bool = True, workspace: torch.Tensor | None = None, chunk_impl: str = "k3"):
     """KdaPrefill (MODEL.md §4): varlen packed prefill continuing from the slots' state/conv history; in place.
 
     qkv [T, 3P], f [T, P], b [T, H], g [T, P] act (bf16 or fp32); conv_w [3P, 4], A_log [H], dt_bias [P],
@@ -625,9 +612,6 @@ def kda_prefill(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, cu_
           H200 run 9 (T=32768, one sequence): see benchmarks/RESULTS.md.
       'fla': fla-core's `chunk_kda` (one sequence: its dense path; several: `use_graph=True, max_num_seqs=N` when
           graph_safe, else host-built chunk indices, a device sync), then our gated-norm kernel.
-    overlap_gate ('k3', one sequence, f already in y's dtype and contiguous): fla's gate cumsum (reads only f) runs on
-    a side stream while the conv pass runs, joined before the chunk stages (CUDA-graph capturable: the side stream
-    forks from and joins the current one). Experimental, off by default until timed (benchmarks/RESULTS.md).
     ValueError for another chunk_impl, or lower_bound outside [-5, 0) (on every device, so a config that the GPU
     path would refuse fails on the CPU too). beta = sigmoid(b) is stored in y's dtype (bf16 on the GPU path): on a bf16
     case of the CPU fallback that raises the error against the fp32 reference from 5.7e-3 to 6.4e-3 (output) and
@@ -658,22 +642,11 @@ def kda_prefill(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, cu_
     scratch = iter(_prefill_scratch(T, N, H, K, qkv.dtype, use_fla))
     y = ws.empty(*next(scratch))
     beta = ws.empty(*next(scratch))
-    st = _fla_stages() if use_fla and chunk_impl == "k3" else None
-    gk, side = None, None
-    if overlap_gate and st is not None and N == 1 and f.dtype == y.dtype and f.is_contiguous():
-        main, side = torch.cuda.current_stream(dev), _side_stream(dev)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            gk = st.gate_cumsum(g=f.view(1, T, H, K), A_log=A_log, chunk_size=_CHUNK, scale=st.rcp_ln2,
-                                dt_bias=dt_bias, cu_seqlens=None, chunk_indices=None, lower_bound=lower_bound,
-                                use_graph=False)
     _beta_kernel[(triton.cdiv(T, 64),)](b, beta, T, b.stride(0), H=H, BT=64, BH=triton.next_power_of_2(H), num_warps=4)
     _conv_prefill(qkv, conv_w, conv, slots, cu32, y, T, D, P, K)
     _conv_hist_kernel[(N, triton.cdiv(D, 256))](qkv, conv, slots, cu32, qkv.stride(0), D=D, BD=256, num_warps=4)
-    if side is not None:
-        main.wait_stream(side)
-        gk.record_stream(main)
     q, k, v = y[0], y[1], y[2]
+    st = _fla_stages() if use_fla and chunk_impl == "k3" else None
     if use_fla:
         from fla.ops.kda import chunk_kda
         h0 = ws.empty(*next(scratch))                                 # [N, H, V, K] (state_v_first layout)
@@ -687,7 +660,7 @@ def kda_prefill(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, cu_
     if st is not None:
         fa = fa if fa.is_contiguous() else fa.contiguous()
         ht = _chunk_core(q, k, v, fa, beta, A_log, dt_bias, g, o_norm_w, h0, cu32, cu64, out, H=H, K=K,
-                         lower_bound=lower_bound, norm_eps=norm_eps, st=st, gk=gk)
+                         lower_bound=lower_bound, norm_eps=norm_eps, st=st)
         _copy_rows(ht if ht.dtype == state.dtype else ht.to(state.dtype), state, slots, gather=False)
         return out, state, conv
     if use_fla:
