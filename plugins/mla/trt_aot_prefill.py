@@ -17,7 +17,7 @@ attention tile of cached tokens must lie inside one cache block: 32 tokens (the 
 BS, else 16 (both compiled in, chosen at run time); a block size that 16 does not divide makes the attention write
 NaN (fails loudly; the runtime allocates 16, 32 or 64). Tiles as the JIT path on the GPU: absorption 64 tokens x
 128 latent columns (8 warps), attention 32 query rows (8 warps, 2 stages), up-projection 64 tokens x 64 outputs
-(4 warps). H200 (benchmarks/RESULTS.md run 10, T=4096): 1.02x / 1.00x the JIT op at 12 / 96 heads (an earlier
+(4 warps). H200 (benchmarks/RESULTS.md run 10, T=4096): 1.01x / 1.00x the JIT op at 12 / 96 heads (an earlier
 variant with 16-token tiles only: 0.57x). Attributes compiled in: num_heads, qk_nope_head_dim, v_head_dim, kv_lora_rank,
 scale; the rope width Dr and the latent width come from q's and latent's static last dims.
 """
