@@ -36,7 +36,7 @@ import numpy as np
 
 from plugins.aot_common import (autotune_string, compile_entry, entry_signature, qdp_available, register_qdp,
                                  scalar)
-from plugins.aot_ops import static_int
+from plugins.aot_ops import replace_nodes, static_int
 
 SORT, W13, W2, COMBINE = "kimi::MoeSortPairs", "kimi::MoeExpertsW13", "kimi::MoeExpertsW2", "kimi::MoeCombine"
 AOT_OPS = (SORT, W13, W2, COMBINE)
@@ -191,29 +191,22 @@ def _static_dims(model, name: str):
 
 def decompose_mxfp4_moe(model) -> int:
     """Replace every top-level ``kimi::Mxfp4Moe`` node of ``model`` (onnx.ModelProto, in place) by the four AOT
-    ops (module docstring), marked ``aot=1``, in the node's place (topological order kept). E is read from
-    ``w13_packed``'s static shape (an initializer or a shaped graph input); ValueError naming the node otherwise.
-    Returns how many nodes were replaced."""
-    import onnx
+    ops (module docstring), marked ``aot=1``, in the node's place (topological order kept; plugins/aot_ops.py
+    :func:`~plugins.aot_ops.replace_nodes`). E is read from ``w13_packed``'s static shape (an initializer or a shaped
+    graph input); ValueError naming the node otherwise. Returns how many nodes were replaced."""
     from onnx import helper
 
-    g = model.graph
-    new_nodes, n = [], 0
-    for node in g.node:
-        if node.domain != "kimi" or node.op_type != "Mxfp4Moe":
-            new_nodes.append(node)
-            continue
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    def expand(node, attrs):
         x, ids, wts, w13, s13, w2, s2 = node.input
         dims = _static_dims(model, w13)
         if not dims or dims[0] is None:
             raise ValueError(f"Mxfp4Moe node {node.name!r}: the AOT form needs the static shape of {w13!r} "
                              "(E local experts); export the weights as initializers")
-        base = node.name or node.output[0]
+        base = node.output[0]      # tensor names are unique in a valid graph, node names need not be
         t = {k: f"{base}__moe_{k}" for k in ("order", "tok", "offs", "h", "ypair")}
         common = dict(domain="kimi", plugin_namespace="kimi", plugin_version="1", aot=1)
         eo = int(attrs.get("expert_offset", 0))
-        new_nodes += [
+        return [
             helper.make_node("MoeSortPairs", [ids], [t["order"], t["tok"], t["offs"]], name=f"{base}__sort",
                              num_local_experts=int(dims[0]), expert_offset=eo, **common),
             helper.make_node("MoeExpertsW13", [x, t["tok"], t["offs"], w13, s13], [t["h"]], name=f"{base}__w13",
@@ -224,13 +217,8 @@ def decompose_mxfp4_moe(model) -> int:
             helper.make_node("MoeCombine", [t["ypair"], ids], list(node.output), name=f"{base}__combine",
                              num_local_experts=int(dims[0]), expert_offset=eo, **common),
         ]
-        n += 1
-    if n:
-        del g.node[:]
-        g.node.extend(new_nodes)
-        if not any(o.domain == "kimi" for o in model.opset_import):
-            model.opset_import.append(onnx.helper.make_opsetid("kimi", 1))
-    return n
+
+    return replace_nodes(model, "Mxfp4Moe", expand)
 
 
 # ----------------------------------------------------------------------------------------------- registration
