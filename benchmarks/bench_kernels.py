@@ -383,7 +383,7 @@ def graphed(fn):
 # was not bit-equal to the default's on the GPU (neither is BT 16's: fp32 reduction order), dropped; BT 64 / 4
 # warps: +26% / +43%; fla's gate cumsum on a side stream during the conv pass: bit-equal, no gain (both are
 # bandwidth-bound), dropped)
-CONV_CFGS = (dict(), dict(BT=16, num_warps=4), dict(rows=16), dict(rows=32), dict(rows=64), dict(rows=128))
+CONV_CFGS = (dict(), dict(BT=16, num_warps=4))
 if "kda_prefill" in ONLY and HAVE_FLA:
     for H in PREFILL_HEADS:
         try:

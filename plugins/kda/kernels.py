@@ -259,13 +259,8 @@ def _conv_prefill(qkv, conv_w, conv, slots, cu32, y, T, D, P, K, cfg=None):
     the slot's history in place of the previous sequence's tokens. One head of K channels per program column;
     `cfg` overrides `_CONV_CFG` (BT, num_warps) of the main kernel."""
     c = dict(_CONV_CFG, **(cfg or {}))
-    if c.get("rows"):   # experimental: `_conv_rows_kernel`, rows tokens per program walked in order
-        _conv_rows_kernel[(triton.cdiv(T, c["rows"]), triton.cdiv(D, K))](
-            qkv, conv_w, y, T, qkv.stride(0), D=D, P=P, RT=c["rows"], BD=K, num_warps=c.get("num_warps", 1),
-            num_stages=c.get("num_stages", 3))
-    else:
-        _conv_main_kernel[(triton.cdiv(T, c["BT"]), triton.cdiv(D, K))](
-            qkv, conv_w, y, T, qkv.stride(0), D=D, P=P, BT=c["BT"], BD=K, num_warps=c["num_warps"])
+    _conv_main_kernel[(triton.cdiv(T, c["BT"]), triton.cdiv(D, K))](
+        qkv, conv_w, y, T, qkv.stride(0), D=D, P=P, BT=c["BT"], BD=K, num_warps=c["num_warps"])
     _conv_start_kernel[(slots.shape[0], triton.cdiv(D, K))](
         qkv, conv_w, conv, slots, cu32, y, T, qkv.stride(0), D=D, P=P, BD=K, num_warps=4)
 
@@ -318,58 +313,6 @@ def _conv_main_kernel(qkv_ptr, convw_ptr, y_ptr, T, stride_qkv, D: tl.constexpr,
     acc += _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 2)
     acc += _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 3)
     _conv_store(acc, y_ptr, tt, cc, m2, T, P, (tl.program_id(1) * BD) < 2 * P)
-
-
-@triton.jit
-def _conv_row(row, stride_qkv, t, cmask, T):
-    """Input row t ([BD] channels, fp32; 0 past T)."""
-    return tl.load(row + t * stride_qkv, mask=cmask & (t < T), other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _conv_row_out(x3, x2, x1, x, w0, w1, w2, w3, is_qk, dst, t, P, m):
-    """One output row: taps in `_conv_main_kernel`'s order, SiLU, the q/k row norm (a warp reduction), store."""
-    acc = x3 * w0
-    acc += x2 * w1
-    acc += x1 * w2
-    acc += x * w3
-    yv = acc * _sigmoid(acc)
-    nrm = 1.0 / tl.sqrt(tl.sum(yv * yv, axis=0) + 1e-6)
-    tl.store(dst + t * P, tl.where(is_qk, yv * nrm, yv).to(dst.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _conv_rows_kernel(qkv_ptr, convw_ptr, y_ptr, T, stride_qkv, D: tl.constexpr, P: tl.constexpr, RT: tl.constexpr,
-                      BD: tl.constexpr):
-    """grid (cdiv(T, RT), cdiv(D, BD)): `_conv_main_kernel`'s output, token rows in order: the program walks its RT
-    tokens (a multiple of 4) in groups of 4 rows loaded together (bytes in flight), the last three input rows carried
-    in registers (each input row loaded once; rows and tap weights share one 1-D layout: no layout conversion; with
-    one warp the q/k row norm is a warp reduction). Same contract: the packed tokens as one sequence,
-    `_conv_start_kernel` fixes sequence starts."""
-    cc = tl.program_id(1) * BD + tl.arange(0, BD)
-    cmask = cc < D
-    w0 = tl.load(convw_ptr + cc * 4 + 0, mask=cmask, other=0.0)
-    w1 = tl.load(convw_ptr + cc * 4 + 1, mask=cmask, other=0.0)
-    w2 = tl.load(convw_ptr + cc * 4 + 2, mask=cmask, other=0.0)
-    w3 = tl.load(convw_ptr + cc * 4 + 3, mask=cmask, other=0.0)
-    row = qkv_ptr + cc
-    tv = (cc * 0 + tl.program_id(0) * RT).to(tl.int64)   # the token index as a [BD] tensor (the interpreter
-    x3 = _conv_row(row, stride_qkv, tv - 3, cmask & (tv >= 3), T)    # rejects scalar-combined masks)
-    x2 = _conv_row(row, stride_qkv, tv - 2, cmask & (tv >= 2), T)
-    x1 = _conv_row(row, stride_qkv, tv - 1, cmask & (tv >= 1), T)
-    is_qk = (tl.program_id(1) * BD) < 2 * P
-    dst = y_ptr + (cc // P).to(tl.int64) * T * P + cc % P
-    for i in range(0, RT, 4):
-        t = tv + i
-        xa = _conv_row(row, stride_qkv, t, cmask, T)
-        xb = _conv_row(row, stride_qkv, t + 1, cmask, T)
-        xc = _conv_row(row, stride_qkv, t + 2, cmask, T)
-        xd = _conv_row(row, stride_qkv, t + 3, cmask, T)
-        _conv_row_out(x3, x2, x1, xa, w0, w1, w2, w3, is_qk, dst, t, P, cmask & (t < T))
-        _conv_row_out(x2, x1, xa, xb, w0, w1, w2, w3, is_qk, dst, t + 1, P, cmask & (t + 1 < T))
-        _conv_row_out(x1, xa, xb, xc, w0, w1, w2, w3, is_qk, dst, t + 2, P, cmask & (t + 2 < T))
-        _conv_row_out(xa, xb, xc, xd, w0, w1, w2, w3, is_qk, dst, t + 3, P, cmask & (t + 3 < T))
-        x3, x2, x1 = xb, xc, xd
 
 
 @triton.jit
