@@ -62,7 +62,8 @@ def register_build_plugins(info: TrtInfo, aot: bool = False) -> list[str]:
     time (with ``aot`` where ``tensorrt.plugin`` supports AOT: KdaDecode, MlaDecode, Mxfp4Moe, KdaPrefill (needs a
     tested fla-core), MlaPrefill; else ``[]``; the last three are rewritten into chains of AOT ops at parse time:
     :func:`mark_aot_nodes`).
-    Raises ValueError for ``aot`` with TensorRT-RTX."""
+    Raises ValueError for ``aot`` with TensorRT-RTX, and for ``aot`` when any op's AOT form could not be registered
+    (an --aot engine must run without Python; the message names the ops and what to install)."""
     if info.is_rtx:
         if aot:
             raise ValueError("aot (--aot): TensorRT-RTX has no tensorrt.plugin AOT plugins; build with full TensorRT "
@@ -81,9 +82,10 @@ def register_build_plugins(info: TrtInfo, aot: bool = False) -> list[str]:
             ops.append(op_type)
     missing = sorted({"KdaDecode", "MlaDecode", *_DECOMPOSED} - set(ops))
     if missing:
-        logger.warning("--aot: no ahead-of-time form registered for %s (needs tensorrt.plugin with aot_impl, Triton, "
-                       "and for KdaPrefill fla-core %s): those nodes stay JIT Python plugins, so their engines need "
-                       "Python (the manifest's aot_ops lists what is AOT)", ", ".join(missing), "0.6.0")
+        raise ValueError(f"--aot: no ahead-of-time form could be registered for {', '.join(missing)}: it needs "
+                         "TensorRT >= 10.9 (tensorrt.plugin with aot_impl) and Triton, and KdaPrefill needs fla-core "
+                         "0.6.0 (pip install -e '.[gpu]'); without them those engines would need Python. Install "
+                         "them or drop --aot")
     return ops
 
 

@@ -23,9 +23,8 @@ FLAVORS = {"tensorrt": "tensorrt", "tensorrt-rtx": "tensorrt_rtx_bindings"}
 INSTALL_HINT = ("no TensorRT found: install full TensorRT (Linux + NVIDIA GPU, from NVIDIA's package index or an NGC "
                 "container, see README 'Quick start') or TensorRT-RTX "
                 "(`pip install tensorrt-rtx-cu13-libs tensorrt-rtx-cu13-bindings`, builds engines on CPU)")
-FLAVOR_HINT = {"tensorrt": "full TensorRT is not installed: install it on a Linux + NVIDIA GPU host from NVIDIA's "
-                           "package index or use an NGC container (README 'Quick start'), or drop the flavor choice to "
-                           "use TensorRT-RTX",
+FLAVOR_HINT = {"tensorrt": "full TensorRT is not installed: install it from NVIDIA's package index or use an NGC "
+                           "container (Linux + NVIDIA GPU; README 'Quick start')",
                "tensorrt-rtx": "TensorRT-RTX is not installed: pip install tensorrt-rtx-cu13-libs "
                                "tensorrt-rtx-cu13-bindings"}
 

@@ -141,7 +141,7 @@ def pick_backend(requested: str | None) -> str:
             return fl
         except (ImportError, RuntimeError, ValueError) as e:
             if requested:
-                raise BuildError(f"--backend {requested}: not installed here ({e}); install it (README) or pick another backend")
+                raise BuildError(f"--backend {requested}: {e}; or omit --backend to use what is installed")
     return "onnxruntime"
 
 
@@ -199,12 +199,21 @@ def build(args) -> int:
     """Run the pipeline for parsed CLI `args`; returns the exit status (0 ok, 1 verification/smoke mismatch).
     Raises BuildError / CheckpointError / ConfigError / ValueError / OSError with one message for the user."""
     if args.aot:   # before anything is written (the plan included), --dry-run too
-        aot_backend = args.backend if args.backend not in (None, "tensorrt") else pick_backend(args.backend)
+        try:
+            aot_backend = args.backend if args.backend not in (None, "tensorrt") else pick_backend(args.backend)
+        except BuildError:   # --backend tensorrt requested, not importable
+            from engines.trt import FLAVOR_HINT
+            raise BuildError(f"--aot: ahead-of-time plugins need full TensorRT >= 10.9; {FLAVOR_HINT['tensorrt']}; "
+                             "or drop --aot") from None
         if aot_backend != "tensorrt":
             raise BuildError(f"--aot: ahead-of-time plugins need full TensorRT (--backend tensorrt), not "
                              f"{aot_backend}; install TensorRT >= 10.9 or drop --aot")
     ckpt = Path(args.checkpoint) if args.checkpoint else default_checkpoint()
-    if not ckpt.is_dir() or not (ckpt / "config.json").is_file():
+    if not ckpt.exists():
+        raise BuildError(f"--checkpoint {ckpt}: does not exist; point it at a K3 checkpoint directory")
+    if ckpt.is_file():
+        raise BuildError(f"--checkpoint {ckpt}: is a file; pass the checkpoint directory ({ckpt.parent})")
+    if not (ckpt / "config.json").is_file():
         raise BuildError(f"--checkpoint {ckpt}: no config.json there; point it at a K3 checkpoint directory")
     cfg = load_config(ckpt)
     config_only = not (ckpt / "model.safetensors.index.json").is_file()

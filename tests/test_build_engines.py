@@ -143,7 +143,7 @@ def _copy_ckpt(src: Path, dst: Path) -> Path:
 
 
 @pytest.mark.parametrize("case", ["missing_shard", "truncated_shard", "no_config", "tp", "ep", "target_cc", "aot",
-                                  "aot_dry_run"])
+                                  "aot_dry_run", "aot_backend_tensorrt", "ckpt_missing", "ckpt_file"])
 def test_error_paths(case, tiny_ckpt, tmp_path):
     ck = _copy_ckpt(tiny_ckpt, tmp_path / "ck")
     args = ["--checkpoint", ck, "--out", tmp_path / "out"]
@@ -172,6 +172,17 @@ def test_error_paths(case, tiny_ckpt, tmp_path):
             pytest.skip("full TensorRT is installed here: --aot is valid")
         args += ["--aot", "--dry-run"]
         want = "--aot: ahead-of-time plugins need full TensorRT"
+    elif case == "aot_backend_tensorrt":   # --backend tensorrt --aot without full TensorRT: one message, no RTX hint
+        if importlib.util.find_spec("tensorrt") is not None:
+            pytest.skip("full TensorRT is installed here: --aot is valid")
+        args += ["--backend", "tensorrt", "--aot"]
+        want = "--aot: ahead-of-time plugins need full TensorRT >= 10.9; full TensorRT is not installed"
+    elif case == "ckpt_missing":
+        args[1] = ck / "nope"
+        want = "does not exist"
+    elif case == "ckpt_file":
+        args[1] = ck / "config.json"
+        want = f"is a file; pass the checkpoint directory ({ck})"
     else:   # refused before step 1, not after the export
         pytest.importorskip("tensorrt_rtx_bindings", reason="the target check needs the rtx extra")
         args += ["--backend", "tensorrt-rtx", "--target-cc", "sm90"]

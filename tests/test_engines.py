@@ -459,8 +459,8 @@ def test_full_trt_build_registers_the_plugins():
 
 def test_register_build_plugins_aot_op_types(monkeypatch):
     """With full TensorRT and aot, the op types handed to the parser step are those whose AOT forms registered:
-    KdaDecode, MlaDecode, and Mxfp4Moe, KdaPrefill, MlaPrefill (rewritten into chains of ops); none where
-    tensorrt.plugin lacks aot_impl."""
+    KdaDecode, MlaDecode, and Mxfp4Moe, KdaPrefill, MlaPrefill (rewritten into chains of ops); refused (ValueError
+    naming the ops) where tensorrt.plugin lacks aot_impl or one chain is missing."""
     import engines.build as eb
     import plugins.trt_common as tc
     from engines.trt import TrtInfo
@@ -477,9 +477,21 @@ def test_register_build_plugins_aot_op_types(monkeypatch):
         monkeypatch.setattr(mla_aot, "register", lambda ok=ok: ["kimi::MlaDecode"] if ok else [])
         for chain in (moe_aot, kda_pre, mla_pre):
             monkeypatch.setattr(chain, "register", lambda ok=ok, c=chain: list(c.AOT_OPS) if ok else [])
-        assert eb.register_build_plugins(info, aot=True) == (
-            ["KdaDecode", "MlaDecode", "Mxfp4Moe", "KdaPrefill", "MlaPrefill"] if ok else [])
+        if ok:
+            assert eb.register_build_plugins(info, aot=True) == ["KdaDecode", "MlaDecode", "Mxfp4Moe", "KdaPrefill",
+                                                                 "MlaPrefill"]
+        else:
+            with pytest.raises(ValueError, match="KdaDecode, KdaPrefill, MlaDecode, MlaPrefill, Mxfp4Moe.*fla-core"):
+                eb.register_build_plugins(info, aot=True)
         assert eb.register_build_plugins(info) == []
+    # one chain missing (e.g. fla-core not 0.6.0): refused, naming it
+    monkeypatch.setattr(kda_aot, "register", lambda: ["kimi::KdaDecode"])
+    monkeypatch.setattr(mla_aot, "register", lambda: ["kimi::MlaDecode"])
+    for chain in (moe_aot, mla_pre):
+        monkeypatch.setattr(chain, "register", lambda c=chain: list(c.AOT_OPS))
+    monkeypatch.setattr(kda_pre, "register", lambda: [])
+    with pytest.raises(ValueError, match=r"registered for KdaPrefill:"):
+        eb.register_build_plugins(info, aot=True)
 
 
 def test_build_engine_registers_plugins_before_parsing(tmp_path, monkeypatch):
