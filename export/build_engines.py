@@ -223,6 +223,11 @@ def build(args) -> int:
     check_parallel(cfg, args.tp, ep)
     max_context = args.max_context or min(cfg.max_position_embeddings, 4096)
     plan = make_plan(cfg, args.tp, ep, max_batch=args.max_batch, max_context=max_context)
+    from engines.build import parse_target_cc
+    try:   # the spelling (sm86 / 86 / 8.6) is checked here, support by the installed RTX below
+        targets = parse_target_cc(args.target_cc)
+    except ValueError as e:
+        raise BuildError(f"--target-cc: {e}") from e
     if args.dry_run or config_only:
         if config_only and not args.dry_run:
             print(f"{ckpt} holds only config.json: printing the plan (there are no weights to export)")
@@ -238,12 +243,13 @@ def build(args) -> int:
         probe.unlink()
     except OSError as e:
         raise BuildError(f"--out {out}: not writable ({e.strerror}); choose a directory you can write") from e
-    if backend == "tensorrt-rtx" and args.target_cc:   # refuse an unbuildable target now, not at step 5
-        from engines.build import check_target_cc, load_trt, parse_target_cc
+    if backend == "tensorrt-rtx" and targets:   # refuse an unbuildable target now, not at step 5
+        from engines.build import check_target_cc, load_trt
         try:
-            check_target_cc(load_trt(backend), parse_target_cc(args.target_cc))
+            check_target_cc(load_trt(backend), targets)
         except ValueError as e:
             raise BuildError(f"--target-cc: {e}") from e
+    target = [t.lower() for t in targets] or (["sm86"] if backend == "tensorrt-rtx" else None)   # what step 5 builds
     pipe = Pipeline(out, args.force)
     fp = checkpoint_fingerprint(ckpt)
 
@@ -297,12 +303,11 @@ def build(args) -> int:
             return ("skipped: no TensorRT installed here (install the `rtx` extra for ahead-of-time RTX builds, or "
                     "TensorRT on a GPU host); the runtime serves the ONNX graphs with onnxruntime"), {"built": False}
         from engines.build import build_all
-        target = args.target_cc or (["sm86"] if backend == "tensorrt-rtx" else None)
         m = build_all(onnx_dir, eng_dir, target_cc=target, max_batch=args.max_batch, max_num_tokens=args.max_num_tokens,
                       extra_dims=dims, force=args.force, trt_flavor=backend, aot=args.aot)
         return f"{len(m['engines'])} {backend} engines in {eng_dir} (target {target or 'this GPU'})", {"built": True}
 
-    engines = pipe.run(5, "engines", exp_inputs + [backend, args.target_cc, args.max_batch, args.max_num_tokens, dims,
+    engines = pipe.run(5, "engines", exp_inputs + [backend, target, args.max_batch, args.max_num_tokens, dims,
                                                    args.aot],
                        [eng_dir / "manifest.json"] if backend != "onnxruntime" else [], step_engines)
     # The runtime can execute engines only with full TensorRT on a GPU; otherwise it serves the ONNX graphs.
