@@ -383,7 +383,7 @@ def graphed(fn):
 # was not bit-equal to the default's on the GPU (neither is BT 16's: fp32 reduction order), dropped; BT 64 / 4
 # warps: +26% / +43%; fla's gate cumsum on a side stream during the conv pass: bit-equal, no gain (both are
 # bandwidth-bound), dropped)
-CONV_CFGS = (dict(), dict(BT=16, num_warps=4), dict(w_t=True), dict(w_t=True, BT=16), dict(w_t=True, BT=64))
+CONV_CFGS = (dict(), dict(BT=16, num_warps=4))
 if "kda_prefill" in ONLY and HAVE_FLA:
     for H in PREFILL_HEADS:
         try:
@@ -475,17 +475,8 @@ if "kda_prefill" in ONLY and HAVE_FLA:
             stages["ours_chunk_impl_fla"] = lambda: kda_k.kda_prefill(**d, state=state, conv=conv, cu_seqlens=cu,
                                                                       slots=slots, num_heads=H, head_dim=K,
                                                                       chunk_impl="fla")
-            def with_conv_cfg(cfg_, f_):   # the whole op with another conv-pass default (kernels._CONV_CFG)
-                def run_():
-                    old = kda_k._CONV_CFG
-                    kda_k._CONV_CFG = dict(old, **cfg_)
-                    try:
-                        return f_()
-                    finally:
-                        kda_k._CONV_CFG = old
-                return run_
             # both captured in CUDA graphs (no Python launch overhead: the GPU time of our op vs the peer's)
-            to_graph = {"ours_cuda_graph": fn, "ours_conv_w_t_cuda_graph": with_conv_cfg(dict(w_t=True), fn),
+            to_graph = {"ours_cuda_graph": fn,
                         "peer_cuda_graph": lambda: chunk_kda(q, kk, v, gg, be, initial_state=h0, output_final_state=True)}
             stages.update(to_graph)
             o_n = torch.randn(T, H, K, device=dev).bfloat16(); out_n = torch.empty(T, P, device=dev).bfloat16()

@@ -259,24 +259,18 @@ def _conv_prefill(qkv, conv_w, conv, slots, cu32, y, T, D, P, K, cfg=None):
     the slot's history in place of the previous sequence's tokens. One head of K channels per program column;
     `cfg` overrides `_CONV_CFG` (BT, num_warps) of the main kernel."""
     c = dict(_CONV_CFG, **(cfg or {}))
-    w_t = bool(c.get("w_t", False))
     _conv_main_kernel[(triton.cdiv(T, c["BT"]), triton.cdiv(D, K))](
-        qkv, conv_w.t().contiguous() if w_t else conv_w, y, T, qkv.stride(0), D=D, P=P, BT=c["BT"], BD=K, W_T=w_t,
-        num_warps=c["num_warps"])
+        qkv, conv_w, y, T, qkv.stride(0), D=D, P=P, BT=c["BT"], BD=K, num_warps=c["num_warps"])
     _conv_start_kernel[(slots.shape[0], triton.cdiv(D, K))](
         qkv, conv_w, conv, slots, cu32, y, T, qkv.stride(0), D=D, P=P, BD=K, num_warps=4)
 
 
 @triton.jit
-def _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, mask, cmask, j: tl.constexpr, W_T: tl.constexpr = False,
-              D: tl.constexpr = 0):
+def _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, mask, cmask, j: tl.constexpr):
     """Tap j of the causal conv from the packed input: x_{t-3+j} [BT, BD] * w[:, j] fp32, x taken where `mask`
-    (and t-3+j >= 0), else 0. W_T: convw_ptr is the transposed weight [4, D], loaded as a [BT, BD] tile with a zero
-    row stride, so it gets x's layout (a [BD] row needs a layout conversion through shared memory per tap)."""
+    (and t-3+j >= 0), else 0."""
     r = tt - 3 + j
     x = tl.load(qkv_ptr + r[:, None].to(tl.int64) * stride_qkv + cc[None, :], mask=mask & (r >= 0)[:, None], other=0.0)
-    if W_T:
-        return x.to(tl.float32) * tl.load(convw_ptr + j * D + cc[None, :] + 0 * r[:, None], mask=mask, other=0.0)
     return x.to(tl.float32) * tl.load(convw_ptr + cc * 4 + j, mask=cmask, other=0.0)[None, :]
 
 
@@ -306,7 +300,7 @@ def _conv_store(acc, y_ptr, tt, cc, m2, T, P: tl.constexpr, IS_QK):
 
 @triton.jit
 def _conv_main_kernel(qkv_ptr, convw_ptr, y_ptr, T, stride_qkv, D: tl.constexpr, P: tl.constexpr,
-                      BT: tl.constexpr, BD: tl.constexpr, W_T: tl.constexpr = False):
+                      BT: tl.constexpr, BD: tl.constexpr):
     """grid (cdiv(T, BT), cdiv(D, BD)): y[c // P, t, c % P] = silu(sum_j w[c,j] x_{t-3+j}[c]) over the packed
     tokens as one sequence (x_{<0} = 0); the rows of each sequence's first three tokens are rewritten afterwards
     by `_conv_start_kernel` (whatever this kernel left there, inf/NaN included, is overwritten, not combined)."""
@@ -314,10 +308,10 @@ def _conv_main_kernel(qkv_ptr, convw_ptr, y_ptr, T, stride_qkv, D: tl.constexpr,
     cmask = cc < D
     tt = tl.program_id(0) * BT + tl.arange(0, BT)
     m2 = (tt < T)[:, None] & cmask[None, :]
-    acc = _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 0, W_T, D)
-    acc += _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 1, W_T, D)
-    acc += _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 2, W_T, D)
-    acc += _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 3, W_T, D)
+    acc = _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 0)
+    acc += _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 1)
+    acc += _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 2)
+    acc += _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 3)
     _conv_store(acc, y_ptr, tt, cc, m2, T, P, (tl.program_id(1) * BD) < 2 * P)
 
 
