@@ -30,7 +30,7 @@ from typing import Any, Callable, Tuple
 
 import numpy as np
 
-from plugins.aot_common import ACT_NAMES, TRT_TYPE_NAMES, compile_entry, scalar
+from plugins.aot_common import ACT_NAMES, TRT_TYPE_NAMES, compile_entry, register_qdp, scalar
 
 POINTER_CLASSES = ("act", "y", "f32", "i32", "u8")
 
@@ -153,6 +153,17 @@ def _torch_dtypes():
             "uint8": torch.uint8}
 
 
+def tensor_dims(op: KernelOp, tensors: dict) -> dict:
+    """Input name -> dims tuple (ints) of concrete torch ``tensors`` (the rules' ``dims``)."""
+    return {n: tuple(int(d) for d in tensors[n].shape) for n, _ in op.inputs}
+
+
+def tensor_act(op: KernelOp, tensors: dict) -> str:
+    """:func:`op_act` of concrete torch ``tensors``: the activation dtype name. KeyError for an unsupported dtype."""
+    names = {v: k for k, v in _torch_dtypes().items()}
+    return op_act(op, {n: names[tensors[n].dtype] for n, _ in op.inputs})
+
+
 def allocate_outputs(op: KernelOp, tensors: dict, attrs: dict, y_dtype=None, fill=None) -> dict:
     """``op``'s outputs for the input tensors ``tensors`` (name -> dense torch tensor): an aliasing output is its
     input tensor; a new one ``torch.empty`` of the rule's shape and the class dtype (``y_dtype`` overrides class
@@ -160,11 +171,9 @@ def allocate_outputs(op: KernelOp, tensors: dict, attrs: dict, y_dtype=None, fil
     import torch
 
     dt = _torch_dtypes()
-    names = {v: k for k, v in dt.items()}
-    act = op_act(op, {n: names[tensors[n].dtype] for n, _ in op.inputs})
-    dims = {n: tuple(int(d) for d in tensors[n].shape) for n, _ in op.inputs}
+    act = tensor_act(op, tensors)
     outs = {}
-    for (name, cls), shape in zip(op.outputs, op.shapes(dims, attrs, int_cdiv)):
+    for (name, cls), shape in zip(op.outputs, op.shapes(tensor_dims(op, tensors), attrs, int_cdiv)):
         if isinstance(shape, str):
             outs[name] = tensors[shape]
             continue
@@ -179,8 +188,7 @@ def kernel_args(op: KernelOp, tensors: dict, outs: dict, attrs: dict) -> tuple[t
     """For concrete tensors (``tensors``: input name -> dense torch tensor, ``outs``: output name -> tensor, as from
     :func:`allocate_outputs`): ``((gx, gy, gz) ints, [input tensors, int extras, output tensors])`` in TensorRT's
     AOT parameter order."""
-    dims = {n: tuple(int(d) for d in tensors[n].shape) for n, _ in op.inputs}
-    grid, extra = op.launch(dims, attrs, int_cdiv)
+    grid, extra = op.launch(tensor_dims(op, tensors), attrs, int_cdiv)
     args = [tensors[n] for n, _ in op.inputs] + [int(e) for e in extra] + [outs[n] for n, _ in op.outputs]
     return tuple(int(g) for g in grid), args
 
@@ -191,10 +199,9 @@ def run_op(op: KernelOp, tensors: dict, attrs: dict, y_dtype=None, fill=None) ->
     aliasing output is written in place). A grid with a zero dimension (no tokens) launches nothing."""
     outs = allocate_outputs(op, tensors, attrs, y_dtype, fill)
     grid, args = kernel_args(op, tensors, outs, attrs)
-    dims = {n: tuple(int(d) for d in tensors[n].shape) for n, _ in op.inputs}
     if all(grid):
         stages = op.stages(attrs)
-        op.entry[grid](*args, **op.constexprs(dims, attrs), num_warps=op.num_warps,
+        op.entry[grid](*args, **op.constexprs(tensor_dims(op, tensors), attrs), num_warps=op.num_warps,
                        **({"num_stages": stages} if stages else {}))
     return outs
 
@@ -284,6 +291,16 @@ def define_qdp(trt, trtp, ops) -> None:
         aot.__signature__ = inspect.Signature(params(op, True) + [P("outputs", P.POSITIONAL_OR_KEYWORD),
                                                                   P("tactic", P.POSITIONAL_OR_KEYWORD)])
         trtp.aot_impl(op.op_id)(aot)
+
+
+def register_table(done: list, ops: dict) -> list[str]:
+    """Register a module's table of KernelOps (``ops``: key -> KernelOp) with tensorrt.plugin once
+    (plugins/aot_common.register_qdp + :func:`define_qdp`). Returns their op ids, or ``[]`` where an entry kernel is
+    missing (no Triton, or fla-core for KdaPrefill) or tensorrt.plugin has no ``aot_impl``."""
+    table = list(ops.values())
+    entry = table[0].entry if all(op.entry is not None for op in table) else None
+    return register_qdp(done, entry, tuple(op.op_id for op in table),
+                        lambda trt, trtp: define_qdp(trt, trtp, table))
 
 
 # ------------------------------------------------------------------------------------------ the ONNX rewrite

@@ -328,15 +328,29 @@ def test_prefill_aot_qdp_glue_with_stand_in_tensorrt_plugin(monkeypatch):
                                               *mattrs)
 
 
+def test_register_table_with_stand_in_tensorrt_plugin(monkeypatch):
+    """register_table registers a table once (its op ids, a second call registers nothing new) and nothing where an
+    entry kernel is missing."""
+    import sys
+
+    trt, trtp = fake_tensorrt_plugin()
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
+    done = []
+    assert aot_ops.register_table(done, mla_pre.OPS) == list(mla_pre.AOT_OPS)
+    assert len(trtp.defs) == 3 * 4
+    assert aot_ops.register_table(done, mla_pre.OPS) == list(mla_pre.AOT_OPS) and len(trtp.defs) == 3 * 4
+    import dataclasses
+    broken = dict(mla_pre.OPS, up=dataclasses.replace(mla_pre.OPS["up"], entry=None))
+    assert aot_ops.register_table([], broken) == []
+
+
 # ----------------------------------------------------------------------------------------- through the driver
 def _driver_run(op, ins, attrs, fill=None, **kw):
     """Launch ``op``'s AOT PTX (this GPU's target) through the CUDA driver with TensorRT's convention."""
     outs = aot_ops.allocate_outputs(op, ins, attrs, fill=fill)
     grid, args = aot_ops.kernel_args(op, ins, outs, attrs)
-    names = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.int32: "int32"}
-    act = aot_ops.op_act(op, {n: names[ins[n].dtype] for n, _ in op.inputs})
-    dims = {n: tuple(ins[n].shape) for n, _ in op.inputs}
-    name, ptx, warps, shared = aot_ops.compile_op(op, act, dims, attrs)
+    name, ptx, warps, shared = aot_ops.compile_op(op, aot_ops.tensor_act(op, ins), aot_ops.tensor_dims(op, ins), attrs)
     kern = DriverKernel(name, ptx, shared)
     packed = kern.params(args)
     kern.launch(dict(grid_x=grid[0], grid_y=grid[1], grid_z=grid[2], block_x=32 * warps, block_y=1, block_z=1,

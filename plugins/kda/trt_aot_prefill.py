@@ -43,8 +43,7 @@ Attributes compiled in: num_heads, head_dim (all ops), lower_bound (gate), norm_
 
 import os
 
-from plugins.aot_ops import KernelOp, define_qdp, make_aot_node, replace_nodes
-from plugins.aot_common import qdp_available, register_qdp
+from plugins.aot_ops import KernelOp, make_aot_node, register_table, replace_nodes
 
 BT, BC = 64, 16                         # fla's KDA chunk and sub-chunk sizes (kernels._CHUNK)
 CONV_BT = 32                            # conv / beta token tile
@@ -411,16 +410,10 @@ def decompose_kda_prefill(model) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- registration
-def available() -> bool:
-    """True where ``tensorrt.plugin`` has ``aot_impl``, Triton imports and fla-core is a tested version."""
-    return bool(ENTRY) and qdp_available()
-
-
 _DONE: list[str] = []
 
 
 def register() -> list[str]:
     """Register the nine QDP ops with ``tensorrt.plugin`` (idempotent). Returns :data:`AOT_OPS`, or ``[]`` where
-    :func:`available` is False."""
-    return register_qdp(_DONE, ENTRY.get("conv"), AOT_OPS,
-                        lambda trt, trtp: define_qdp(trt, trtp, list(OPS.values())))
+    ``tensorrt.plugin`` has no ``aot_impl`` or an entry kernel is missing (no Triton, or no tested fla-core)."""
+    return register_table(_DONE, OPS)

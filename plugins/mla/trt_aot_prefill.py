@@ -23,8 +23,7 @@ scale; the rope width Dr and the latent width come from q's and latent's static 
 """
 # no `from __future__ import annotations`: tensorrt.plugin reads the QDP functions' annotations as objects
 
-from plugins.aot_common import qdp_available, register_qdp
-from plugins.aot_ops import KernelOp, define_qdp, make_aot_node, replace_nodes, static_int
+from plugins.aot_ops import KernelOp, make_aot_node, register_table, replace_nodes, static_int
 
 BT, BR, BM, BN, BNS = 64, 128, 32, 32, 64
 
@@ -178,16 +177,10 @@ def decompose_mla_prefill(model) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- registration
-def available() -> bool:
-    """True where ``tensorrt.plugin`` has ``aot_impl`` and Triton imports."""
-    return bool(ENTRY) and qdp_available()
-
-
 _DONE: list[str] = []
 
 
 def register() -> list[str]:
     """Register the four QDP ops with ``tensorrt.plugin`` (idempotent). Returns :data:`AOT_OPS`, or ``[]`` where
-    :func:`available` is False."""
-    return register_qdp(_DONE, ENTRY.get("write"), AOT_OPS,
-                        lambda trt, trtp: define_qdp(trt, trtp, list(OPS.values())))
+    ``tensorrt.plugin`` has no ``aot_impl`` or an entry kernel is missing (no Triton)."""
+    return register_table(_DONE, OPS)
