@@ -28,8 +28,8 @@ stage kernels called as device functions (the raw ``triton.jit`` functions under
 with the configs fla's autotuner chose on the H200 (run 9 caches, T=32768, 12 and 96 heads): gate cumsum BS=64 /
 4 warps, intra sub-chunk 1 warp, inter-solve BK=32 / 1 warp, WY recompute 4 warps, state pass 4 warps with
 :func:`state_config` (BV=32 / 4 stages below 48 heads, BV=64 / 2 stages from 48). fla-core's internal kernels are only used for the versions plugins/kda/kernels.py tested
-(``_FLA_STAGES_VERSIONS``); with another version (or without fla-core) :func:`available` is False and KdaPrefill
-stays a JIT plugin. fla reads machine properties at import (tf32 support, ``tl.gather``): compile on the deployment
+(``_FLA_STAGES_VERSIONS``); with another version (or without fla-core) :func:`register` registers nothing and
+``build_engines.py --aot`` refuses (exit 2, naming KdaPrefill). fla reads machine properties at import (tf32 support, ``tl.gather``): compile on the deployment
 GPU's machine, as TensorRT builds are.
 
 ``Akk`` must be zero above the diagonal (the solve writes the lower triangle only; fla zero-fills it with torch):
