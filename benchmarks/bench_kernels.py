@@ -145,7 +145,7 @@ if "kda_decode" in ONLY:
                 ok = fam_ok.get("kda_decode", True)
                 res, errs, fns = {}, {}, {}
                 variants = [{}] + [dict(block_v=bv) for bv in (32, 64, 16, 128)] + [
-                    dict(block_v=bv, num_warps=w) for bv, w in ((32, 2), (32, 8), (16, 2), (64, 4))] + [
+                    dict(block_v=bv, num_warps=w) for bv, w in ((32, 2), (32, 8), (16, 2), (64, 4), (128, 16))] + [
                     dict(prefetch=False)]   # A/B of the state tile's L2 prefetch (run 8)
                 for kw in variants:   # {} = the kernel's default choice
                     name = json.dumps(kw)
@@ -382,8 +382,10 @@ def graphed(fn):
 # program with software pipelining: no gain, dropped; run 10 the grid with head blocks fastest: -2%, and its output
 # was not bit-equal to the default's on the GPU (neither is BT 16's: fp32 reduction order), dropped; BT 64 / 4
 # warps: +26% / +43%; fla's gate cumsum on a side stream during the conv pass: bit-equal, no gain (both are
-# bandwidth-bound), dropped)
-CONV_CFGS = (dict(), dict(BT=16, num_warps=4))
+# bandwidth-bound), dropped; run 11: the channel-pair / row-group pass on a flat grid, column blocks fastest, is
+# the default; its 2-D grid and other tiles stay as variants)
+CONV_CFGS = (dict(), dict(flat=False), dict(BT=32, flat=False), dict(BT=32), dict(BT=16, num_warps=2),
+             dict(pairs=False, BT=32, flat=False))   # the last: the pass before run 11
 if "kda_prefill" in ONLY and HAVE_FLA:
     for H in PREFILL_HEADS:
         try:

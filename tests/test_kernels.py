@@ -158,7 +158,7 @@ def test_kda_prefill_bad_token_stays_in_its_sequence(lens):
     assert relerr(st[u], rs[u]) < (2e-2 if HAS_CUDA else 1e-5)
 
 
-@pytest.mark.parametrize("cfg", [dict(BT=16), dict(BT=64, num_warps=8)])
+@pytest.mark.parametrize("cfg", [dict(BT=32, flat=False), dict(BT=64, num_warps=8), dict(flat=False)])
 def test_kda_conv_pass_configs_agree(cfg):
     """The conv pass under other tilings (tokens per tile, with a ragged last tile) writes what the default tiling
     writes (the default is checked against the reference by test_kda_prefill): exactly under the interpreter; on
@@ -176,6 +176,37 @@ def test_kda_conv_pass_configs_agree(cfg):
         ys.append(y)
     assert not torch.isnan(ys[0]).any()
     assert torch.equal(ys[0], ys[1]) if not HAS_CUDA else relerr(ys[1], ys[0]) < 1e-6
+
+
+@pytest.mark.parametrize("H,K,cfg", [(2, 32, {}), (3, 16, {}), (2, 32, dict(BT=16, num_warps=2)),
+                                     (2, 32, dict(BT=64, num_warps=4)), (2, 32, dict(BT=32, flat=False))])
+def test_kda_conv_pass_bf16_pairs(H, K, cfg):
+    """bf16 conv pass (channel pairs as int32, rows in groups of 4, interior tiles unmasked, approximate ex2/rcp
+    SiLU on the GPU) against the fp32 reference conv (MODEL.md §4: short_conv + l2norm of q/k per head): every
+    element within one bf16 ulp (2^-7 relative). Sequences that straddle tiles, interior tiles and a ragged last
+    tile (T=150), a 2-token sequence, and qkv rows with a stride larger than 3P."""
+    T, P = 150, H * K
+    D = 3 * P
+    g = torch.Generator().manual_seed(5)
+    wide = torch.randn(T, D + 32, generator=g).to(torch.bfloat16)
+    qkv, w = wide[:, 16:16 + D], torch.randn(D, 4, generator=g) * 0.5
+    conv = torch.randn(4, D, 3, generator=g).to(torch.bfloat16)
+    lens, slots = [70, 2, 78], [3, 1, 2]
+    ref, start = [], 0
+    for n, L in enumerate(lens):
+        y, _ = kda_ref.short_conv(qkv[start:start + L], w, conv[slots[n]])
+        qk = kda_ref.l2norm(y[:, :2 * P].reshape(L, 2 * H, K)).reshape(L, 2 * P)
+        ref.append(torch.cat([qk, y[:, 2 * P:]], 1))
+        start += L
+    ref = torch.cat(ref).reshape(T, 3, P).transpose(0, 1)
+    cu = torch.tensor([0, 70, 72, 150], dtype=torch.int32, device=DEV)
+    G = Guarded()
+    y = G(torch.full((3, T, P), float("nan"), dtype=torch.bfloat16, device=DEV))
+    kda_k._conv_prefill(G(wide.to(DEV))[:, 16:16 + D], w.to(DEV), conv.to(DEV),
+                        torch.tensor(slots, dtype=torch.int32, device=DEV), cu, y, T, D, P, K, cfg=cfg)
+    G.check()
+    err = (y.float().cpu() - ref).abs()
+    assert (err <= ref.abs() * 2 ** -7 + 1e-6).all(), f"max err {err.max().item():.3g}"
 
 
 def test_kda_state_rows_through_slots():

@@ -31,6 +31,10 @@ from plugins.workspace import Workspace, plan_bytes
 _log = logging.getLogger(__name__)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_ASM = tl.constexpr(not _INTERPRET)     # inline PTX in kernels (GPU builds only)
+_NEG_LOG2E = tl.constexpr(-1.4426950408889634)     # the conv pass folds SiLU's exp argument into its weights
+_NEG_LN2 = tl.constexpr(-0.6931471805599453)
+_LN2SQ = tl.constexpr(0.4804530139182014)
 
 
 @triton.jit
@@ -241,12 +245,11 @@ def kda_decode(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slot
 # --------------------------------------------------------------------------------------------------
 # Prefill
 # --------------------------------------------------------------------------------------------------
-# conv main kernel launch: token tile BT, warps. Measured for the previous single-kernel conv pass (token->sequence
-# lookups + history branch in the conv kernel; H200 run 7, T=32768 in one sequence, 12 heads: BT 32 / 4 warps 271 us, BT 16 289,
-# BT 64 / 8 warps 620; run 8, 184 registers under Triton 3.6: BT 32 362 us, BT 16 309). The split kernels are not
-# GPU-timed yet: offline sm_90 builds with Triton 3.6 give the main kernel 80 registers at BT 32 / 4 warps
-# (6 CTAs/SM instead of 2), 64 at BT 16 / 4 warps and BT 32 / 8 warps, 112 at BT 64 / 8 warps.
-_CONV_CFG = dict(BT=32, num_warps=4)
+# conv main kernel launch: token tile BT, warps, flat grid (column blocks fastest). H200 run 11, T=32768 in one
+# sequence, 12 / 96 heads: BT 16 / 4 warps / flat 170 / 1325 us (85% of copy at 96 heads); the same on the 2-D grid
+# (token tiles fastest) 187 / 1431, BT 32 / 4 warps 196 / 1501, flat BT 32 180 / 1372, flat BT 64 185 / 1489; the
+# pass before run 11 (one load + unpack per tap and element, SiLU with IEEE range fix-ups) 224 / 1708.
+_CONV_CFG = dict(BT=16, num_warps=4, flat=True)
 
 
 def _conv_prefill(qkv, conv_w, conv, slots, cu32, y, T, D, P, K, cfg=None):
@@ -257,10 +260,13 @@ def _conv_prefill(qkv, conv_w, conv, slots, cu32, y, T, D, P, K, cfg=None):
     `_conv_main_kernel` convolves the packed tokens as if they were one sequence (no token->sequence lookups, so
     every load is independent); `_conv_start_kernel` then rewrites the first three tokens of each sequence with
     the slot's history in place of the previous sequence's tokens. One head of K channels per program column;
-    `cfg` overrides `_CONV_CFG` (BT, num_warps) of the main kernel."""
+    `cfg` overrides `_CONV_CFG` (BT, num_warps) of the main kernel; cfg["pairs"] = False forces its generic path for
+    bf16 (A/B timing of the channel-pair path); cfg["flat"] = True: a 1-D grid with the column blocks fastest."""
     c = dict(_CONV_CFG, **(cfg or {}))
-    _conv_main_kernel[(triton.cdiv(T, c["BT"]), triton.cdiv(D, K))](
-        qkv, conv_w, y, T, qkv.stride(0), D=D, P=P, BT=c["BT"], BD=K, num_warps=c["num_warps"])
+    flat = c.get("flat", False)
+    grid = (triton.cdiv(T, c["BT"]) * triton.cdiv(D, K),) if flat else (triton.cdiv(T, c["BT"]), triton.cdiv(D, K))
+    _conv_main_kernel[grid](qkv, conv_w, y, T, qkv.stride(0), D=D, P=P, BT=c["BT"], BD=K, PAIRS=c.get("pairs", True),
+                            FLAT=flat, num_warps=c["num_warps"])
     _conv_start_kernel[(slots.shape[0], triton.cdiv(D, K))](
         qkv, conv_w, conv, slots, cu32, y, T, qkv.stride(0), D=D, P=P, BD=K, num_warps=4)
 
@@ -300,19 +306,145 @@ def _conv_store(acc, y_ptr, tt, cc, m2, T, P: tl.constexpr, IS_QK):
 
 @triton.jit
 def _conv_main_kernel(qkv_ptr, convw_ptr, y_ptr, T, stride_qkv, D: tl.constexpr, P: tl.constexpr,
-                      BT: tl.constexpr, BD: tl.constexpr):
+                      BT: tl.constexpr, BD: tl.constexpr, PAIRS: tl.constexpr = True, FLAT: tl.constexpr = False):
     """grid (cdiv(T, BT), cdiv(D, BD)): y[c // P, t, c % P] = silu(sum_j w[c,j] x_{t-3+j}[c]) over the packed
     tokens as one sequence (x_{<0} = 0); the rows of each sequence's first three tokens are rewritten afterwards
-    by `_conv_start_kernel` (whatever this kernel left there, inf/NaN included, is overwritten, not combined)."""
-    cc = tl.program_id(1) * BD + tl.arange(0, BD)
-    cmask = cc < D
-    tt = tl.program_id(0) * BT + tl.arange(0, BT)
-    m2 = (tt < T)[:, None] & cmask[None, :]
-    acc = _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 0)
-    acc += _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 1)
-    acc += _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 2)
-    acc += _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 3)
-    _conv_store(acc, y_ptr, tt, cc, m2, T, P, (tl.program_id(1) * BD) < 2 * P)
+    by `_conv_start_kernel` (whatever this kernel left there, inf/NaN included, is overwritten, not combined).
+    bf16 in and out: `_conv_main_pairs` (PAIRS=False: the generic path below, kept for A/B timing).
+    FLAT: grid (cdiv(T, BT) * cdiv(D, BD),) with the column blocks fastest (programs in flight read whole rows)."""
+    if FLAT:
+        NC: tl.constexpr = (D + BD - 1) // BD
+        pt = tl.program_id(0) // NC
+        pc = tl.program_id(0) % NC
+    else:
+        pt = tl.program_id(0)
+        pc = tl.program_id(1)
+    if PAIRS and qkv_ptr.dtype.element_ty == tl.bfloat16 and y_ptr.dtype.element_ty == tl.bfloat16:
+        _conv_main_pairs(qkv_ptr, convw_ptr, y_ptr, T, stride_qkv, pt, pc, P, BT, BD)
+    else:
+        cc = pc * BD + tl.arange(0, BD)
+        cmask = cc < D
+        tt = pt * BT + tl.arange(0, BT)
+        m2 = (tt < T)[:, None] & cmask[None, :]
+        acc = _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 0)
+        acc += _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 1)
+        acc += _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 2)
+        acc += _conv_tap(qkv_ptr, convw_ptr, tt, cc, stride_qkv, m2, cmask, 3)
+        _conv_store(acc, y_ptr, tt, cc, m2, T, P, (pc * BD) < 2 * P)
+
+
+@triton.jit
+def _sigmoid_ex2(a):
+    """1 / (1 + 2^a) = sigmoid(-a ln2): the GPU's approximate ex2 and rcp (flush-to-zero, no range fix-ups;
+    relative error ~2^-21, far below bf16's 2^-8); the plain formula under the interpreter."""
+    if _ASM:
+        return tl.inline_asm_elementwise(
+            "{ .reg .f32 e; ex2.approx.ftz.f32 e, $1; add.ftz.f32 e, e, 0f3F800000; rcp.approx.ftz.f32 $0, e; }",
+            "=f,f", [a], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return 1.0 / (1.0 + tl.exp2(a))
+
+
+@triton.jit
+def _pack_bf16x2(lo, hi):
+    """Two fp32 tiles rounded to bf16 (nearest even) and packed into int32: lo in bits 0-15, hi in 16-31."""
+    if _ASM:
+        return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    else:
+        lb = lo.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        hb = hi.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32)
+        return lb | (hb << 16)
+
+
+@triton.jit
+def _ld_pairs(ptrs, rows, T, MASKED: tl.constexpr):
+    """bf16 channel pairs loaded as int32 at ptrs [G, HB] (token rows [G]) -> (even, odd) fp32 [G, HB], one integer
+    op per value (even channel: the low half shifted up; odd: the high half masked); MASKED: rows outside [0, T)
+    read as 0."""
+    if MASKED:
+        v = tl.load(ptrs, mask=((rows >= 0) & (rows < T))[:, None], other=0)
+    else:
+        v = tl.load(ptrs)
+    return (v << 16).to(tl.float32, bitcast=True), (v & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _taps4(w0, w1, w2, w3, x0, x1, x2, x3):
+    """sum_j w_j[None, :] * x_j over the 4 conv taps (x_j [G, HB], w_j [HB])."""
+    return x0 * w0[None, :] + x1 * w1[None, :] + x2 * w2[None, :] + x3 * w3[None, :]
+
+
+@triton.jit
+def _conv_out_rows(acc_e, acc_o, yptrs, rows, T, IS_QK, MASKED: tl.constexpr):
+    """SiLU, the L2 norm of q/k rows (the pair block is one head), bf16 pack, store at yptrs [G, HB] (int32).
+    acc = -log2(e) * (the conv sum x), the weights carry the factor: SiLU(x) = x * sigmoid(x) = -ln2 * acc / (1 + 2^acc),
+    and the -ln2 goes into the row norm's scale (q, k) or one multiply (v)."""
+    ye = acc_e * _sigmoid_ex2(acc_e)
+    yo = acc_o * _sigmoid_ex2(acc_o)
+    if IS_QK:
+        nrm = (1.0 / tl.sqrt(tl.sum(ye * ye + yo * yo, axis=1) * _LN2SQ + 1e-6)) * _NEG_LN2
+        ye = ye * nrm[:, None]
+        yo = yo * nrm[:, None]
+    else:
+        ye = ye * _NEG_LN2
+        yo = yo * _NEG_LN2
+    if MASKED:
+        tl.store(yptrs, _pack_bf16x2(ye, yo), mask=(rows < T)[:, None])
+    else:
+        tl.store(yptrs, _pack_bf16x2(ye, yo))
+
+
+@triton.jit
+def _conv_row_groups(xp, wp, yp, r0, rs, ys, T, IS_QK, HB: tl.constexpr, MASKED: tl.constexpr):
+    """Outputs of rows r0 + m (m = 0..3; r0 [G] = every 4th token) from the 7 input rows r0-3 .. r0+3, each loaded
+    and unpacked once: out_m = sum_j w_j x_{m+j}. xp [G, HB] int32 pointers to rows r0 (rs: row stride in pairs),
+    wp [2 HB] pointers to each channel's 4 fp32 weights, yp [G, HB] int32 pointers to output rows r0 (ys: row
+    stride)."""
+    we0, wo0 = tl.split(tl.reshape(tl.load(wp + 0) * _NEG_LOG2E, [HB, 2]))     # -log2(e) folded in: _conv_out_rows
+    we1, wo1 = tl.split(tl.reshape(tl.load(wp + 1) * _NEG_LOG2E, [HB, 2]))
+    we2, wo2 = tl.split(tl.reshape(tl.load(wp + 2) * _NEG_LOG2E, [HB, 2]))
+    we3, wo3 = tl.split(tl.reshape(tl.load(wp + 3) * _NEG_LOG2E, [HB, 2]))
+    e0, o0 = _ld_pairs(xp - 3 * rs, r0 - 3, T, MASKED)
+    e1, o1 = _ld_pairs(xp - 2 * rs, r0 - 2, T, MASKED)
+    e2, o2 = _ld_pairs(xp - rs, r0 - 1, T, MASKED)
+    e3, o3 = _ld_pairs(xp, r0, T, MASKED)
+    e4, o4 = _ld_pairs(xp + rs, r0 + 1, T, MASKED)
+    e5, o5 = _ld_pairs(xp + 2 * rs, r0 + 2, T, MASKED)
+    e6, o6 = _ld_pairs(xp + 3 * rs, r0 + 3, T, MASKED)
+    _conv_out_rows(_taps4(we0, we1, we2, we3, e0, e1, e2, e3), _taps4(wo0, wo1, wo2, wo3, o0, o1, o2, o3),
+                   yp, r0, T, IS_QK, MASKED)
+    _conv_out_rows(_taps4(we0, we1, we2, we3, e1, e2, e3, e4), _taps4(wo0, wo1, wo2, wo3, o1, o2, o3, o4),
+                   yp + ys, r0 + 1, T, IS_QK, MASKED)
+    _conv_out_rows(_taps4(we0, we1, we2, we3, e2, e3, e4, e5), _taps4(wo0, wo1, wo2, wo3, o2, o3, o4, o5),
+                   yp + 2 * ys, r0 + 2, T, IS_QK, MASKED)
+    _conv_out_rows(_taps4(we0, we1, we2, we3, e3, e4, e5, e6), _taps4(wo0, wo1, wo2, wo3, o3, o4, o5, o6),
+                   yp + 3 * ys, r0 + 3, T, IS_QK, MASKED)
+
+
+@triton.jit
+def _conv_main_pairs(qkv_ptr, convw_ptr, y_ptr, T, stride_qkv, pt, pc, P: tl.constexpr, BT: tl.constexpr,
+                     BD: tl.constexpr):
+    """`_conv_main_kernel` for bf16 activations: channel pairs as int32 (`_ld_pairs`, `_pack_bf16x2`) and the
+    tile's tokens in groups of 4 consecutive rows (`_conv_row_groups`), so each input row is loaded and unpacked
+    once per 4 outputs instead of once per tap. Interior tiles run without masks. stride_qkv and P must be even
+    (multiples of the head dim); BT a multiple of 4. pt, pc: this program's token tile and column block."""
+    HB: tl.constexpr = BD // 2
+    G: tl.constexpr = BT // 4
+    NB: tl.constexpr = P // BD
+    c0 = pc * BD
+    cp = tl.arange(0, HB)
+    r0 = pt * BT + 4 * tl.arange(0, G)
+    rs = stride_qkv // 2
+    xp = qkv_ptr.to(tl.pointer_type(tl.int32)) + r0[:, None].to(tl.int64) * rs + (c0 // 2 + cp)[None, :]
+    wp = convw_ptr + (c0 + tl.arange(0, BD)) * 4
+    yrow = ((pc // NB) * T + r0).to(tl.int64) * (P // 2) + (pc % NB) * HB
+    yp = y_ptr.to(tl.pointer_type(tl.int32)) + yrow[:, None] + cp[None, :]
+    IS_QK = c0 < 2 * P
+    if (pt * BT >= 3) & (pt * BT + BT <= T):     # interior tile: no masks
+        _conv_row_groups(xp, wp, yp, r0, rs, P // 2, T, IS_QK, HB, False)
+    else:
+        _conv_row_groups(xp, wp, yp, r0, rs, P // 2, T, IS_QK, HB, True)
 
 
 @triton.jit

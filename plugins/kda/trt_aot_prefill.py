@@ -100,7 +100,7 @@ try:  # the entry kernels need Triton, our kernels and fla-core's stage kernels;
         P: tl.constexpr = H * K
         col = tl.program_id(1)
         if col < 3 * H:
-            _conv_main_kernel(qkv_ptr, convw_ptr, y_ptr, T, 3 * P, D=3 * P, P=P, BT=BT, BD=K)
+            _conv_main_kernel(qkv_ptr, convw_ptr, y_ptr, T, 3 * P, D=3 * P, P=P, BT=BT, BD=K, PAIRS=True)
         elif col == 3 * H:
             _beta_kernel(b_ptr, beta_ptr, T, H, H=H, BT=BT, BH=BH)
         else:
