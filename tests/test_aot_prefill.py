@@ -302,7 +302,7 @@ def test_prefill_aot_qdp_glue_with_stand_in_tensorrt_plugin(monkeypatch):
     assert y.dtype == "BF16" and beta.dtype == "BF16" and y.shape_expr[0] == 3   # fp32 activations: bf16 compute
     assert akk.shape_expr[1:] == [12, 64] and akk.dtype == "BF16"
     _, _, lp, _ = trtp.defs[("aot_impl", conv.op_id)](*cins, i32(12), i32(128), (y, beta, akk), 0)
-    assert lp.grid_x.name == "cdiv(T,32)" and lp.grid_y == 4 * 12 + 1
+    assert lp.grid_x.name == "(cdiv(T,16)*49)" and lp.grid_y == 1      # flat grid: 4H + 1 column blocks per tile
     out = kda_pre.OPS["out"]
     oins = [FakeDesc((3, T, 1536), "BF16"), FakeDesc((T, 12, 128), "F32"), FakeDesc((Sym("NT"), 12, 128, 128), "BF16"),
             FakeDesc((T, 12, 128), "BF16"), FakeDesc((T, 12, 64), "BF16"), FakeDesc((T, 1536), "BF16"),

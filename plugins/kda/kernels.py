@@ -307,11 +307,8 @@ def _conv_store(acc, y_ptr, tt, cc, m2, T, P: tl.constexpr, IS_QK):
 @triton.jit
 def _conv_main_kernel(qkv_ptr, convw_ptr, y_ptr, T, stride_qkv, D: tl.constexpr, P: tl.constexpr,
                       BT: tl.constexpr, BD: tl.constexpr, PAIRS: tl.constexpr = True, FLAT: tl.constexpr = False):
-    """grid (cdiv(T, BT), cdiv(D, BD)): y[c // P, t, c % P] = silu(sum_j w[c,j] x_{t-3+j}[c]) over the packed
-    tokens as one sequence (x_{<0} = 0); the rows of each sequence's first three tokens are rewritten afterwards
-    by `_conv_start_kernel` (whatever this kernel left there, inf/NaN included, is overwritten, not combined).
-    bf16 in and out: `_conv_main_pairs` (PAIRS=False: the generic path below, kept for A/B timing).
-    FLAT: grid (cdiv(T, BT) * cdiv(D, BD),) with the column blocks fastest (programs in flight read whole rows)."""
+    """grid (cdiv(T, BT), cdiv(D, BD)), or with FLAT (cdiv(T, BT) * cdiv(D, BD),) with the column blocks fastest
+    (programs in flight read whole rows): `_conv_main_tile` of each (token tile, column block)."""
     if FLAT:
         NC: tl.constexpr = (D + BD - 1) // BD
         pt = tl.program_id(0) // NC
@@ -319,6 +316,16 @@ def _conv_main_kernel(qkv_ptr, convw_ptr, y_ptr, T, stride_qkv, D: tl.constexpr,
     else:
         pt = tl.program_id(0)
         pc = tl.program_id(1)
+    _conv_main_tile(qkv_ptr, convw_ptr, y_ptr, T, stride_qkv, pt, pc, D, P, BT, BD, PAIRS)
+
+
+@triton.jit
+def _conv_main_tile(qkv_ptr, convw_ptr, y_ptr, T, stride_qkv, pt, pc, D: tl.constexpr, P: tl.constexpr,
+                    BT: tl.constexpr, BD: tl.constexpr, PAIRS: tl.constexpr):
+    """Token tile pt, column block pc: y[c // P, t, c % P] = silu(sum_j w[c,j] x_{t-3+j}[c]) over the packed tokens
+    as one sequence (x_{<0} = 0); the rows of each sequence's first three tokens are rewritten afterwards by
+    `_conv_start_kernel` (whatever this kernel left there, inf/NaN included, is overwritten, not combined).
+    bf16 in and out: `_conv_main_pairs` (PAIRS=False: the generic path below, kept for A/B timing)."""
     if PAIRS and qkv_ptr.dtype.element_ty == tl.bfloat16 and y_ptr.dtype.element_ty == tl.bfloat16:
         _conv_main_pairs(qkv_ptr, convw_ptr, y_ptr, T, stride_qkv, pt, pc, P, BT, BD)
     else:
@@ -666,7 +673,13 @@ def _delta_rule_torch(q, k, v, fraw, beta, A_log, dt_bias, state, cu, slots, H, 
 def _beta_kernel(b_ptr, beta_ptr, T, stride_b, H: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
     """beta[t, :] = sigmoid(b[t, :]) computed in fp32, stored in beta's dtype (chunk_kda then skips its own
     sigmoid). grid (cdiv(T, BT),)."""
-    tt = tl.program_id(0) * BT + tl.arange(0, BT)
+    _beta_tile(b_ptr, beta_ptr, T, stride_b, tl.program_id(0), H, BT, BH)
+
+
+@triton.jit
+def _beta_tile(b_ptr, beta_ptr, T, stride_b, pt, H: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
+    """`_beta_kernel` for token tile pt."""
+    tt = pt * BT + tl.arange(0, BT)
     hh = tl.arange(0, BH)
     m = (tt < T)[:, None] & (hh < H)[None, :]
     t64 = tt.to(tl.int64)[:, None]

@@ -22,7 +22,7 @@ the device with fla's fixed-shape convention (NT = cdiv(T, 64) + N - 1 rows, pad
 int32 extra of every chunk op) the entries call the kernels' dense forms (no chunk-index loads; the JIT path's
 choice for one sequence), with several their varlen forms: a runtime branch, both compiled in (the state pass: varlen
 only, see its entry). Entry kernels: ours
-(`_conv_main_kernel` + `_beta_kernel`; `_conv_start_kernel` then, after a CTA barrier, `_conv_hist_kernel`;
+(`_conv_main_tile` + `_beta_tile` on a flat grid; `_conv_start_kernel` then, after a CTA barrier, `_conv_hist_kernel`;
 `_copy_rows_kernel` + the chunk-index builder; `_chunk_out_norm_kernel` + the final-state scatter) and fla-core's
 stage kernels called as device functions (the raw ``triton.jit`` functions under fla's autotune/heuristics wrappers)
 with the configs fla's autotuner chose on the H200 (run 9 caches, T=32768, 12 and 96 heads): gate cumsum BS=64 /
@@ -46,7 +46,7 @@ import os
 from plugins.aot_ops import KernelOp, make_aot_node, register_table, replace_nodes
 
 BT, BC = 64, 16                         # fla's KDA chunk and sub-chunk sizes (kernels._CHUNK)
-CONV_BT = 32                            # conv / beta token tile
+CONV_BT = 16                            # conv / beta / Akk-zeroing token tile (the JIT conv pass's, run 11)
 COPY_BLOCK = 4096                       # fp32 elements per state-row copy program
 GATE_BS, SOLVE_BK = 64, 32
 
@@ -62,8 +62,8 @@ try:  # the entry kernels need Triton, our kernels and fla-core's stage kernels;
     import triton
     import triton.language as tl
 
-    from plugins.kda.kernels import (_FLA_STAGES_VERSIONS, _beta_kernel, _chunk_out_norm_kernel, _conv_hist_kernel,
-                                     _conv_main_kernel, _conv_start_kernel, _copy_rows_kernel)
+    from plugins.kda.kernels import (_FLA_STAGES_VERSIONS, _beta_tile, _chunk_out_norm_kernel, _conv_hist_kernel,
+                                     _conv_main_tile, _conv_start_kernel, _copy_rows_kernel)
 
     import fla
     if getattr(fla, "__version__", None) not in _FLA_STAGES_VERSIONS:
@@ -95,16 +95,20 @@ try:  # the entry kernels need Triton, our kernels and fla-core's stage kernels;
     @triton.jit
     def _kda_conv_beta_aot(qkv_ptr, convw_ptr, b_ptr, T, y_ptr, beta_ptr, akk_ptr, H: tl.constexpr,
                            K: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, CH: tl.constexpr):
-        """grid (cdiv(T, BT), 4H + 1): column blocks < 3H run `_conv_main_kernel` (one head of K channels), block 3H
-        beta = sigmoid(b) for the same tokens, blocks 3H+1+h zero Akk[tokens, h, :] (CH = 64 columns)."""
+        """grid (cdiv(T, BT) * (4H + 1),), the 4H + 1 column blocks of a token tile fastest (as the JIT conv pass's
+        flat grid: programs in flight read whole rows): column blocks < 3H run `_conv_main_tile` (one head of K
+        channels), block 3H beta = sigmoid(b) for the same tokens, blocks 3H+1+h zero Akk[tokens, h, :] (CH = 64
+        columns)."""
         P: tl.constexpr = H * K
-        col = tl.program_id(1)
+        NCOL: tl.constexpr = 4 * H + 1
+        pt = tl.program_id(0) // NCOL
+        col = tl.program_id(0) % NCOL
         if col < 3 * H:
-            _conv_main_kernel(qkv_ptr, convw_ptr, y_ptr, T, 3 * P, D=3 * P, P=P, BT=BT, BD=K, PAIRS=True)
+            _conv_main_tile(qkv_ptr, convw_ptr, y_ptr, T, 3 * P, pt, col, D=3 * P, P=P, BT=BT, BD=K, PAIRS=True)
         elif col == 3 * H:
-            _beta_kernel(b_ptr, beta_ptr, T, H, H=H, BT=BT, BH=BH)
+            _beta_tile(b_ptr, beta_ptr, T, H, pt, H=H, BT=BT, BH=BH)
         else:
-            tt = tl.program_id(0) * BT + tl.arange(0, BT)
+            tt = pt * BT + tl.arange(0, BT)
             p = akk_ptr + (tt.to(tl.int64)[:, None] * H + (col - 3 * H - 1)) * CH + tl.arange(0, CH)[None, :]
             tl.store(p, tl.zeros([BT, CH], dtype=akk_ptr.dtype.element_ty), mask=(tt < T)[:, None])
 
@@ -292,7 +296,7 @@ def _ops() -> dict:
             "kimi::KdaConvBeta", e("conv"), (("qkv", "act"), ("conv_w", "f32"), ("b", "act")), (("T", "i32"),),
             (("y", "y"), ("beta", "y"), ("akk", "y")), HK,
             shapes=lambda d, a, c: [(3, d["qkv"][0], P(a)), (d["qkv"][0], _hk(a)[0]), (d["qkv"][0], _hk(a)[0], BT)],
-            launch=lambda d, a, c: ((c(d["qkv"][0], CONV_BT), 4 * _hk(a)[0] + 1, 1), [d["qkv"][0]]),
+            launch=lambda d, a, c: ((c(d["qkv"][0], CONV_BT) * (4 * _hk(a)[0] + 1), 1, 1), [d["qkv"][0]]),
             constexprs=lambda d, a: dict(H=_hk(a)[0], K=_hk(a)[1], BT=CONV_BT, BH=_pow2(_hk(a)[0]), CH=BT)),
         "start": KernelOp(
             "kimi::KdaConvStart", e("start"),
