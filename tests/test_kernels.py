@@ -178,18 +178,20 @@ def test_kda_conv_pass_configs_agree(cfg):
     assert torch.equal(ys[0], ys[1]) if not HAS_CUDA else relerr(ys[1], ys[0]) < 1e-6
 
 
-@pytest.mark.parametrize("H,K,cfg", [(2, 32, {}), (3, 16, {}), (2, 32, dict(BT=16, num_warps=2)),
-                                     (2, 32, dict(BT=64, num_warps=4)), (2, 32, dict(BT=32, flat=False))])
-def test_kda_conv_pass_bf16_pairs(H, K, cfg):
+@pytest.mark.parametrize("H,K,cfg,off", [(2, 32, {}, 16), (3, 16, {}, 16), (2, 32, dict(BT=16, num_warps=2), 16),
+                                         (2, 32, dict(BT=64, num_warps=4), 16), (2, 32, dict(BT=32, flat=False), 16),
+                                         (2, 32, {}, 1)])
+def test_kda_conv_pass_bf16_pairs(H, K, cfg, off):
     """bf16 conv pass (channel pairs as int32, rows in groups of 4, interior tiles unmasked, approximate ex2/rcp
     SiLU on the GPU) against the fp32 reference conv (MODEL.md §4: short_conv + l2norm of q/k per head): every
     element within one bf16 ulp (2^-7 relative). Sequences that straddle tiles, interior tiles and a ragged last
-    tile (T=150), a 2-token sequence, and qkv rows with a stride larger than 3P."""
+    tile (T=150), a 2-token sequence, and qkv rows with a stride larger than 3P (off=1: an odd stride and a base
+    that is not 4-byte aligned, which must take the generic path)."""
     T, P = 150, H * K
     D = 3 * P
     g = torch.Generator().manual_seed(5)
-    wide = torch.randn(T, D + 32, generator=g).to(torch.bfloat16)
-    qkv, w = wide[:, 16:16 + D], torch.randn(D, 4, generator=g) * 0.5
+    wide = torch.randn(T, D + 32 + off % 2, generator=g).to(torch.bfloat16)
+    qkv, w = wide[:, off:off + D], torch.randn(D, 4, generator=g) * 0.5
     conv = torch.randn(4, D, 3, generator=g).to(torch.bfloat16)
     lens, slots = [70, 2, 78], [3, 1, 2]
     ref, start = [], 0
@@ -202,7 +204,7 @@ def test_kda_conv_pass_bf16_pairs(H, K, cfg):
     cu = torch.tensor([0, 70, 72, 150], dtype=torch.int32, device=DEV)
     G = Guarded()
     y = G(torch.full((3, T, P), float("nan"), dtype=torch.bfloat16, device=DEV))
-    kda_k._conv_prefill(G(wide.to(DEV))[:, 16:16 + D], w.to(DEV), conv.to(DEV),
+    kda_k._conv_prefill(G(wide.to(DEV))[:, off:off + D], w.to(DEV), conv.to(DEV),
                         torch.tensor(slots, dtype=torch.int32, device=DEV), cu, y, T, D, P, K, cfg=cfg)
     G.check()
     err = (y.float().cpu() - ref).abs()

@@ -263,9 +263,12 @@ def _conv_prefill(qkv, conv_w, conv, slots, cu32, y, T, D, P, K, cfg=None):
     `cfg` overrides `_CONV_CFG` (BT, num_warps) of the main kernel; cfg["pairs"] = False forces its generic path for
     bf16 (A/B timing of the channel-pair path); cfg["flat"] = True: a 1-D grid with the column blocks fastest."""
     c = dict(_CONV_CFG, **(cfg or {}))
+    # the channel-pair path reads qkv / writes y as int32: rows and bases must be 4-byte aligned (an odd row stride,
+    # e.g. a slice of a wider projection output, takes the generic path)
+    pairs = c.get("pairs", True) and qkv.stride(0) % 2 == 0 and qkv.data_ptr() % 4 == 0 and y.data_ptr() % 4 == 0
     flat = c.get("flat", False)
     grid = (triton.cdiv(T, c["BT"]) * triton.cdiv(D, K),) if flat else (triton.cdiv(T, c["BT"]), triton.cdiv(D, K))
-    _conv_main_kernel[grid](qkv, conv_w, y, T, qkv.stride(0), D=D, P=P, BT=c["BT"], BD=K, PAIRS=c.get("pairs", True),
+    _conv_main_kernel[grid](qkv, conv_w, y, T, qkv.stride(0), D=D, P=P, BT=c["BT"], BD=K, PAIRS=pairs,
                             FLAT=flat, num_warps=c["num_warps"])
     _conv_start_kernel[(slots.shape[0], triton.cdiv(D, K))](
         qkv, conv_w, conv, slots, cu32, y, T, qkv.stride(0), D=D, P=P, BD=K, num_warps=4)
