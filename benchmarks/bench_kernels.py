@@ -145,7 +145,7 @@ if "kda_decode" in ONLY:
                 ok = fam_ok.get("kda_decode", True)
                 res, errs, fns = {}, {}, {}
                 variants = [{}] + [dict(block_v=bv) for bv in (32, 64, 16, 128)] + [
-                    dict(block_v=bv, num_warps=w) for bv, w in ((32, 2), (32, 8), (16, 2), (64, 4), (128, 16))] + [
+                    dict(block_v=bv, num_warps=w) for bv, w in ((32, 2), (32, 8), (16, 2), (64, 4))] + [
                     dict(prefetch=False)]   # A/B of the state tile's L2 prefetch (run 8)
                 for kw in variants:   # {} = the kernel's default choice
                     name = json.dumps(kw)

@@ -137,8 +137,9 @@ def test_kda_prefill(H, K, act, lens):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # the inf token's own sequence
-@pytest.mark.parametrize("lens", [[10, 20], [10, 1, 2, 17]])
-def test_kda_prefill_bad_token_stays_in_its_sequence(lens):
+@pytest.mark.parametrize("lens,act", [([10, 20], torch.float32), ([10, 1, 2, 17], torch.float32),
+                                      ([10, 1, 2, 17], torch.bfloat16)])
+def test_kda_prefill_bad_token_stays_in_its_sequence(lens, act):
     """An inf in the last token of the first sequence must not reach the sequences packed after it (their conv
     taps read their slots' history there, not that token), also through 1- and 2-token sequences in between: the
     later sequences' outputs and states stay finite and equal the reference."""
@@ -146,7 +147,7 @@ def test_kda_prefill_bad_token_stays_in_its_sequence(lens):
     N, T, S = len(lens), sum(lens), len(lens) + 2
     slots = torch.tensor([S - 1 - i for i in range(N)], dtype=torch.int32)
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
-    d, state, conv = _kda_inputs(T, H, K, S, torch.float32, seed=3)
+    d, state, conv = _kda_inputs(T, H, K, S, act, seed=3)
     d["qkv"][lens[0] - 1] = float("inf")
     ro, rs, _ = kda_ref.kda_prefill(**d, state=state.clone(), conv=conv.clone(), cu_seqlens=cu, slots=slots,
                                     num_heads=H, head_dim=K)
@@ -154,8 +155,9 @@ def test_kda_prefill_bad_token_stays_in_its_sequence(lens):
                                  cu_seqlens=cu.to(DEV), slots=slots.to(DEV), num_heads=H, head_dim=K)
     later, u = slice(lens[0], T), slots[1:].long()
     assert torch.isfinite(ro[later]).all() and torch.isfinite(o[later]).all() and torch.isfinite(st[u]).all()
-    assert relerr(o[later], ro[later]) < (3e-2 if HAS_CUDA else 1e-5)
-    assert relerr(st[u], rs[u]) < (2e-2 if HAS_CUDA else 1e-5)
+    bf = HAS_CUDA or act == torch.bfloat16
+    assert relerr(o[later], ro[later]) < (3e-2 if bf else 1e-5)
+    assert relerr(st[u], rs[u]) < (2e-2 if bf else 1e-5)
 
 
 @pytest.mark.parametrize("cfg", [dict(BT=32, flat=False), dict(BT=64, num_warps=8), dict(flat=False)])
@@ -178,37 +180,70 @@ def test_kda_conv_pass_configs_agree(cfg):
     assert torch.equal(ys[0], ys[1]) if not HAS_CUDA else relerr(ys[1], ys[0]) < 1e-6
 
 
-@pytest.mark.parametrize("H,K,cfg,off", [(2, 32, {}, 16), (3, 16, {}, 16), (2, 32, dict(BT=16, num_warps=2), 16),
-                                         (2, 32, dict(BT=64, num_warps=4), 16), (2, 32, dict(BT=32, flat=False), 16),
-                                         (2, 32, {}, 1)])
-def test_kda_conv_pass_bf16_pairs(H, K, cfg, off):
-    """bf16 conv pass (channel pairs as int32, rows in groups of 4, interior tiles unmasked, approximate ex2/rcp
-    SiLU on the GPU) against the fp32 reference conv (MODEL.md §4: short_conv + l2norm of q/k per head): every
-    element within one bf16 ulp (2^-7 relative). Sequences that straddle tiles, interior tiles and a ragged last
-    tile (T=150), a 2-token sequence, and qkv rows with a stride larger than 3P (off=1: an odd stride and a base
-    that is not 4-byte aligned, which must take the generic path)."""
-    T, P = 150, H * K
-    D = 3 * P
-    g = torch.Generator().manual_seed(5)
-    wide = torch.randn(T, D + 32 + off % 2, generator=g).to(torch.bfloat16)
-    qkv, w = wide[:, off:off + D], torch.randn(D, 4, generator=g) * 0.5
-    conv = torch.randn(4, D, 3, generator=g).to(torch.bfloat16)
-    lens, slots = [70, 2, 78], [3, 1, 2]
-    ref, start = [], 0
+def _conv_ref(qkv, w, hist, lens, slots, H, K):
+    """The fp32 reference of the conv pass (MODEL.md §4: short_conv + l2norm of q/k per head) as y [3, T, P]."""
+    P, out, start = H * K, [], 0
     for n, L in enumerate(lens):
-        y, _ = kda_ref.short_conv(qkv[start:start + L], w, conv[slots[n]])
+        y, _ = kda_ref.short_conv(qkv[start:start + L], w, hist[slots[n]])
         qk = kda_ref.l2norm(y[:, :2 * P].reshape(L, 2 * H, K)).reshape(L, 2 * P)
-        ref.append(torch.cat([qk, y[:, 2 * P:]], 1))
+        out.append(torch.cat([qk, y[:, 2 * P:]], 1))
         start += L
-    ref = torch.cat(ref).reshape(T, 3, P).transpose(0, 1)
-    cu = torch.tensor([0, 70, 72, 150], dtype=torch.int32, device=DEV)
-    G = Guarded()
-    y = G(torch.full((3, T, P), float("nan"), dtype=torch.bfloat16, device=DEV))
-    kda_k._conv_prefill(G(wide.to(DEV))[:, off:off + D], w.to(DEV), conv.to(DEV),
-                        torch.tensor(slots, dtype=torch.int32, device=DEV), cu, y, T, D, P, K, cfg=cfg)
-    G.check()
+    return torch.cat(out).reshape(-1, 3, P).transpose(0, 1)
+
+
+def _within_bf16_ulp(y, ref):
     err = (y.float().cpu() - ref).abs()
     assert (err <= ref.abs() * 2 ** -7 + 1e-6).all(), f"max err {err.max().item():.3g}"
+
+
+@pytest.mark.parametrize("H,K,cfg,lens,layout", [
+    (2, 32, {}, [70, 2, 78], "aligned"), (3, 16, {}, [70, 2, 78], "aligned"),
+    (2, 32, dict(BT=16, num_warps=2), [70, 2, 78], "aligned"), (2, 32, dict(BT=64, num_warps=4), [70, 2, 78], "aligned"),
+    (2, 32, dict(BT=32, flat=False), [70, 2, 78], "aligned"), (2, 32, {}, [80, 80], "aligned"),
+    (2, 32, {}, [3], "aligned"), (2, 32, {}, [70, 2, 78], "base+2B"), (2, 32, {}, [70, 2, 78], "odd stride"),
+    (2, 32, {}, [70, 2, 78], "y+2B")])
+def test_kda_conv_pass_bf16_pairs(H, K, cfg, lens, layout):
+    """bf16 conv pass (channel pairs as int32, rows in groups of 4, interior tiles unmasked, approximate ex2/rcp
+    SiLU on the GPU) against the fp32 reference conv: every element within one bf16 ulp (2^-7 relative).
+    Sequences that straddle tiles, interior tiles and a ragged last tile (T=150), tiles ending exactly at T (160),
+    T=3, a 2-token sequence, qkv rows with a stride larger than 3P; a qkv base or y base off by 2 bytes or an odd qkv
+    row stride must take the generic path (asserted), the aligned layouts the pair path."""
+    T, P = sum(lens), H * K
+    D = 3 * P
+    g = torch.Generator().manual_seed(5)
+    off = 1 if layout == "base+2B" else 16
+    wide = torch.randn(T, D + 32 + (layout == "odd stride"), generator=g).to(torch.bfloat16)
+    qkv, w = wide[:, off:off + D], torch.randn(D, 4, generator=g) * 0.5
+    conv = torch.randn(4, D, 3, generator=g).to(torch.bfloat16)
+    slots = [3, 1, 2][:len(lens)]
+    ref = _conv_ref(qkv, w, conv, lens, slots, H, K)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEV)
+    G = Guarded()
+    ybuf = G(torch.full((3 * T * P + 1,), float("nan"), dtype=torch.bfloat16, device=DEV))
+    y = (ybuf[1:] if layout == "y+2B" else ybuf[:-1]).view(3, T, P)
+    qd = G(wide.to(DEV))[:, off:off + D]
+    assert kda_k._conv_pairs_ok(qd, y) == (layout == "aligned")
+    kda_k._conv_prefill(qd, w.to(DEV), conv.to(DEV), torch.tensor(slots, dtype=torch.int32, device=DEV), cu, y, T, D,
+                        P, K, cfg=cfg)
+    G.check()
+    _within_bf16_ulp(y, ref)
+
+
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float32])
+def test_kda_conv_main_kernel_first_rows(act):
+    """The main kernel alone (no start fix-up) on one sequence equals the reference with a zero history in every
+    row, the first three included: its first tile's masked taps read 0 before token 0 (bf16: the pair path)."""
+    H, K, T = 2, 32, 150
+    P, D = H * K, 3 * H * K
+    g = torch.Generator().manual_seed(6)
+    qkv, w = torch.randn(T, D, generator=g).to(act), torch.randn(D, 4, generator=g) * 0.5
+    ref = _conv_ref(qkv, w, torch.zeros(1, D, 3), [T], [0], H, K)
+    y = torch.full((3, T, P), float("nan"), dtype=act, device=DEV)
+    kda_k._conv_main(qkv.to(DEV), w.to(DEV), y, T, D, P, K)
+    if act == torch.bfloat16:
+        _within_bf16_ulp(y, ref)
+    else:
+        assert relerr(y.cpu(), ref) < (1e-5 if HAS_CUDA else 1e-6)
 
 
 def test_kda_state_rows_through_slots():

@@ -246,10 +246,32 @@ def kda_decode(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slot
 # Prefill
 # --------------------------------------------------------------------------------------------------
 # conv main kernel launch: token tile BT, warps, flat grid (column blocks fastest). H200 run 11, T=32768 in one
-# sequence, 12 / 96 heads: BT 16 / 4 warps / flat 170 / 1325 us (85% of copy at 96 heads); the same on the 2-D grid
-# (token tiles fastest) 187 / 1431, BT 32 / 4 warps 196 / 1501, flat BT 32 180 / 1372, flat BT 64 185 / 1489; the
-# pass before run 11 (one load + unpack per tap and element, SiLU with IEEE range fix-ups) 224 / 1708.
-_CONV_CFG = dict(BT=16, num_warps=4, flat=True)
+# sequence, 12 / 96 heads: BT 16 / 4 warps / flat 170 / 1325-1343 us (84% of copy at 96 heads); the same on the 2-D
+# grid (token tiles fastest) 187 / 1431, BT 32 / 4 warps 196 / 1501, flat BT 32 180 / 1372, flat BT 64 185 / 1489;
+# the pass before run 11 (one load + unpack per tap and element, SiLU with IEEE range fix-ups) 224 / 1708.
+_CONV_CFG = dict(BT=16, num_warps=4, flat=True, pairs=True)
+
+
+def _conv_pairs_ok(qkv, y) -> bool:
+    """Whether the bf16 channel-pair path may run: it reads qkv and writes y as int32, so both must be bf16 with
+    4-byte aligned bases and an even qkv row stride (an odd stride, e.g. a slice of a wider projection output,
+    takes the generic path)."""
+    return (qkv.dtype == y.dtype == torch.bfloat16 and qkv.stride(0) % 2 == 0 and qkv.data_ptr() % 4 == 0
+            and y.data_ptr() % 4 == 0)
+
+
+def _conv_main(qkv, conv_w, y, T, D, P, K, cfg=None):
+    """`_conv_main_kernel` over the packed tokens as one sequence (x_{<0} = 0; shapes as `_conv_prefill`).
+    `cfg` overrides `_CONV_CFG`: BT (tokens per tile, a multiple of 4 whose quarter is a power of 2), num_warps,
+    flat (1-D grid with the column blocks fastest; False: the 2-D grid, token tiles fastest) and pairs (False
+    forces the generic path for bf16: A/B timing; True still needs `_conv_pairs_ok`)."""
+    c = dict(_CONV_CFG, **(cfg or {}))
+    assert c["BT"] % 4 == 0, f"conv tile BT={c['BT']}: must be a multiple of 4 (4-row groups)"
+    grid = ((triton.cdiv(T, c["BT"]) * triton.cdiv(D, K),) if c["flat"] else
+            (triton.cdiv(T, c["BT"]), triton.cdiv(D, K)))
+    _conv_main_kernel[grid](qkv, conv_w, y, T, qkv.stride(0), D=D, P=P, BT=c["BT"], BD=K,
+                            PAIRS=bool(c["pairs"]) and _conv_pairs_ok(qkv, y), FLAT=bool(c["flat"]),
+                            num_warps=c["num_warps"])
 
 
 def _conv_prefill(qkv, conv_w, conv, slots, cu32, y, T, D, P, K, cfg=None):
@@ -257,19 +279,10 @@ def _conv_prefill(qkv, conv_w, conv, slots, cu32, y, T, D, P, K, cfg=None):
 
     qkv [T, D=3P] act (row stride free, last dim contiguous); conv_w [D, 4] fp32; conv [S, D, 3] act (the slots'
     conv history, read only); slots [N] int32; cu32 [N+1] int32; y [3, T, P] (written; q, k, v).
-    `_conv_main_kernel` convolves the packed tokens as if they were one sequence (no token->sequence lookups, so
-    every load is independent); `_conv_start_kernel` then rewrites the first three tokens of each sequence with
-    the slot's history in place of the previous sequence's tokens. One head of K channels per program column;
-    `cfg` overrides `_CONV_CFG` (BT, num_warps) of the main kernel; cfg["pairs"] = False forces its generic path for
-    bf16 (A/B timing of the channel-pair path); cfg["flat"] = True: a 1-D grid with the column blocks fastest."""
-    c = dict(_CONV_CFG, **(cfg or {}))
-    # the channel-pair path reads qkv / writes y as int32: rows and bases must be 4-byte aligned (an odd row stride,
-    # e.g. a slice of a wider projection output, takes the generic path)
-    pairs = c.get("pairs", True) and qkv.stride(0) % 2 == 0 and qkv.data_ptr() % 4 == 0 and y.data_ptr() % 4 == 0
-    flat = c.get("flat", False)
-    grid = (triton.cdiv(T, c["BT"]) * triton.cdiv(D, K),) if flat else (triton.cdiv(T, c["BT"]), triton.cdiv(D, K))
-    _conv_main_kernel[grid](qkv, conv_w, y, T, qkv.stride(0), D=D, P=P, BT=c["BT"], BD=K, PAIRS=pairs,
-                            FLAT=flat, num_warps=c["num_warps"])
+    `_conv_main` convolves the packed tokens as if they were one sequence (no token->sequence lookups, so every
+    load is independent; `cfg`: its launch options); `_conv_start_kernel` then rewrites the first three tokens of
+    each sequence with the slot's history in place of the previous sequence's tokens (one head per program)."""
+    _conv_main(qkv, conv_w, y, T, D, P, K, cfg)
     _conv_start_kernel[(slots.shape[0], triton.cdiv(D, K))](
         qkv, conv_w, conv, slots, cu32, y, T, qkv.stride(0), D=D, P=P, BD=K, num_warps=4)
 
@@ -328,7 +341,8 @@ def _conv_main_tile(qkv_ptr, convw_ptr, y_ptr, T, stride_qkv, pt, pc, D: tl.cons
     """Token tile pt, column block pc: y[c // P, t, c % P] = silu(sum_j w[c,j] x_{t-3+j}[c]) over the packed tokens
     as one sequence (x_{<0} = 0); the rows of each sequence's first three tokens are rewritten afterwards by
     `_conv_start_kernel` (whatever this kernel left there, inf/NaN included, is overwritten, not combined).
-    bf16 in and out: `_conv_main_pairs` (PAIRS=False: the generic path below, kept for A/B timing)."""
+    PAIRS (bf16 in and out, 4-byte aligned: `_conv_pairs_ok`): `_conv_main_pairs`; else the generic path below
+    (fp32 or mixed dtypes, unaligned bf16, and A/B timing)."""
     if PAIRS and qkv_ptr.dtype.element_ty == tl.bfloat16 and y_ptr.dtype.element_ty == tl.bfloat16:
         _conv_main_pairs(qkv_ptr, convw_ptr, y_ptr, T, stride_qkv, pt, pc, P, BT, BD)
     else:
@@ -410,7 +424,7 @@ def _conv_row_groups(xp, wp, yp, r0, rs, ys, T, IS_QK, HB: tl.constexpr, MASKED:
     """Outputs of rows r0 + m (m = 0..3; r0 [G] = every 4th token) from the 7 input rows r0-3 .. r0+3, each loaded
     and unpacked once: out_m = sum_j w_j x_{m+j}. xp [G, HB] int32 pointers to rows r0 (rs: row stride in pairs),
     wp [2 HB] pointers to each channel's 4 fp32 weights, yp [G, HB] int32 pointers to output rows r0 (ys: row
-    stride)."""
+    stride in int32 units)."""
     we0, wo0 = tl.split(tl.reshape(tl.load(wp + 0) * _NEG_LOG2E, [HB, 2]))     # -log2(e) folded in: _conv_out_rows
     we1, wo1 = tl.split(tl.reshape(tl.load(wp + 1) * _NEG_LOG2E, [HB, 2]))
     we2, wo2 = tl.split(tl.reshape(tl.load(wp + 2) * _NEG_LOG2E, [HB, 2]))
@@ -437,8 +451,10 @@ def _conv_main_pairs(qkv_ptr, convw_ptr, y_ptr, T, stride_qkv, pt, pc, P: tl.con
                      BD: tl.constexpr):
     """`_conv_main_kernel` for bf16 activations: channel pairs as int32 (`_ld_pairs`, `_pack_bf16x2`) and the
     tile's tokens in groups of 4 consecutive rows (`_conv_row_groups`), so each input row is loaded and unpacked
-    once per 4 outputs instead of once per tap. Interior tiles run without masks. stride_qkv and P must be even
-    (multiples of the head dim); BT a multiple of 4. pt, pc: this program's token tile and column block."""
+    once per 4 outputs instead of once per tap. Interior tiles run without masks. Needs qkv and y 4-byte aligned
+    with an even stride_qkv (`_conv_pairs_ok`; the AOT entry: TensorRT buffers, stride 3P), BD = the head dim (the
+    q/k row norm spans the block), BT a multiple of 4 with BT/4 a power of 2. pt, pc: this program's token tile and
+    column block."""
     HB: tl.constexpr = BD // 2
     G: tl.constexpr = BT // 4
     NB: tl.constexpr = P // BD
