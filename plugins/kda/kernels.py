@@ -253,7 +253,8 @@ _CONV_CFG = dict(BT=16, num_warps=4, flat=True, pairs=True)
 
 
 def _conv_pairs_ok(qkv, y) -> bool:
-    """Whether the bf16 channel-pair path may run: it reads qkv and writes y as int32, so both must be bf16 with
+    """Whether the bf16 channel-pair path may run for qkv [T, 3P] and y [3, T, P] (`_conv_prefill`): it reads qkv
+    and writes y as int32, so both must be bf16 with
     4-byte aligned bases and an even qkv row stride (an odd stride, e.g. a slice of a wider projection output,
     takes the generic path)."""
     return (qkv.dtype == y.dtype == torch.bfloat16 and qkv.stride(0) % 2 == 0 and qkv.data_ptr() % 4 == 0
@@ -264,7 +265,8 @@ def _conv_main(qkv, conv_w, y, T, D, P, K, cfg=None):
     """`_conv_main_kernel` over the packed tokens as one sequence (x_{<0} = 0; shapes as `_conv_prefill`).
     `cfg` overrides `_CONV_CFG`: BT (tokens per tile, a multiple of 4 whose quarter is a power of 2), num_warps,
     flat (1-D grid with the column blocks fastest; False: the 2-D grid, token tiles fastest) and pairs (False
-    forces the generic path for bf16: A/B timing; True still needs `_conv_pairs_ok`)."""
+    forces the generic path for bf16: A/B timing; True still needs `_conv_pairs_ok`). AssertionError for a BT
+    that is not a multiple of 4."""
     c = dict(_CONV_CFG, **(cfg or {}))
     assert c["BT"] % 4 == 0, f"conv tile BT={c['BT']}: must be a multiple of 4 (4-row groups)"
     grid = ((triton.cdiv(T, c["BT"]) * triton.cdiv(D, K),) if c["flat"] else
@@ -371,7 +373,8 @@ def _sigmoid_ex2(a):
 
 @triton.jit
 def _pack_bf16x2(lo, hi):
-    """Two fp32 tiles rounded to bf16 (nearest even) and packed into int32: lo in bits 0-15, hi in 16-31."""
+    """Two fp32 tiles of one shape rounded to bf16 (nearest even) and packed into an int32 tile of that shape:
+    lo in bits 0-15, hi in 16-31 (little-endian: lo is the even channel in memory)."""
     if _ASM:
         return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32,
                                          is_pure=True, pack=1)
@@ -691,13 +694,15 @@ def _delta_rule_torch(q, k, v, fraw, beta, A_log, dt_bias, state, cu, slots, H, 
 @triton.jit
 def _beta_kernel(b_ptr, beta_ptr, T, stride_b, H: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
     """beta[t, :] = sigmoid(b[t, :]) computed in fp32, stored in beta's dtype (chunk_kda then skips its own
-    sigmoid). grid (cdiv(T, BT),)."""
+    sigmoid). b [T, H] act (row stride stride_b), beta [T, H] contiguous; BH = next power of 2 >= H.
+    grid (cdiv(T, BT),)."""
     _beta_tile(b_ptr, beta_ptr, T, stride_b, tl.program_id(0), H, BT, BH)
 
 
 @triton.jit
 def _beta_tile(b_ptr, beta_ptr, T, stride_b, pt, H: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
-    """`_beta_kernel` for token tile pt."""
+    """`_beta_kernel` for token tile pt (rows pt*BT .. pt*BT+BT-1 of b [T, H] -> beta [T, H]); also called by the
+    AOT KdaConvBeta entry on its flat grid."""
     tt = pt * BT + tl.arange(0, BT)
     hh = tl.arange(0, BH)
     m = (tt < T)[:, None] & (hh < H)[None, :]
