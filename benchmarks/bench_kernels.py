@@ -8,7 +8,7 @@ shape; plus the pytest junit results when given). A roofline PNG is written besi
 """
 import argparse, json, math, os, statistics, sys, time, xml.etree.ElementTree as ET
 
-FAMILIES = "kda_decode,graph,mla,moe,kda_prefill,aot_prefill"
+FAMILIES = "kda_decode,layers,graph,mla,moe,kda_prefill,aot_prefill"
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--out", default="/tmp/k3deploy_bench/bench.jsonl",
                 help="JSON lines output; roofline.png goes beside it (default: %(default)s)")
@@ -17,7 +17,7 @@ ap.add_argument("--junit", default=None,
                      "marks its kernels' records correct=false")
 ap.add_argument("--only", default=FAMILIES,
                 help=f"comma-separated families to run (default: all = {FAMILIES}); record names: kda_decode, "
-                     "cuda_graph_decode_step, mla_decode, mxfp4_moe, kda_prefill, aot_prefill (the --aot engines' "
+                     "kda_decode_layers (one step of several layers in a CUDA graph), cuda_graph_decode_step, mla_decode, mxfp4_moe, kda_prefill, aot_prefill (the --aot engines' "
                      "KdaPrefill/MlaPrefill chains vs the JIT ops)")
 ap.add_argument("--rounds", type=int, default=3,
                 help="KDA decode: interleaved timing rounds over all variants and the peer; each variant reports the "
@@ -28,6 +28,12 @@ ap.add_argument("--prefill-breakdown", action=argparse.BooleanOptionalAction, de
                 help="KDA prefill: also time chunk_kda under each flag combination and our varlen path (each new "
                      "combination autotunes fla's kernels: minutes on a fresh machine); --no-prefill-breakdown keeps "
                      "ours, the peer, both in CUDA graphs and our conv/norm passes, and checks a dense two-call split")
+ap.add_argument("--moe-variants", default=None,
+                help="MoE: JSON list of mxfp4_moe keyword sets to time beside the default (default: MOE_VARIANTS), "
+                     'e.g. \'[{"dequant":2},{"block_n2":256}]\' (no spaces when it goes through h200_session.sh\'s '
+                     "BENCH_ARGS, which the shell splits on spaces)")
+ap.add_argument("--moe-tokens", default="64,1,8,256",
+                help="MoE: comma-separated token counts T (default: %(default)s)")
 args = ap.parse_args()
 ONLY = set(args.only.split(","))
 ROUNDS = args.rounds
@@ -146,7 +152,8 @@ if "kda_decode" in ONLY:
                 res, errs, fns = {}, {}, {}
                 variants = [{}] + [dict(block_v=bv) for bv in (32, 64, 16, 128)] + [
                     dict(block_v=bv, num_warps=w) for bv, w in ((32, 2), (32, 8), (16, 2), (64, 4))] + [
-                    dict(prefetch=False)]   # A/B of the state tile's L2 prefetch (run 8)
+                    dict(prefetch=False)] + [   # A/B of the state tile's L2 prefetch (run 8)
+                    dict(iv_fast=False)]   # run 12: the grid order before (tokens fastest)
                 for kw in variants:   # {} = the kernel's default choice
                     name = json.dumps(kw)
                     state.copy_(st0); conv.copy_(cv0)
@@ -190,6 +197,76 @@ if "kda_decode" in ONLY:
                 del d, state, conv
             except Exception as e:
                 out(what="kda_decode", H=H, B=B, error=repr(e)[:400])
+
+# ------------------------------------------------------------------ KDA decode: layers in a CUDA graph
+# A decode step as deployed: one CUDA graph running the KDA decode of L layers, each on its own state pool (so no layer
+# finds its state in L2; L * pool >= 2 GiB), no Python between kernels; time per layer = replay / L. The peer is
+# fla's fused_recurrent_kda captured the same way (recurrence only: no conv, gate, norm). Checked: each layer's
+# output of one eager pass equals the fp32 torch step.
+
+
+def graph_us_per_call(calls, rep=20):
+    """Capture `calls` (a list of thunks) in one CUDA graph; median replay time / len(calls), in us."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for fn in calls:
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    gph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gph):
+        for fn in calls:
+            fn()
+    return bench(gph.replay, rep=rep) * 1e3 / len(calls)
+
+
+if "layers" in ONLY:
+    for H, B in ((12, 64), (96, 256), (12, 256), (96, 64)):
+        try:
+            pool_bytes = (B + 1) * H * K * K * 4
+            L = max(4, min(32, math.ceil(2 * 1024**3 / pool_bytes)))
+            layers = [kda_decode_inputs(B, H) for _ in range(L)]
+            d0, st0, cv0, sl0 = layers[0]
+            ro, rS = torch_kda_decode(d0, st0.clone(), cv0.clone(), sl0, H)
+            o0, _, _ = kda_k.kda_decode(**d0, state=st0.clone(), conv=cv0.clone(), slots=sl0, num_heads=H, head_dim=K)
+            ok = rel(o0.float(), ro) < 2e-2
+            outs = [torch.empty(B, H * K, dtype=torch.bfloat16, device=dev) for _ in range(L)]
+
+            def ours(**kw):
+                return [lambda d=d, st=st, cv=cv, sl=sl, o=o: kda_k.kda_decode(
+                    **d, state=st, conv=cv, slots=sl, num_heads=H, head_dim=K, out=o, **kw)
+                    for (d, st, cv, sl), o in zip(layers, outs)]
+            us = graph_us_per_call(ours())
+            variants = {}
+            if (H, B) == (12, 64):   # the latency-bound target shape: V tile and grid order inside the graph too
+                for kw in (dict(block_v=64), dict(block_v=16), dict(block_v=128), dict(iv_fast=False)):
+                    variants[json.dumps(kw)] = graph_us_per_call(ours(**kw))
+            nbytes = B * (H * K * K * 4 * 2 + 3 * H * K * 3 * 2 * 2 + (6 * H * K + H) * 2)
+            rec = dict(what="kda_decode_layers", H=H, B=B, layers=L, correct=ok, us=us, variants=variants,
+                       bytes=nbytes, GBps=nbytes / us / 1e3, pct_copy=100 * nbytes / us / 1e3 / COPY)
+            del layers, outs
+            if HAVE_FLA:
+                try:
+                    pl = []
+                    for _ in range(L):
+                        q = torch.nn.functional.normalize(torch.randn(B, 1, H, K, device=dev), dim=-1).bfloat16()
+                        kk = torch.nn.functional.normalize(torch.randn(B, 1, H, K, device=dev), dim=-1).bfloat16()
+                        v = torch.randn(B, 1, H, K, device=dev).bfloat16()
+                        gg = (-5.0 * torch.sigmoid(torch.randn(B, 1, H, K, device=dev))).float()
+                        be = torch.sigmoid(torch.randn(B, 1, H, device=dev)).bfloat16()
+                        h0 = torch.randn(B, H, K, K, device=dev) * 0.1
+                        pl.append(lambda q=q, kk=kk, v=v, gg=gg, be=be, h0=h0: fused_recurrent_kda(
+                            q, kk, v, gg, be, initial_state=h0, output_final_state=True))
+                    rec.update(peer="fla fused_recurrent_kda (recurrence only)", peer_us=graph_us_per_call(pl))
+                    rec["ratio"] = rec["peer_us"] / us
+                    del pl
+                except Exception as e:
+                    rec["peer_error"] = repr(e)[:300]
+            out(**rec)
+        except Exception as e:
+            out(what="kda_decode_layers", H=H, B=B, error=repr(e)[:400])
+        torch.cuda.empty_cache()
+
 
 # ------------------------------------------------------------------ MLA decode
 R, DR = 512, 64
@@ -294,6 +371,13 @@ if "graph" in ONLY:
 # register caps change registers per thread and so CTAs per SM)
 MOE_VARIANTS = [dict(dequant=2), dict(dequant=3), dict(dequant=1), dict(block_k=128), dict(maxnreg=168),
                 dict(maxnreg=168, dequant=2), dict(block_n13=64, block_n2=64), dict(impl="dot_scaled")]
+try:
+    MOE_TOKENS = [int(t_) for t_ in args.moe_tokens.split(",")]
+    if args.moe_variants is not None:
+        MOE_VARIANTS = json.loads(args.moe_variants)
+        assert isinstance(MOE_VARIANTS, list) and all(isinstance(v, dict) for v in MOE_VARIANTS)
+except (ValueError, AssertionError):
+    ap.error("--moe-tokens: comma-separated integers; --moe-variants: a JSON list of objects")
 if "moe" in ONLY:
     E, D, I, KK = 112, 3584, 3072, 16
     try:
@@ -311,7 +395,7 @@ if "moe" in ONLY:
 
         def situ(g, u):
             return 4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(u / 25)
-        for T in (64, 1, 8, 256):
+        for T in MOE_TOKENS:
             xl = torch.randn(T, D, device=dev, dtype=torch.bfloat16) * 0.1
             ids = torch.stack([torch.randperm(E, device=dev)[:KK] for _ in range(T)]).int()
             wts = torch.rand(T, KK, device=dev)

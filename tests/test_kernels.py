@@ -55,7 +55,7 @@ KDA_CASES = [(2, 16, torch.float32)] + ([(12, 128, torch.bfloat16), (24, 128, to
                                        [(3, 32, torch.bfloat16)])
 
 
-@pytest.mark.parametrize("bv", [None, "quarter", "quarter+workspace", "sentinel"])
+@pytest.mark.parametrize("bv", [None, "quarter", "quarter+workspace", "sentinel", "quarter+tokens-fast"])
 @pytest.mark.parametrize("H,K,act", KDA_CASES)
 def test_kda_decode(H, K, act, bv):
     """Kernel = reference on the used slots; unused slots untouched (NaN-poisoned). "sentinel": row 1 is a padding
@@ -72,6 +72,8 @@ def test_kda_decode(H, K, act, bv):
     if bv == "quarter+workspace":  # scratch carved from a caller buffer filled with garbage (CUDA graph / TRT)
         n = kda_k.kda_decode_workspace_bytes(len(slots), H, K, K // 4)
         kw["workspace"] = G(torch.full((n,), 0xAB, dtype=torch.uint8, device=DEV))
+    if bv == "quarter+tokens-fast":   # the grid order before run 12 (tokens fastest)
+        kw.update(iv_fast=False)
     o, st2, cv2 = kda_k.kda_decode(**dd, state=st, conv=cv, slots=G(slots.to(DEV)), num_heads=H, head_dim=K,
                                    out=G.empty(len(slots), H * K, dtype=act), **kw)
     G.check()
