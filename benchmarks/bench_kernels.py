@@ -121,6 +121,23 @@ def kda_decode_inputs(B, H, act=torch.bfloat16):
     return d, state, conv, slots
 
 
+def kda_decode_bytes(B, H):
+    """Compulsory HBM bytes of one KDA decode step: state read+write, conv history read+write, activations."""
+    P = H * K
+    return B * (H * K * K * 4 * 2 + 3 * P * 3 * 2 * 2 + (3 * P + 2 * P + H) * 2 + P * 2)
+
+
+def peer_kda_decode_call(B, H):
+    """A thunk running fla's fused_recurrent_kda (the peer: recurrence only) on fresh inputs of B tokens."""
+    q = torch.nn.functional.normalize(torch.randn(B, 1, H, K, device=dev), dim=-1).bfloat16()
+    kk = torch.nn.functional.normalize(torch.randn(B, 1, H, K, device=dev), dim=-1).bfloat16()
+    v = torch.randn(B, 1, H, K, device=dev).bfloat16()
+    gg = (-5.0 * torch.sigmoid(torch.randn(B, 1, H, K, device=dev))).float()
+    be = torch.sigmoid(torch.randn(B, 1, H, device=dev)).bfloat16()
+    h0 = torch.randn(B, H, K, K, device=dev) * 0.1
+    return lambda: fused_recurrent_kda(q, kk, v, gg, be, initial_state=h0, output_final_state=True)
+
+
 def torch_kda_decode(d, state, conv, slots, H):
     """fp32 torch transcription of one decode step (check only)."""
     B = slots.shape[0]; P = H * K; sl = slots.long()
@@ -165,17 +182,9 @@ if "kda_decode" in ONLY:
                     fns[name] = lambda kw=kw: kda_k.kda_decode(**d, state=state, conv=conv, slots=slots, num_heads=H,
                                                                head_dim=K, **kw)
                 err_o, err_s = max(e[0] for e in errs.values()), max(e[1] for e in errs.values())
-                # bytes: state read+write + conv read+write + activations
-                P = H * K
-                nbytes = B * (H * K * K * 4 * 2 + 3 * P * 3 * 2 * 2 + (3 * P + 2 * P + H) * 2 + P * 2)
+                nbytes = kda_decode_bytes(B, H)
                 if HAVE_FLA:
-                    q = torch.nn.functional.normalize(torch.randn(B, 1, H, K, device=dev), dim=-1).bfloat16()
-                    kk = torch.nn.functional.normalize(torch.randn(B, 1, H, K, device=dev), dim=-1).bfloat16()
-                    v = torch.randn(B, 1, H, K, device=dev).bfloat16()
-                    gg = (-5.0 * torch.sigmoid(torch.randn(B, 1, H, K, device=dev))).float()
-                    be = torch.sigmoid(torch.randn(B, 1, H, device=dev)).bfloat16()
-                    h0 = torch.randn(B, H, K, K, device=dev) * 0.1
-                    fns["peer"] = lambda: fused_recurrent_kda(q, kk, v, gg, be, initial_state=h0, output_final_state=True)
+                    fns["peer"] = peer_kda_decode_call(B, H)
                 # microsecond kernels: ROUNDS interleaved rounds over all variants and the peer, median per variant
                 # (run 7 timed identical configurations 38-56 us apart within one pass)
                 times = {name: [] for name in fns}
@@ -241,22 +250,13 @@ if "layers" in ONLY:
             if (H, B) == (12, 64):   # the latency-bound target shape: V tile and grid order inside the graph too
                 for kw in (dict(block_v=64), dict(block_v=16), dict(block_v=128), dict(iv_fast=False)):
                     variants[json.dumps(kw)] = graph_us_per_call(ours(**kw))
-            nbytes = B * (H * K * K * 4 * 2 + 3 * H * K * 3 * 2 * 2 + (6 * H * K + H) * 2)
+            nbytes = kda_decode_bytes(B, H)
             rec = dict(what="kda_decode_layers", H=H, B=B, layers=L, correct=ok, us=us, variants=variants,
                        bytes=nbytes, GBps=nbytes / us / 1e3, pct_copy=100 * nbytes / us / 1e3 / COPY)
             del layers, outs
             if HAVE_FLA:
                 try:
-                    pl = []
-                    for _ in range(L):
-                        q = torch.nn.functional.normalize(torch.randn(B, 1, H, K, device=dev), dim=-1).bfloat16()
-                        kk = torch.nn.functional.normalize(torch.randn(B, 1, H, K, device=dev), dim=-1).bfloat16()
-                        v = torch.randn(B, 1, H, K, device=dev).bfloat16()
-                        gg = (-5.0 * torch.sigmoid(torch.randn(B, 1, H, K, device=dev))).float()
-                        be = torch.sigmoid(torch.randn(B, 1, H, device=dev)).bfloat16()
-                        h0 = torch.randn(B, H, K, K, device=dev) * 0.1
-                        pl.append(lambda q=q, kk=kk, v=v, gg=gg, be=be, h0=h0: fused_recurrent_kda(
-                            q, kk, v, gg, be, initial_state=h0, output_final_state=True))
+                    pl = [peer_kda_decode_call(B, H) for _ in range(L)]
                     rec.update(peer="fla fused_recurrent_kda (recurrence only)", peer_us=graph_us_per_call(pl))
                     rec["ratio"] = rec["peer_us"] / us
                     del pl
