@@ -88,6 +88,14 @@ def test_kda_decode(H, K, act, bv):
     assert torch.isnan(st[unused].cpu()).all() and torch.isnan(cv[unused].cpu().float()).all()
 
 
+def test_kda_decode_grid_order_and_batch_limit():
+    """V tiles of a (token, head) adjacent by default; batches over CUDA's grid-y limit (65535) keep tokens in x."""
+    assert kda_k._decode_grid(64, 12, 4, True) == ((4, 64, 12), True)
+    assert kda_k._decode_grid(65535, 12, 4, True) == ((4, 65535, 12), True)
+    assert kda_k._decode_grid(65536, 12, 4, True) == ((65536, 12, 4), False)
+    assert kda_k._decode_grid(64, 12, 4, False) == ((64, 12, 4), False)
+
+
 @pytest.mark.parametrize("H,K,act", KDA_CASES[:2] if HAS_CUDA else KDA_CASES)
 def test_kda_decode_multi_step(H, K, act):
     """Three consecutive steps through the same slots (state carried in the pools)."""

@@ -83,8 +83,8 @@ def _kda_decode_kernel(
     IV_FAST: tl.constexpr = 0,
 ):
     """grid (B, H, K // BV), or (K // BV, B, H) with IV_FAST: a (token, head)'s V tiles launched side by side, so
-    they share its q/k prologue reads in L2 and the last one's output norm follows soon (H200 run 12: 3.5-7% faster
-    at 64-256 tokens). Each program owns the [BV, K] rows of S^T for value channels v0..v0+BV.
+    they share its q/k prologue reads in L2 and the last one's output norm follows soon (H200 run 12: 4-7% faster at
+    12 heads B=256 and 96 heads B=64/256; equal at 12 heads B=64 inside a CUDA graph). Each program owns the [BV, K] rows of S^T for value channels v0..v0+BV.
     PREFETCH (GPU only): the state tile is prefetched into L2 as soon as the slot is known, so its DRAM reads
     overlap the conv/norm/gate prologue (loading it into registers that early doubles the registers).
     q/k conv + L2 norm are recomputed by every V-tile program (cheap); the v conv, state and output rows are
@@ -182,6 +182,14 @@ def _decode_block_v(n_items: int, K: int) -> int:
     return K if K < 128 else (32 if n_items <= 16 else 128 if n_items <= 256 else 32 if n_items <= 1024 else 64)
 
 
+def _decode_grid(batch: int, num_heads: int, nv: int, iv_fast: bool) -> tuple[tuple[int, int, int], bool]:
+    """(launch grid, IV_FAST) of `_kda_decode_kernel`: (nv, batch, heads) with IV_FAST (V tiles of a (token, head)
+    adjacent) when asked and batch <= 65535 (CUDA's limit on grid dimension y), else (batch, heads, nv)."""
+    if iv_fast and batch <= 65535:
+        return (nv, batch, num_heads), True
+    return (batch, num_heads, nv), False
+
+
 def _decode_scratch(batch: int, num_heads: int, head_dim: int, block_v: int | None) -> list:
     """(shape, dtype) of the split kernel's scratch in carve order: fp32 output accumulator, int32 counters."""
     bv = block_v or _decode_block_v(batch * num_heads, head_dim)
@@ -213,8 +221,9 @@ def kda_decode(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slot
     `workspace`: optional uint8 device buffer of >= `kda_decode_workspace_bytes(...)` bytes for the split
     kernel's scratch (CUDA-graph / TensorRT enqueue: nothing is allocated then). `prefetch`: the state tile's L2
     prefetch (None = on for CUDA tensors outside the interpreter; False for A/B timing). `iv_fast`: a (token,
-    head)'s V tiles adjacent in the launch order (default; False = tokens fastest, runs 3-11, for A/B timing).
-    AssertionError on bad shapes."""
+    head)'s V tiles adjacent in the launch order (default; False = tokens fastest, runs 3-11, for A/B timing; batches
+    of more than 65535 tokens always take that order: CUDA grid dimension y is limited). AssertionError on bad
+    shapes."""
     B = qkv.shape[0]
     H, K = num_heads, head_dim
     P = H * K
@@ -242,8 +251,8 @@ def kda_decode(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slot
             cnt = _counters(qkv.device, B * H)
     else:
         oacc = cnt = out
-    iv_fast = iv_fast and B <= 65535              # grid dimension y holds at most 65535 programs
-    _kda_decode_kernel[(NV, B, H) if iv_fast else (B, H, NV)](
+    grid, iv_fast = _decode_grid(B, H, NV, iv_fast)
+    _kda_decode_kernel[grid](
         qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slots, out, oacc, cnt,
         qkv.stride(0), f.stride(0), b.stride(0), g.stride(0), out.stride(0), *scalars,
         H=H, K=K, P=P, BV=BV, PREFETCH=(qkv.is_cuda and not _INTERPRET) if prefetch is None else bool(prefetch),
