@@ -84,7 +84,8 @@ def _kda_decode_kernel(
 ):
     """grid (B, H, K // BV), or (K // BV, B, H) with IV_FAST: a (token, head)'s V tiles launched side by side, so
     they share its q/k prologue reads in L2 and the last one's output norm follows soon (H200 run 12: 4-7% faster at
-    12 heads B=256 and 96 heads B=64/256; equal at 12 heads B=64 inside a CUDA graph). Each program owns the [BV, K] rows of S^T for value channels v0..v0+BV.
+    12 heads B=256 and 96 heads B=64/256; equal at 12 heads B=64 inside a CUDA graph). Each program owns the [BV, K]
+    rows of S^T for value channels v0..v0+BV.
     PREFETCH (GPU only): the state tile is prefetched into L2 as soon as the slot is known, so its DRAM reads
     overlap the conv/norm/gate prologue (loading it into registers that early doubles the registers).
     q/k conv + L2 norm are recomputed by every V-tile program (cheap); the v conv, state and output rows are
