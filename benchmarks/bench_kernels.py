@@ -17,8 +17,9 @@ ap.add_argument("--junit", default=None,
                      "marks its kernels' records correct=false")
 ap.add_argument("--only", default=FAMILIES,
                 help=f"comma-separated families to run (default: all = {FAMILIES}); record names: kda_decode, "
-                     "kda_decode_layers (one step of several layers in a CUDA graph), cuda_graph_decode_step, mla_decode, mxfp4_moe, kda_prefill, aot_prefill (the --aot engines' "
-                     "KdaPrefill/MlaPrefill chains vs the JIT ops)")
+                     "kda_decode_layers (one step of several layers in a CUDA graph), cuda_graph_decode_step, "
+                     "mla_decode, mxfp4_moe, kda_prefill, aot_prefill (the --aot engines' KdaPrefill/MlaPrefill chains "
+                     "vs the JIT ops)")
 ap.add_argument("--rounds", type=int, default=3,
                 help="KDA decode: interleaved timing rounds over all variants and the peer; each variant reports the "
                      "median and the spread (default: %(default)s)")
@@ -229,20 +230,26 @@ if "kda_decode" in ONLY:
 # fp32 torch step (and the kda_decode tests of a --junit run).
 
 
-def graph_us_per_call(calls, rep=20):
-    """Capture `calls` (a list of thunks) in one CUDA graph; median replay time / len(calls), in us (`rep`: do_bench's
-    time budget in ms)."""
+def capture_graph(calls, warmup=1):
+    """One CUDA graph of `calls` (a list of thunks) in order, after `warmup` eager passes on a side stream (Triton
+    compiles and fla autotunes there, not during capture)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        for fn in calls:
-            fn()
+        for _ in range(warmup):
+            for fn in calls:
+                fn()
     torch.cuda.current_stream().wait_stream(s)
     gph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(gph):
         for fn in calls:
             fn()
-    return bench(gph.replay, rep=rep) * 1e3 / len(calls)
+    return gph
+
+
+def graph_us_per_call(calls, rep=20):
+    """Median replay time of `capture_graph(calls)` / len(calls), in us (`rep`: do_bench's time budget in ms)."""
+    return bench(capture_graph(calls).replay, rep=rep) * 1e3 / len(calls)
 
 
 if "layers" in ONLY:
@@ -254,8 +261,9 @@ if "layers" in ONLY:
             d0, sl0 = layers[0][0], layers[0][3]
             st0, cv0 = layers[0][1].clone(), layers[0][2].clone()   # pristine: the timed graphs update the pools
             ro, rS = torch_kda_decode(d0, st0.clone(), cv0.clone(), sl0, H)
-            checks = [dict(block_v=64), dict(block_v=16), dict(block_v=128), dict(iv_fast=False)] if (H, B) == (12, 64) \
-                else []   # the latency-bound target shape: V tile and grid order inside the graph too
+            # the latency-bound target shape: V tile and grid order inside the graph too
+            checks = ([dict(block_v=64), dict(block_v=16), dict(block_v=128), dict(iv_fast=False)]
+                      if (H, B) == (12, 64) else [])
 
             def layer0_ok(**kw):
                 st1 = st0.clone()
@@ -371,15 +379,7 @@ if "graph" in ONLY:
             mla_step = lambda: mla_k.mla_decode(q, lat, cache, bt, ctx, num_heads=H, kv_lora_rank=R, scale=192 ** -0.5, out=mout)
             res = {}
             for name, fn in (("kda", kda_step), ("mla_L8192", mla_step), ("kda+mla", lambda: (kda_step(), mla_step()))):
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    for _ in range(3):
-                        fn()
-                torch.cuda.current_stream().wait_stream(s)
-                gph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(gph):
-                    fn()
+                gph = capture_graph([fn], warmup=3)
                 # time 100 replays of the captured step
                 n = 100
                 ms = bench(lambda: [gph.replay() for _ in range(n)], rep=300) / n
