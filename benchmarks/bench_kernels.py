@@ -17,7 +17,8 @@ ap.add_argument("--junit", default=None,
                      "marks its kernels' records correct=false")
 ap.add_argument("--only", default=FAMILIES,
                 help=f"comma-separated families to run (default: all = {FAMILIES}); record names: kda_decode, "
-                     "kda_decode_layers (one step of several layers in a CUDA graph), cuda_graph_decode_step, "
+                     "kda_decode_layers (one step of several layers in a CUDA graph, with the state-traffic floors), "
+                     "cuda_graph_decode_step, "
                      "mla_decode, mxfp4_moe, kda_prefill, aot_prefill (the --aot engines' KdaPrefill/MlaPrefill chains "
                      "vs the JIT ops)")
 ap.add_argument("--rounds", type=int, default=3,
@@ -63,6 +64,7 @@ if args.moe_variants is not None:
 
 try:                                                  # after --help, which needs neither
     import torch, triton                              # noqa: E402
+    import triton.language as tl                      # noqa: E402
     from triton.testing import do_bench               # noqa: E402
 except ImportError as e:
     sys.exit(f"error: bench_kernels.py needs torch and Triton on a CUDA GPU ({e}); install the gpu extra: "
@@ -227,7 +229,8 @@ if "kda_decode" in ONLY:
 # finds its state in L2: L * pool >= 2 GiB, or 32 layers: 1.5 GiB at 12 heads B=64), no Python between kernels; time
 # per layer = replay / L. The peer is fla's fused_recurrent_kda captured the same way (recurrence only: no conv, gate,
 # norm). Checked: layer 0's output and state of one eager call, for the defaults and each timed variant, against the
-# fp32 torch step (and the kda_decode tests of a --junit run).
+# fp32 torch step (and the kda_decode tests of a --junit run). Beside each: `floors_us` (state_floors), what the
+# same bytes cost in the same graph form without the fused math.
 
 
 def capture_graph(calls, warmup=1):
@@ -250,6 +253,48 @@ def capture_graph(calls, warmup=1):
 def graph_us_per_call(calls, rep=20):
     """Median replay time of `capture_graph(calls)` / len(calls), in us (`rep`: do_bench's time budget in ms)."""
     return bench(capture_graph(calls).replay, rep=rep) * 1e3 / len(calls)
+
+
+@triton.jit
+def _floor_state_kernel(state_ptr, slots_ptr, H: tl.constexpr, K: tl.constexpr, BV: tl.constexpr):
+    """The state traffic of `_kda_decode_kernel` alone (same grid order, slots, [BV, K] tiles): S = -S in place."""
+    iv = tl.program_id(0)
+    t = tl.program_id(1)
+    h = tl.program_id(2)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    p = state_ptr + (slot * H + h) * (K * K) + iv * BV * K + tl.arange(0, BV)[:, None] * K + tl.arange(0, K)[None, :]
+    tl.store(p, -tl.load(p))
+
+
+@triton.jit
+def _floor_copy_kernel(src_ptr, dst_ptr, BLOCK: tl.constexpr):
+    """A contiguous fp32 copy, BLOCK elements per program."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst_ptr + i, tl.load(src_ptr + i))
+
+
+def state_floors(B, H, L, nbytes):
+    """Per-layer us, in one CUDA graph of L layers like the decode step, of what bounds the KDA decode at this size:
+    "state_inplace": only the state read + write of our kernel (same grid, tiles, slots, one pool per layer);
+    "copy_16KB": a contiguous copy of the same bytes (half read, half written), 16 KB per program; "torch_neg": the
+    same through torch's elementwise kernel. (torch's copy_ becomes a memcpy node in a graph: not an SM floor.)"""
+    bv = kda_k._decode_block_v(B * H, K)
+    pools = [torch.zeros(B + 1, H, K, K, device=dev) for _ in range(L)]
+    slots = torch.arange(1, B + 1, dtype=torch.int32, device=dev)
+    grid = (K // bv, B, H)
+    res = dict(state_inplace=graph_us_per_call([lambda p_=p_: _floor_state_kernel[grid](p_, slots, H=H, K=K, BV=bv,
+                                                                                          num_warps=4)
+                                                 for p_ in pools]))
+    del pools
+    n = nbytes // 8 // 4096 * 4096                       # fp32 elements each way, whole 16 KB blocks
+    src = [torch.zeros(n, device=dev) for _ in range(L)]
+    dst = [torch.empty_like(s_) for s_ in src]
+    res["copy_16KB"] = graph_us_per_call([lambda s_=s_, d_=d_: _floor_copy_kernel[(n // 4096,)](s_, d_, BLOCK=4096,
+                                                                                               num_warps=4)
+                                          for s_, d_ in zip(src, dst)])
+    res["torch_neg"] = graph_us_per_call([lambda s_=s_, d_=d_: torch.neg(s_, out=d_) for s_, d_ in zip(src, dst)])
+    del src, dst
+    return res
 
 
 if "layers" in ONLY:
@@ -293,6 +338,7 @@ if "layers" in ONLY:
                     del pl
                 except Exception as e:
                     rec["peer_error"] = repr(e)[:300]
+            rec.update(floors_us=state_floors(B, H, L, nbytes))
             out(**rec)
         except Exception as e:
             out(what="kda_decode_layers", H=H, B=B, error=repr(e)[:400])
