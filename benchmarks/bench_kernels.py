@@ -267,6 +267,40 @@ def _floor_state_kernel(state_ptr, slots_ptr, H: tl.constexpr, K: tl.constexpr, 
 
 
 @triton.jit
+def _floor_step_kernel(vec_ptr, g_ptr, onw_ptr, state_ptr, slots_ptr, out_ptr, oacc_ptr, cnt_ptr, norm_eps,
+                       H: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, NORM: tl.constexpr):
+    """`_kda_decode_kernel` without its prologue: the delta rule on the same tiles with q, k, alpha, v, beta read
+    from an L2-resident scratch (vec [B*H, 5, K] fp32), o rows stored; NORM: plus its last-arriver counter and the
+    gated output RMSNorm (grid (K // BV, B, H), K // BV > 1)."""
+    iv = tl.program_id(0)
+    t = tl.program_id(1)
+    h = tl.program_id(2)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    ck = tl.arange(0, K)
+    cvv = iv * BV + tl.arange(0, BV)
+    s_ptrs = state_ptr + (slot * H + h) * (K * K) + cvv[:, None] * K + ck[None, :]
+    base = vec_ptr + (t * H + h).to(tl.int64) * (5 * K)
+    q = tl.load(base + ck)
+    k = tl.load(base + K + ck)
+    alpha = tl.load(base + 2 * K + ck)
+    S = tl.load(s_ptrs) * alpha[None, :]
+    u = tl.load(base + 3 * K + cvv) - tl.sum(S * k[None, :], axis=1)
+    S = S + (tl.load(base + 4 * K) * u)[:, None] * k[None, :]
+    tl.store(s_ptrs, S, mask=(cvv[:, None] * 0 + slot) != 0)
+    oa = oacc_ptr + (t * H + h).to(tl.int64) * K
+    tl.store(oa + cvv, tl.sum(S * q[None, :], axis=1))
+    if NORM:
+        prev = tl.atomic_add(cnt_ptr + t * H + h, 1, sem="acq_rel")
+        if prev == K // BV - 1:
+            of = tl.load(oa + ck, volatile=True)
+            gf = tl.load(g_ptr + (t * H + h) * K + ck).to(tl.float32)
+            rs = 1.0 / tl.sqrt(tl.sum(of * of, axis=0) / K + norm_eps)
+            tl.store(out_ptr + (t * H + h) * K + ck,
+                     (of * rs * tl.load(onw_ptr + ck) / (1.0 + tl.exp(-gf))).to(out_ptr.dtype.element_ty))
+            tl.atomic_xchg(cnt_ptr + t * H + h, 0)
+
+
+@triton.jit
 def _floor_copy_kernel(src_ptr, dst_ptr, BLOCK: tl.constexpr):
     """A contiguous fp32 copy, BLOCK elements per program."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -274,17 +308,37 @@ def _floor_copy_kernel(src_ptr, dst_ptr, BLOCK: tl.constexpr):
 
 
 def state_floors(B, H, L, nbytes):
-    """Per-layer us, in one CUDA graph of L layers like the decode step, of what bounds the KDA decode at this size:
-    "state_inplace": only the state read + write of our kernel (same grid, tiles, slots, one pool per layer);
-    "copy_16KB": a contiguous copy of the same bytes (half read, half written), 16 KB per program; "torch_neg": the
-    same through torch's elementwise kernel. (torch's copy_ becomes a memcpy node in a graph: not an SM floor.)"""
+    """Per-layer us, in one CUDA graph of L layers like the decode step, of what the KDA decode's bytes cost without
+    its math: "state_inplace": only the state read + write of our kernel (its default V tile, grid order and warps,
+    randomly permuted slots like the layers', one pool per layer: 101 of the 105 MB at 12 heads B=64);
+    "copy_16KB": a contiguous copy of all the step's bytes (half read, half written), 16 KB per program;
+    "torch_neg": the same through torch's elementwise kernel. (torch's copy_ becomes a memcpy node in a graph: not
+    an SM floor.) With several V tiles also "step_no_norm" / "step_with_norm" (`_floor_step_kernel`: our step
+    without the conv/norm/gate prologue, without / with the cross-tile counter and output norm). At 12 heads B=64
+    the differences price each part; at large shapes the fused kernel hides part of the counter's cost behind its
+    longer programs (step_with_norm can exceed the fused step there)."""
     bv = kda_k._decode_block_v(B * H, K)
     pools = [torch.zeros(B + 1, H, K, K, device=dev) for _ in range(L)]
-    slots = torch.arange(1, B + 1, dtype=torch.int32, device=dev)
-    grid = (K // bv, B, H)
+    slots = (torch.randperm(B, device=dev) + 1).int()
+    (grid, fast) = kda_k._decode_grid(B, H, K // bv, True)
+    if not fast:
+        raise ValueError(f"state_floors: B={B} takes the tokens-fast grid, which _floor_state_kernel does not model")
+    nw = 8 if bv * K >= 16384 else 4          # kda_decode's warp rule
     res = dict(state_inplace=graph_us_per_call([lambda p_=p_: _floor_state_kernel[grid](p_, slots, H=H, K=K, BV=bv,
-                                                                                          num_warps=4)
+                                                                                          num_warps=nw)
                                                  for p_ in pools]))
+    if bv < K:
+        vec = torch.rand(B * H * 5 * K, device=dev) * 0.1
+        g_ = torch.randn(B, H * K, device=dev).bfloat16()
+        onw = torch.rand(K, device=dev) + 0.5
+        o_ = torch.empty_like(g_)
+        oacc = torch.empty(B * H * K, device=dev)
+        cnt = torch.zeros(B * H, dtype=torch.int32, device=dev)
+        for name, norm in (("step_no_norm", False), ("step_with_norm", True)):
+            res[name] = graph_us_per_call([lambda p_=p_, norm=norm: _floor_step_kernel[grid](
+                vec, g_, onw, p_, slots, o_, oacc, cnt, 1e-5, H=H, K=K, BV=bv, NORM=norm, num_warps=nw)
+                for p_ in pools])
+        del vec, g_, o_, oacc, cnt
     del pools
     n = nbytes // 8 // 4096 * 4096                       # fp32 elements each way, whole 16 KB blocks
     src = [torch.zeros(n, device=dev) for _ in range(L)]
@@ -338,7 +392,10 @@ if "layers" in ONLY:
                     del pl
                 except Exception as e:
                     rec["peer_error"] = repr(e)[:300]
-            rec.update(floors_us=state_floors(B, H, L, nbytes))
+            try:
+                rec.update(floors_us=state_floors(B, H, L, nbytes))
+            except Exception as e:
+                rec["floors_error"] = repr(e)[:300]
             out(**rec)
         except Exception as e:
             out(what="kda_decode_layers", H=H, B=B, error=repr(e)[:400])

@@ -100,15 +100,34 @@ def resolve_model_dir(path: "str | Path") -> dict[str, Path | None]:
 
 
 class AsyncEngine:
-    """One scheduler thread that batches every submitted request. Thread safe. Callbacks run on the scheduler
-    thread and must be quick; they may call submit/cancel."""
+    """One scheduler thread that batches every submitted request. Thread safe: submit/cancel/metrics/shutdown get
+    the engine lock before the scheduler's next step starts (at most the step in progress delays them). Callbacks
+    run on the scheduler thread and must be quick; they may call submit/cancel."""
 
     def __init__(self, scheduler: Scheduler):
         self._sched = scheduler
         self._cv = threading.Condition(threading.RLock())
         self._stop = False
+        self._callers = 0                      # API calls waiting for the lock (`_turn`); guarded by _callers_lock
+        self._callers_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="k3-scheduler", daemon=True)
         self._thread.start()
+
+    @contextlib.contextmanager
+    def _turn(self):
+        """The engine lock for an API call, taken before the scheduler's next step. Python's locks are not fair: the
+        scheduler thread takes the lock back between steps before a waiting caller wakes up, so a cancel could wait
+        many steps (61 on an idle 2-core machine; under CI load a request reached its 4000 tokens first). The loop
+        steps aside while a caller is waiting."""
+        with self._callers_lock:
+            self._callers += 1
+        with self._cv:
+            with self._callers_lock:
+                self._callers -= 1
+            try:
+                yield
+            finally:
+                self._cv.notify_all()
 
     @property
     def running(self) -> bool:
@@ -118,30 +137,27 @@ class AsyncEngine:
                on_token: Callable[[int | None, bool, str | None], None] | None = None):
         """Queue a request; returns its scheduler Request (read-only for callers). Raises ValueError naming the
         field for a bad request, RuntimeError after shutdown."""
-        with self._cv:
+        with self._turn():
             if self._stop:
                 raise RuntimeError("engine is shut down")
-            req = self._sched.add(request_id, prompt_ids, params or SamplingParams(), on_token)
-            self._cv.notify_all()
-            return req
+            return self._sched.add(request_id, prompt_ids, params or SamplingParams(), on_token)
 
     def cancel(self, request_id: str) -> bool:
         """Free the request's slot and blocks now (after the step in progress); on_token(None, True, None)
         follows. Returns False for an unknown or already finished request."""
-        with self._cv:
+        with self._turn():
             return self._sched.cancel(request_id)
 
     def metrics(self) -> dict:
         """{"kda_slots_in_use", "latent_blocks_in_use", "tokens_generated", "preemptions", "steps",
         "max_requests_per_step"}."""
-        with self._cv:
+        with self._turn():
             return self._sched.metrics()
 
     def shutdown(self) -> None:
         """Stop the thread; requests still in flight finish as "cancelled". Idempotent."""
-        with self._cv:
+        with self._turn():
             self._stop = True
-            self._cv.notify_all()
         if threading.current_thread() is not self._thread:
             self._thread.join()
         with self._cv:
@@ -151,8 +167,8 @@ class AsyncEngine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and not self._sched.has_work():
-                    self._cv.wait()
+                while not self._stop and (self._callers or not self._sched.has_work()):
+                    self._cv.wait(0.05 if self._callers else None)   # a caller's turn ends with notify_all
                 if self._stop:
                     return
                 try:

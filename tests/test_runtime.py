@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -314,6 +315,30 @@ def test_cancel_mid_generation_frees_everything(tiny_ckpt):
         assert m["kda_slots_in_use"] == 0 and m["latent_blocks_in_use"] == 0
         assert not eng.cancel("c0")                                   # already finished
         llm.cache.check_consistent()
+
+
+def test_engine_steps_aside_for_a_waiting_caller(tiny_ckpt):
+    """Python's locks are not fair: the scheduler thread re-takes its lock between steps ahead of a waiting
+    cancel/submit/metrics (61 steps seen on an idle machine; under CI load a request reached its 4000 tokens before
+    its cancel got in). While a caller is registered as waiting (AsyncEngine._turn), the loop starts no new step."""
+    with LLM(tiny_ckpt, max_batch=1, max_num_tokens=32, max_context=4096) as llm:
+        eng = llm.start()
+        col = Collector()
+        eng.submit("r", prompt(5, 1), SamplingParams(max_tokens=4000, ignore_eos=True), col)
+        while eng.metrics()["steps"] < 3 and not col.done.is_set():
+            time.sleep(0.01)
+        with eng._callers_lock:                  # what _turn does before it blocks on the engine lock
+            eng._callers += 1
+        try:
+            time.sleep(0.05)
+            s0 = eng._sched.stats["steps"]
+            time.sleep(0.3)                      # ~1 ms per step here: hundreds of steps if the loop did not wait
+            assert eng._sched.stats["steps"] <= s0 + 1     # at most the step that was in progress at s0
+        finally:
+            with eng._callers_lock:
+                eng._callers -= 1
+        assert eng.cancel("r") and col.done.wait(WAIT) and col.error is None
+        assert len(col.tokens) < 4000
 
 
 def test_preemption_matches_unconstrained(tiny_model):
