@@ -121,13 +121,16 @@ class AsyncEngine:
         steps aside while a caller is waiting."""
         with self._callers_lock:
             self._callers += 1
-        with self._cv:
+        try:
+            self._cv.acquire()
+        finally:                               # also when the wait is interrupted (KeyboardInterrupt)
             with self._callers_lock:
                 self._callers -= 1
-            try:
-                yield
-            finally:
-                self._cv.notify_all()
+        try:
+            yield
+        finally:
+            self._cv.notify_all()
+            self._cv.release()
 
     @property
     def running(self) -> bool:
@@ -337,7 +340,7 @@ class LLM:
                 if finished:
                     out.finish_reason, out.error = reqs[0].finish_reason, error
                     done.release()
-            with self._engine._cv if self._engine is not None else contextlib.nullcontext():
+            with self._engine._turn() if self._engine is not None else contextlib.nullcontext():
                 reqs.append(self._submit(out.request_id, pr, p, on_token))   # before its first callback can run
         self._wait(done, len(outs))
         return outs

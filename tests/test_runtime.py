@@ -320,13 +320,23 @@ def test_cancel_mid_generation_frees_everything(tiny_ckpt):
 def test_engine_steps_aside_for_a_waiting_caller(tiny_ckpt):
     """Python's locks are not fair: the scheduler thread re-takes its lock between steps ahead of a waiting
     cancel/submit/metrics (61 steps seen on an idle machine; under CI load a request reached its 4000 tokens before
-    its cancel got in). While a caller is registered as waiting (AsyncEngine._turn), the loop starts no new step."""
+    its cancel got in). A caller waiting for the engine lock registers (AsyncEngine._turn), and while one is
+    registered the loop starts no new step."""
     with LLM(tiny_ckpt, max_batch=1, max_num_tokens=32, max_context=4096) as llm:
         eng = llm.start()
         col = Collector()
         eng.submit("r", prompt(5, 1), SamplingParams(max_tokens=4000, ignore_eos=True), col)
         while eng.metrics()["steps"] < 3 and not col.done.is_set():
             time.sleep(0.01)
+        got = []
+        with eng._cv:                            # hold the engine lock: a metrics() call must register and wait
+            th = threading.Thread(target=lambda: got.append(eng.metrics()))
+            th.start()
+            while eng._callers == 0 and th.is_alive():
+                time.sleep(0.001)
+            assert eng._callers == 1 and not got
+        th.join(WAIT)
+        assert got and eng._callers == 0
         with eng._callers_lock:                  # what _turn does before it blocks on the engine lock
             eng._callers += 1
         try:
