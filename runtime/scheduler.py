@@ -226,6 +226,8 @@ class Scheduler:
             toks = dict(zip(rows, sample_batch(sel, [group[r][0].params for r in rows],
                                                [group[r][0].generator for r in rows])))
         for row, (req, n) in enumerate(group):
+            if req.status == "finished":               # cancelled by an earlier row's callback in this loop
+                continue
             req.num_computed += n
             if req.num_computed < len(req.all_ids):
                 continue                               # prefill not done yet: nothing to sample

@@ -351,6 +351,33 @@ def test_engine_steps_aside_for_a_waiting_caller(tiny_ckpt):
         assert len(col.tokens) < 4000
 
 
+@pytest.mark.parametrize("who", ["later", "earlier", "self"])
+def test_callback_cancelling_a_request_of_the_same_step(tiny_model, who):
+    """A token callback may cancel any request (AsyncEngine allows it), including one whose row comes later in the
+    step being delivered: that request gets exactly one final event and nothing after it, and every slot and block
+    comes back."""
+    s = make_sched(tiny_model, max_batch=3, max_num_tokens=64)
+    events = {r: [] for r in ("a", "b", "c")}
+    target = {"later": "c", "earlier": "a", "self": "b"}[who]
+
+    def cb(rid):
+        def f(tok, fin, err):   # (the scheduler logs and swallows a callback's exceptions: record, check later)
+            events[rid].append((tok, fin))
+            if rid == "b" and tok is not None and len(events["b"]) == 2:   # b's second token: cancel the target
+                events["cancelled"] = s.cancel(target)
+        return f
+    for i, rid in enumerate(("a", "b", "c")):
+        s.add(rid, prompt(6, 50 + i), greedy(6), cb(rid))
+    s.run_until_done()
+    assert events.pop("cancelled") is True
+    for r, ev in events.items():
+        assert [fin for _, fin in ev].index(True) == len(ev) - 1, f"{r}: events after its final one: {ev}"
+    assert events[target][-1][0] is None
+    assert len([t for t, _ in events[target] if t is not None]) < 6
+    assert s.cache.slots_in_use == 0 and s.cache.blocks_in_use == 0
+    s.cache.check_consistent()
+
+
 def test_preemption_matches_unconstrained(tiny_model):
     prompts = [prompt(10, 40 + i) for i in range(3)]
     n = 12
