@@ -134,7 +134,8 @@ class Scheduler:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
-        self.requests.pop(req.request_id, None)
+        if self.requests.get(req.request_id) is req:   # not a new request re-submitted under the same id
+            del self.requests[req.request_id]
         req.status, req.finish_reason, req.error = "finished", reason, error
         self._notify(req, notify_token, True, error)
 
@@ -216,7 +217,8 @@ class Scheduler:
         except Exception as e:
             log.exception("forward failed; finishing the %d requests of this batch with an error", len(group))
             for req, _ in group:
-                self._finish(req, "error", f"{type(e).__name__}: {e}", notify_token=None)
+                if req.status != "finished":           # an earlier row's error callback may have cancelled it
+                    self._finish(req, "error", f"{type(e).__name__}: {e}", notify_token=None)
             return
         self.cache.set_pools(pools)
         rows = [row for row, (req, n) in enumerate(group) if req.num_computed + n >= len(req.all_ids)]
@@ -256,6 +258,7 @@ class Scheduler:
         self.stats["max_requests_per_step"] = max(self.stats["max_requests_per_step"], len(plan))
         if decode:
             self._run(decode, decode=True)
+        prefill = [(r, n) for r, n in prefill if r.status != "finished"]   # a decode row's callback may cancel one
         if prefill:
             self._run(prefill, decode=False)
         return self.last_step_requests

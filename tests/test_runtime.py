@@ -329,7 +329,7 @@ def test_engine_steps_aside_for_a_waiting_caller(tiny_ckpt):
         while eng.metrics()["steps"] < 3 and not col.done.is_set():
             time.sleep(0.01)
         got = []
-        with eng._cv:                            # hold the engine lock: a metrics() call must register and wait
+        with eng._turn():                        # hold the engine lock: a metrics() call must register and wait
             th = threading.Thread(target=lambda: got.append(eng.metrics()))
             th.start()
             while eng._callers == 0 and th.is_alive():
@@ -351,29 +351,34 @@ def test_engine_steps_aside_for_a_waiting_caller(tiny_ckpt):
         assert len(col.tokens) < 4000
 
 
-@pytest.mark.parametrize("who", ["later", "earlier", "self"])
+@pytest.mark.parametrize("who", ["later", "earlier", "self", "prefilling"])
 def test_callback_cancelling_a_request_of_the_same_step(tiny_model, who):
     """A token callback may cancel any request (AsyncEngine allows it), including one whose row comes later in the
-    step being delivered: that request gets exactly one final event and nothing after it, and every slot and block
-    comes back."""
-    s = make_sched(tiny_model, max_batch=3, max_num_tokens=64)
-    events = {r: [] for r in ("a", "b", "c")}
-    target = {"later": "c", "earlier": "a", "self": "b"}[who]
+    step being delivered or one still prefilling in the same step: that request gets exactly one final event and
+    nothing after it, the others finish normally, and every slot and block comes back."""
+    s = make_sched(tiny_model, max_batch=4, max_num_tokens=16)
+    rids = ("a", "b", "c", "p") if who == "prefilling" else ("a", "b", "c")
+    events = {r: [] for r in rids}
+    target = {"later": "c", "earlier": "a", "self": "b", "prefilling": "p"}[who]
 
     def cb(rid):
         def f(tok, fin, err):   # (the scheduler logs and swallows a callback's exceptions: record, check later)
             events[rid].append((tok, fin))
             if rid == "b" and tok is not None and len(events["b"]) == 2:   # b's second token: cancel the target
+                t = s.requests[target]
+                events["target_prefilling"] = not t.is_decode
                 events["cancelled"] = s.cancel(target)
         return f
-    for i, rid in enumerate(("a", "b", "c")):
-        s.add(rid, prompt(6, 50 + i), greedy(6), cb(rid))
+    for i, rid in enumerate(rids):
+        s.add(rid, prompt(60 if rid == "p" else 3, 50 + i), greedy(6), cb(rid))
     s.run_until_done()
     assert events.pop("cancelled") is True
+    assert events.pop("target_prefilling") is (who == "prefilling")
     for r, ev in events.items():
         assert [fin for _, fin in ev].index(True) == len(ev) - 1, f"{r}: events after its final one: {ev}"
     assert events[target][-1][0] is None
     assert len([t for t, _ in events[target] if t is not None]) < 6
+    assert all(len(ev) == 6 for r, ev in events.items() if r != target)     # 6 tokens, the last one final
     assert s.cache.slots_in_use == 0 and s.cache.blocks_in_use == 0
     s.cache.check_consistent()
 
