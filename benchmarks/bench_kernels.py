@@ -323,7 +323,7 @@ def state_floors(B, H, L, nbytes):
     (grid, fast) = kda_k._decode_grid(B, H, K // bv, True)
     if not fast:
         raise ValueError(f"state_floors: B={B} takes the tokens-fast grid, which _floor_state_kernel does not model")
-    nw = 8 if bv * K >= 16384 else 4          # kda_decode's warp rule
+    nw = kda_k._decode_num_warps(bv, K)
     res = dict(state_inplace=graph_us_per_call([lambda p_=p_: _floor_state_kernel[grid](p_, slots, H=H, K=K, BV=bv,
                                                                                           num_warps=nw)
                                                  for p_ in pools]))

@@ -20,6 +20,7 @@ through MoE routing flips (top-k gaps down to 1e-5). So:
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -667,21 +668,22 @@ def _interp_env() -> dict:
             "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
-_INTERP_PROBLEM: list = []
+@functools.lru_cache(maxsize=None)
+def _probe_interpreter() -> tuple[int | None, str]:
+    """(exit code, stderr) of `_PROBE` under TRITON_INTERPRET=1, once per session; (None, why) on a timeout."""
+    try:
+        r = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300,
+                           env=_interp_env())
+        return r.returncode, r.stderr
+    except subprocess.TimeoutExpired:
+        return None, "the interpreter probe ran over 300 s"
 
 
 def _interpreter_problem() -> str | None:
     """Why this machine's Triton interpreter cannot run our kernels, or None (probed once, in a subprocess). Seen on
     the H200 image (Triton 3.6, NumPy 2.4): its interpreter fails on any loop bounded by a kernel argument ("only
     0-dimensional arrays can be converted to Python scalars"); Triton 3.9 (the CPU CI) runs them."""
-    if not _INTERP_PROBLEM:
-        try:
-            r = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300,
-                               env=_interp_env())
-            _INTERP_PROBLEM.append((r.returncode, r.stderr))
-        except subprocess.TimeoutExpired:
-            _INTERP_PROBLEM.append((None, "the interpreter probe ran over 300 s"))
-    rc, err = _INTERP_PROBLEM[0]
+    rc, err = _probe_interpreter()
     if rc == 0:
         return None
     if rc is not None and "only 0-dimensional arrays can be converted to Python scalars" in err:

@@ -183,6 +183,12 @@ def _decode_block_v(n_items: int, K: int) -> int:
     return K if K < 128 else (32 if n_items <= 16 else 128 if n_items <= 256 else 32 if n_items <= 1024 else 64)
 
 
+def _decode_num_warps(block_v: int, head_dim: int) -> int:
+    """Default warps of `_kda_decode_kernel` for a [block_v, head_dim] fp32 state tile: 8 from 16384 elements (64 KB)
+    up, else 4 (plugins/kda/trt_aot.py `num_warps` repeats it for the whole tile without importing Triton)."""
+    return 8 if block_v * head_dim >= 16384 else 4
+
+
 def _decode_grid(batch: int, num_heads: int, nv: int, iv_fast: bool) -> tuple[tuple[int, int, int], bool]:
     """(launch grid, IV_FAST) of `_kda_decode_kernel`: (nv, batch, heads) with IV_FAST (V tiles of a (token, head)
     adjacent) when asked and batch <= 65535 (CUDA's limit on grid dimension y), else (batch, heads, nv)."""
@@ -257,7 +263,7 @@ def kda_decode(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slot
         qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slots, out, oacc, cnt,
         qkv.stride(0), f.stride(0), b.stride(0), g.stride(0), out.stride(0), *scalars,
         H=H, K=K, P=P, BV=BV, PREFETCH=(qkv.is_cuda and not _INTERPRET) if prefetch is None else bool(prefetch),
-        IV_FAST=int(iv_fast), num_warps=num_warps or (8 if BV * K >= 16384 else 4),
+        IV_FAST=int(iv_fast), num_warps=num_warps or _decode_num_warps(BV, K),
     )
     return out, state, conv
 
