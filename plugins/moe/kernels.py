@@ -15,6 +15,7 @@ Hopper has no FP4 MMA: the MMAs are bf16 with fp32 accumulation.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -478,14 +479,21 @@ def mxfp4_moe_workspace_bytes(num_tokens: int, top_k: int, num_experts: int, int
                               hidden_size: int, *, device=None, impl: str = "legacy") -> int:
     """Workspace bytes of :func:`mxfp4_moe` for up to `num_tokens` tokens with `top_k` choices, `num_experts`
     local experts, intermediate size I and latent size Rl (`hidden_size`): sort buffers (pair order, token ids,
-    expert offsets; int32), h `[T*k, I]` (bf16 on the GPU), per-pair outputs `[T*k, Rl]` fp32."""
+    expert offsets; int32), h `[T*k, I]` (bf16 on the GPU), per-pair outputs `[T*k, Rl]` fp32, and on the GPU the
+    activations in the Gluon kernels' column order `[T, Rl]` bf16 (whichever impl runs)."""
     M = int(num_tokens) * int(top_k)
     if M <= 0:
         return 0
     dev = torch.device(device) if device is not None else (
         torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
-    return plan_bytes([((M,), torch.int32), ((M,), torch.int32), ((num_experts + 1,), torch.int32),
-                       ((M, intermediate_size), _h_dtype(dev, impl)), ((M, hidden_size), torch.float32)])
+    return plan_bytes(_workspace_plan(int(num_tokens), M, num_experts, intermediate_size, hidden_size, dev, impl))
+
+
+def _workspace_plan(T, M, num_experts, inter, latent, dev, impl):
+    """(shape, dtype) of each workspace buffer, in the order `mxfp4_moe` takes them."""
+    plan = [((M,), torch.int32), ((M,), torch.int32), ((num_experts + 1,), torch.int32),
+            ((M, inter), _h_dtype(dev, impl)), ((M, latent), torch.float32)]
+    return plan + ([((T, latent), torch.bfloat16)] if dev.type == "cuda" else [])
 
 
 def _pick_block_m(T, k, num_experts):
@@ -517,14 +525,20 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
               situ_beta: float = 4.0, situ_linear_beta: float = 25.0, num_experts: int = 0,
               block_m: int | None = None, block_n13: int | None = None, block_n2: int | None = None,
               block_k: int | None = None,
-              impl: str = "legacy", num_warps: int = 4, num_stages: int | None = None,
+              impl: str | None = None, num_warps: int = 4, num_stages: int | None = None,
               dequant: int | None = None, maxnreg: int | None = None, out=None,
               workspace: torch.Tensor | None = None):
     """Mxfp4Moe (MODEL.md §7.2, §8.3): y [T, Rl] fp32 = sum over local choices of w * w2_e(SiTU(w1_e x, w3_e x)).
     x [T, Rl] bf16/fp32; topk_ids [T, k] int (global expert ids; ids outside expert_offset .. +E contribute 0);
     topk_w [T, k] fp32; w13_packed [E, 2I, Rl/2] uint8 (E2M1 pairs, low nibble = even column), w13_scale
     [E, 2I, Rl/32] uint8 (E8M0); w2_packed [E, Rl, I/2], w2_scale [E, Rl, I/32] likewise.
-    impl "legacy" (default): inline-PTX dequant to bf16 tiles in registers, x as the LHS (block_n 128);
+    impl None (default): "gluon" on a CUDA device when the shapes allow it (:func:`pick_impl`), else "legacy".
+    impl "gluon": plugins/moe/kernels_gluon.py, the explicit-layout GEMMs (MXFP4 bytes decoded straight into the
+    mma.sync operand registers, weights and activation tiles through a cp.async ring; H200 run 14: T=64 1.2x and
+    T=8 1.5x the legacy kernels): block_n13 / block_n2 weight rows per program (default 128), block_k the K
+    columns per copy (128, 256 or 512; default 256 where both widths allow), num_stages the ring depth (2, 4 or 8;
+    default 2), block_m 8 or 16 tokens (default: 8 when experts average <= 8 pairs), num_warps 4 or 8.
+    impl "legacy": inline-PTX dequant to bf16 tiles in registers, x as the LHS (block_n 128);
     dequant: 3 (GPU default for 16/32-row token tiles: `_dequant_asm2` with one multiply per weight pair in every
     program whose scales are all <= 2^1, checked per program), 2 (`_dequant_asm2` always with two; the GPU default
     for 64-row tiles), 1 (`_dequant_asm`, runs 2-5), 0 plain Triton (the interpreter; the only choice off the GPU,
@@ -545,6 +559,15 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
     I = I2 // 2
     dev = x.device
     n_global = check_num_experts(num_experts, int(expert_offset), E)    # validated even with block_m given
+    if impl is None:
+        legacy_knobs = dequant is not None or maxnreg is not None
+        impl = "legacy" if legacy_knobs else pick_impl(dev, T, k, n_global, RL, I, block_n13=block_n13,
+                                                         block_n2=block_n2, block_k=block_k, block_m=block_m,
+                                                         num_warps=num_warps)
+    if impl == "gluon" and (dev.type != "cuda" or _INTERPRET):
+        raise ValueError("mxfp4_moe: impl='gluon' needs a CUDA device (the Triton interpreter cannot run Gluon); "
+                         "use impl='legacy'")
+    block_m_arg, block_k_arg = block_m, block_k
     block_m = block_m or _pick_block_m(T, k, n_global)
     block_k = block_k or default_block_k(RL, I, 64 if impl == "dot_scaled" else block_m)
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -574,8 +597,19 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
             h, order, wts, offs, w2_packed, w2_scale, ypair,
             h.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
             ypair.stride(0), I, RL, BM=BM, BN=BN2, BK=BK, num_warps=num_warps, num_stages=ns)
+    elif impl == "gluon":
+        from plugins.moe import kernels_gluon
+        bm = block_m_arg or (8 if triton.cdiv(T * k, n_global) <= 8 else 16)
+        bk = block_k_arg or (256 if RL % 256 == 0 and I % 256 == 0 else 128)
+        kernels_gluon.grouped_gemms(x, tok, order, wts, offs, w13_packed, w13_scale, w2_packed, w2_scale, h, ypair,
+                                    ws.empty((T, RL), torch.bfloat16), situ_beta=situ_beta,
+                                    situ_linear_beta=situ_linear_beta, block_n13=block_n13 or 128,
+                                    block_n2=block_n2 or 128, num_warps=num_warps,
+                                    stages=2 if num_stages is None else num_stages, block_m=bm,
+                                    block_k=bk)
     else:
-        assert impl == "legacy", impl
+        if impl != "legacy":
+            raise ValueError(f"mxfp4_moe: impl={impl!r} must be 'legacy', 'gluon' or 'dot_scaled'")
         on_gpu = dev.type == "cuda" and not _INTERPRET
         if dequant is None:   # folded scales with 64-row tiles ran 1.45x slower on the H200 (RESULTS.md run 6)
             dequant = (3 if block_m < 64 else 2) if on_gpu else 0
@@ -601,6 +635,33 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
     _moe_combine_kernel[(T, triton.cdiv(RL, BR))](ypair, ids, out, RL, E, int(expert_offset), out.stride(0),
                                                  K=k, BK=triton.next_power_of_2(k), BR=BR, num_warps=4)
     return out
+
+
+def pick_impl(dev, T: int, k: int, num_experts: int, latent: int, inter: int, **tiles) -> str:
+    """`mxfp4_moe`'s default implementation: "gluon" on a CUDA device (not the interpreter) whose Triton has Gluon,
+    for decode-sized batches (experts average <= 16 (token, choice) pairs over the `num_experts` routed experts of
+    all ranks: the Gluon kernels take 8/16-token tiles) and widths and `tiles` (block_n13, block_n2, block_k,
+    block_m, num_warps as given to `mxfp4_moe`; None = its default) the Gluon kernels accept; else "legacy"."""
+    if dev.type != "cuda" or _INTERPRET or triton.cdiv(T * k, max(num_experts, 1)) > 16 or not _has_gluon():
+        return "legacy"
+    from plugins.moe import kernels_gluon
+    bk = tiles.get("block_k") or (256 if latent % 256 == 0 and inter % 256 == 0 else 128)
+    try:
+        kernels_gluon.check_shapes(latent, inter, tiles.get("block_n13") or 128, tiles.get("block_n2") or 128, bk)
+        for bn in (tiles.get("block_n13") or 128, tiles.get("block_n2") or 128):
+            kernels_gluon.layouts(bn, tiles.get("num_warps") or 4, tiles.get("block_m") or 16, bk // 128)
+    except ValueError:
+        return "legacy"
+    return "gluon"
+
+
+@functools.lru_cache(maxsize=None)
+def _has_gluon() -> bool:
+    try:
+        from plugins.moe import kernels_gluon  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def route(x, gate_w, correction_bias, *, top_k: int = 16, num_expert_group: int = 1, topk_group: int = 1,

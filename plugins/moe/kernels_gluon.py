@@ -1,0 +1,420 @@
+"""MXFP4 grouped GEMMs of `mxfp4_moe` in Gluon (Triton's explicit-layout dialect): GPU only, sm_80+ (mma.sync).
+The Triton interpreter cannot run Gluon, so the CPU runs plugins/moe/kernels.py's Triton kernels; CI compiles these
+for sm_90 offline (tests/test_moe_gluon.py). MODEL.md §7.2, §8.3.
+
+Why a second form: in the Triton kernels the compiler picks the register layouts, so the packed bytes are unpacked
+and re-packed around the decode (~3.9 SASS instructions per weight, benchmarks/RESULTS.md runs 6, 12, 13). Here
+each thread loads its MXFP4 bytes (16 contiguous per row and step, one load) straight into the registers of its
+mma.sync B operand and decodes 8 codes per 32-bit word with 13 integer ops and 4 bf16x2 multiplies:
+
+* K is relabelled within each 128-column step (a GEMM's K order is free when both operands use the same one). The
+  thread with t = lane % 4 takes weight columns [32t, 32t + 32) of the step: 16 contiguous bytes of a row (4
+  words, exactly one E8M0 group) and the activations' columns [32t, 32t + 32) (64 contiguous bytes).
+* A word holds codes n0..n7 (code j at bits 4j .. 4j+3 = column 8u + j of word u); decode output i (0..3) is the
+  bf16 pair (n_i, n_{i+4}): both halves need the same shifts, so one 32-bit op serves two weights.
+* Output i of the thread's words q = 2m + r (m, r in {0, 1}) feeds MMA m of output i at k = 8r + 2t + l (l: bf16
+  lane), i.e. real column 32t + 16m + 8r + 4l + i of the step; `_x_operands` takes the activations in the same
+  order. The layout changes are reshapes / permutes / splits of registers only, asserted at compile time
+  (`convert_layout(..., assert_trivial=True)`).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+BLOCK_K = 128      # K columns per step (4 threads x 32)
+# cp.async global -> shared: `async_load` from Triton 3.7 on (3.9 keeps the old name only to raise), before that
+# `async_copy_global_to_shared` (Triton 3.6, the H200 image)
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
+
+def _dq_asm(folded: bool) -> str:
+    """PTX of `_decode`: $4 = one 32-bit word (codes n0..n7), $5 = the E8M0 factor as bf16x2 bits (folded:
+    2^(s-1), else 2^(s-127)); $0..$3 = (n0, n4), (n1, n5), (n2, n6), (n3, n7) as bf16x2. Per pair: z = the two
+    codes (mask), z * (2^a + 2^b) = z << a | z << b (the copies never overlap: no carry), & 0x81C081C0 keeps the
+    magnitude at bf16 bits 8:6 and the sign at bit 15 of both halves: value x 2^-126 (0.5 is a bf16 subnormal,
+    kept by mul.bf16x2), then x the factor (unfolded: first x 2^126). (n2, n6), (n3, n7) come from the word with
+    the bytes of each half swapped (one prmt), like (n0, n4), (n1, n5)."""
+    rebias = "" if folded else "mul.rn.bf16x2 v, v, bias;"
+
+    def pair(out, src, mask, mult):
+        return f"""
+        and.b32 v, {src}, {mask};
+        mul.lo.u32 v, v, {mult};
+        and.b32 v, v, 0x81C081C0;
+        {rebias}
+        mul.rn.bf16x2 {out}, v, $5;"""
+    return ("""
+        {
+        .reg .b32 v, w, bias;
+        mov.b32 bias, 0x7E807E80;
+        prmt.b32 w, $4, 0, 0x2301;"""
+            + pair("$0", "$4", "0x000F000F", "0x1040")
+            + pair("$1", "$4", "0x00F000F0", "0x104")
+            + pair("$2", "w", "0x000F000F", "0x1040")
+            + pair("$3", "w", "0x00F000F0", "0x104")
+            + """
+        }
+        """)
+
+
+_DQ = gl.constexpr(_dq_asm(False))
+_DQ_FOLDED = gl.constexpr(_dq_asm(True))
+
+
+@gluon.jit
+def _decode(p, sc, FOLDED: gl.constexpr):
+    """p int16 [R, C] (a 32-bit word = two consecutive int16 of a thread), sc int32 [R, C] bf16x2 factor bits
+    (equal over each pair) -> 4 bf16 [R, C]: output i holds codes (n_i, n_{i+4}) of each word."""
+    if FOLDED:
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(asm=_DQ_FOLDED, constraints="=r,=r,=r,=r,r,r,r", args=[p, sc],
+                                                   dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16),
+                                                   is_pure=True, pack=2)
+    else:
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(asm=_DQ, constraints="=r,=r,=r,=r,r,r,r", args=[p, sc],
+                                                   dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16),
+                                                   is_pure=True, pack=2)
+    return o0, o1, o2, o3
+
+
+@gluon.jit
+def _w_operands(o, BN: gl.constexpr, LA: gl.constexpr):
+    """Decoded output i [BN, 32] of a step (thread t: elements 8t + 4m + 2r + l: word q = 2m + r, lane l) -> the two
+    mma.sync A operands [BN, 16] (m = 0, 1) with k = 8r + 2t + l."""
+    v = o.reshape([BN, 4, 2, 2, 2]).permute([0, 3, 1, 4, 2])
+    v0, v1 = v.split()
+    return (gl.convert_layout(v0.reshape([BN, 16]), LA, assert_trivial=True),
+            gl.convert_layout(v1.reshape([BN, 16]), LA, assert_trivial=True))
+
+
+@gluon.jit
+def _x_operands(xv, BM: gl.constexpr, LB: gl.constexpr):
+    """Activations bf16 [BM, 128] of one step in `permute_columns` order (thread t: positions 32i + 8t + e, i < 4,
+    e < 8) -> the 8 mma.sync B operands [16, BM] in the order (i, m) = (0,0), (0,1), (1,0), .. (3,1): position
+    32i + 8t + 4m + 2r + l = real column 32t + 16m + 8r + 4l + i of the step goes to k = 8r + 2t + l, matching
+    `_w_operands` of decoded output i. Only register selection: no instruction."""
+    v = xv.reshape([BM, 2, 2, 4, 2, 2, 2]).permute([0, 5, 3, 6, 1, 2, 4])
+    v0, v1 = v.split()
+    a, b = v0.split()
+    x00, x20 = a.split()
+    x10, x30 = b.split()
+    c, d = v1.split()
+    x01, x21 = c.split()
+    x11, x31 = d.split()
+    return (gl.convert_layout(x00.reshape([BM, 16]).permute([1, 0]), LB, assert_trivial=True),
+            gl.convert_layout(x01.reshape([BM, 16]).permute([1, 0]), LB, assert_trivial=True),
+            gl.convert_layout(x10.reshape([BM, 16]).permute([1, 0]), LB, assert_trivial=True),
+            gl.convert_layout(x11.reshape([BM, 16]).permute([1, 0]), LB, assert_trivial=True),
+            gl.convert_layout(x20.reshape([BM, 16]).permute([1, 0]), LB, assert_trivial=True),
+            gl.convert_layout(x21.reshape([BM, 16]).permute([1, 0]), LB, assert_trivial=True),
+            gl.convert_layout(x30.reshape([BM, 16]).permute([1, 0]), LB, assert_trivial=True),
+            gl.convert_layout(x31.reshape([BM, 16]).permute([1, 0]), LB, assert_trivial=True))
+
+
+@gluon.jit
+def _scale_load(sp, rows, g0, stride_s, NGS: gl.constexpr, LS: gl.constexpr):
+    """E8M0 bytes uint8 [BN, NGS] of weight rows `rows` [BN] (layout SliceLayout(1, LS)), groups g0 .. g0+NGS-1
+    (LS: group 4j + t in thread t)."""
+    gg = gl.arange(0, NGS, layout=gl.SliceLayout(0, LS))
+    return gl.load(sp + rows[:, None] * stride_s + (g0 + gg)[None, :])
+
+
+@gluon.jit
+def _scale_part(sb, j: gl.constexpr, BN: gl.constexpr, SUB: gl.constexpr):
+    """Groups 4j .. 4j+3 [BN, 4] of the slot's E8M0 bytes sb [BN, 4 SUB] (register selection only)."""
+    if SUB == 1:
+        part = sb
+    elif SUB == 2:
+        p0, p1 = sb.reshape([BN, 2, 4]).permute([0, 2, 1]).split()
+        part = p0 if j == 0 else p1
+    else:
+        e, o = sb.reshape([BN, 2, 2, 4]).permute([0, 3, 1, 2]).split()
+        if j % 2 == 0:
+            p0, p1 = e.split()
+        else:
+            p0, p1 = o.split()
+        part = p0 if j < 2 else p1
+    return part
+
+
+@gluon.jit
+def _scale_bits(s, BN: gl.constexpr, FOLDED: gl.constexpr, LW: gl.constexpr):
+    """E8M0 bytes [BN, 4] (one group per quad thread) -> bf16x2 factor bits (folded: 2^(s-1), else 2^(s-127))
+    broadcast over the thread's [BN, 32] int16 word tile of layout LW."""
+    if FOLDED:
+        b = s.to(gl.int32) * 0x00800080 + 0x3F003F00
+    else:
+        b = s.to(gl.int32) * 0x00800080
+    b = gl.join(b, b)
+    b = gl.join(b, b)
+    b = gl.join(b, b)
+    return gl.convert_layout(b.reshape([BN, 32]), LW, assert_trivial=True)
+
+
+@gluon.jit
+def _mma_step(acc, p, sc, x00, x01, x10, x11, x20, x21, x30, x31, FOLDED: gl.constexpr, BN: gl.constexpr,
+              LA: gl.constexpr):
+    """acc [BN, BM] += one 128-column step: weight words p int16 [BN, 32] (factor bits sc) times the step's
+    activation operands (weights are the mma.sync A operand, tokens the B operand: "swap AB")."""
+    o0, o1, o2, o3 = _decode(p, sc, FOLDED)
+    a0, a1 = _w_operands(o0, BN, LA)
+    acc = mma_v2(a0, x00, acc)
+    acc = mma_v2(a1, x01, acc)
+    a0, a1 = _w_operands(o1, BN, LA)
+    acc = mma_v2(a0, x10, acc)
+    acc = mma_v2(a1, x11, acc)
+    a0, a1 = _w_operands(o2, BN, LA)
+    acc = mma_v2(a0, x20, acc)
+    acc = mma_v2(a1, x21, acc)
+    a0, a1 = _w_operands(o3, BN, LA)
+    acc = mma_v2(a0, x30, acc)
+    return mma_v2(a1, x31, acc)
+
+
+@gluon.jit
+def _gemm(a_ptr, arows, stride_a, wp, sp, wrows, stride_w, stride_s, K,
+          BM: gl.constexpr, BN: gl.constexpr, FOLDED: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr,
+          LXC: gl.constexpr, LXL: gl.constexpr, LWC: gl.constexpr, LW: gl.constexpr, LS: gl.constexpr,
+          MMA: gl.constexpr):
+    """fp32 [BN, BM] = W[wrows] · A[arows]ᵀ over K (K % (128 SUB) == 0): A bf16 rows [*, K] in `permute_columns`
+    order (arows: SliceLayout(1, LXC)), W the int16 view of one expert's packed E2M1 rows (wp; wrows:
+    SliceLayout(1, LW); stride_w in int16), sp its E8M0 rows. The weight words [BN, 32 SUB] and the activation
+    tile [BM, 128 SUB] of SUB 128-column steps stream through a ring of STAGES (a power of two) shared-memory
+    slots by cp.async, STAGES - 1 slots ahead (the tile is copied once per CTA and read by every warp; SUB = 2
+    reads 128 contiguous bytes of every weight row per copy); the E8M0 bytes of the next slot are loaded into
+    registers."""
+    LA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
+    LB: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
+    SH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    # activation tile: in every odd row the 64-byte blocks are swapped pairwise, so the 16-byte reads of rows g and
+    # g + 1 by one quarter warp (4 threads each, 64 bytes apart) fall on different banks
+    SX: gl.constexpr = gl.SwizzledSharedLayout(32, 1, 2, [1, 0])
+    jj = gl.arange(0, 32 * SUB, layout=gl.SliceLayout(0, LWC))
+    kk = gl.arange(0, 128 * SUB, layout=gl.SliceLayout(0, LXC))
+    wptr = wp + gl.convert_layout(wrows, gl.SliceLayout(1, LWC))[:, None] * stride_w + jj[None, :]
+    aptr = a_ptr + arows[:, None] * stride_a + kk[None, :]
+    srows = gl.convert_layout(wrows, gl.SliceLayout(1, LS), assert_trivial=True)
+    wbuf = gl.allocate_shared_memory(gl.int16, [STAGES, BN, 32 * SUB], SH)
+    xbuf = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, 128 * SUB], SX)
+    nslots = K // (128 * SUB)
+    for s in gl.static_range(STAGES - 1):
+        st = gl.minimum(s, nslots - 1)
+        _async_load(wbuf.index(s), wptr + st * (32 * SUB))
+        _async_load(xbuf.index(s), aptr + st * (128 * SUB))
+        async_copy.commit_group()
+    acc = gl.zeros([BN, BM], gl.float32, MMA)
+    sb = _scale_load(sp, srows, 0, stride_s, 4 * SUB, LS)
+    for i in range(nslots):
+        nx = gl.minimum(i + STAGES - 1, nslots - 1)   # past the end: a repeat of the last slot (an L2 hit)
+        slot = (i + STAGES - 1) % STAGES
+        _async_load(wbuf.index(slot), wptr + nx * (32 * SUB))
+        _async_load(xbuf.index(slot), aptr + nx * (128 * SUB))
+        async_copy.commit_group()
+        sb_n = _scale_load(sp, srows, gl.minimum(i + 1, nslots - 1) * (4 * SUB), stride_s, 4 * SUB, LS)
+        async_copy.wait_group(STAGES - 1)
+        for j in gl.static_range(SUB):
+            sc = _scale_bits(_scale_part(sb, j, BN, SUB), BN, FOLDED, LW)
+            xv = xbuf.index(i % STAGES).slice(128 * j, 128, 1).load(LXL)
+            x00, x01, x10, x11, x20, x21, x30, x31 = _x_operands(xv, BM, LB)
+            pw = wbuf.index(i % STAGES).slice(32 * j, 32, 1).load(LW)
+            acc = _mma_step(acc, pw, sc, x00, x01, x10, x11, x20, x21, x30, x31, FOLDED, BN, LA)
+        sb = sb_n
+    return acc
+
+
+@gluon.jit
+def _situ(g, u, beta, lbeta):
+    # 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25); tanh(x) = 2 sigmoid(2x) - 1
+    tg = 2.0 / (1.0 + gl.exp(-2.0 * g / beta)) - 1.0
+    tu = 2.0 / (1.0 + gl.exp(-2.0 * u / lbeta)) - 1.0
+    return beta * tg * (1.0 / (1.0 + gl.exp(-g))) * lbeta * tu
+
+
+@gluon.jit
+def _scale_max(sp, rows, stride_s, NG, BN: gl.constexpr, NW: gl.constexpr):
+    """Largest E8M0 exponent of weight rows `rows` [BN] (any 1-D layout) over all NG groups, 32 groups per load
+    (4 bytes per thread and row): NG / 32 memory round trips (4 for K = 3584)."""
+    LSC: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
+    gg = gl.arange(0, 32, layout=gl.SliceLayout(0, LSC))
+    r = gl.convert_layout(rows, gl.SliceLayout(1, LSC))
+    acc = gl.zeros([BN, 32], gl.int32, LSC)
+    for g0 in range(0, NG, 32):
+        s = gl.load(sp + r[:, None] * stride_s + (g0 + gg)[None, :], mask=(g0 + gg < NG)[None, :], other=0)
+        acc = gl.maximum(acc, s.to(gl.int32))
+    return gl.reduce(gl.reduce(acc, 1, _maximum), 0, _maximum)
+
+
+@gluon.jit
+def _maximum(a, b):
+    # a Gluon combine function (gl.max wraps a triton.jit one, which TRITON_INTERPRET=1 swaps for the interpreter's)
+    return gl.maximum(a, b)
+
+
+@gluon.jit
+def moe_w13_kernel(x_ptr, tok_ptr, offs_ptr, w_ptr, s_ptr, h_ptr,
+                   stride_x, stride_we, stride_w, stride_se, stride_s, stride_h,
+                   I, RL, beta, lbeta,
+                   BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, NW: gl.constexpr,
+                   LXC: gl.constexpr, LXL: gl.constexpr, LWC: gl.constexpr, LW: gl.constexpr, LS: gl.constexpr,
+                   MMA: gl.constexpr):
+    """h [pairs, I] bf16 (columns in `permute_columns` order) = SiTU(x[tok] · W1ᵀ, x[tok] · W3ᵀ) for the pairs of
+    expert program_id(1) (offs), columns program_id(0) * BN/2 .. + BN/2: the program's BN weight rows are BN/2
+    gate rows n and the up rows I + n, interleaved per 8 rows. x bf16 [T, RL] in `permute_columns` order; w_ptr the int16 view of
+    w13_packed [E, 2I, RL/2]; I % (BN/2) == 0, RL % 128 == 0. Layouts: `layouts(BN, num_warps)`."""
+    HN: gl.constexpr = BN // 2
+    pid_n = gl.program_id(0)
+    e = gl.program_id(1)
+    lo_off = gl.load(offs_ptr + e)
+    hi_off = gl.load(offs_ptr + e + 1)
+    if hi_off > lo_off:
+        # tile rows 16a + 8b + j: b = 0 gate row pid_n * HN + 8a + j, b = 1 the matching up row (I + ..): the
+        # pair sits in one thread (rows g and g + 8 of an mma tile), so gate and up split without data movement
+        c = gl.arange(0, BN, layout=gl.SliceLayout(1, LW))
+        wrows = (pid_n * HN + (c // 16) * 8 + c % 8 + gl.where((c // 8) % 2 == 1, I, 0)).to(gl.int64)
+        wp = w_ptr + e.to(gl.int64) * stride_we
+        sp = s_ptr + e.to(gl.int64) * stride_se
+        fold = _scale_max(sp, wrows, stride_s, RL // 32, BN, NW) <= 128   # one multiply per weight pair
+        for m0 in range(lo_off, hi_off, BM):
+            mx = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, LXC))
+            toks = gl.load(tok_ptr + mx, mask=mx < hi_off, other=0).to(gl.int64)
+            if fold:
+                acc = _gemm(x_ptr, toks, stride_x, wp, sp, wrows, stride_w, stride_s, RL, BM, BN, True, STAGES,
+                            SUB, LXC, LXL, LWC, LW, LS, MMA)
+            else:
+                acc = _gemm(x_ptr, toks, stride_x, wp, sp, wrows, stride_w, stride_s, RL, BM, BN, False, STAGES,
+                            SUB, LXC, LXL, LWC, LW, LS, MMA)
+            g, u = acc.reshape([BN // 16, 2, 8, BM]).permute([0, 2, 3, 1]).split()
+            hval = _situ(g.reshape([HN, BM]), u.reshape([HN, BM]), beta, lbeta)   # [HN, BM]: h transposed
+            mo = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, hval.type.layout))
+            n = pid_n * HN + gl.arange(0, HN, layout=gl.SliceLayout(1, hval.type.layout))
+            cc = n % 128    # = 32 t + 16 m + 8 r + 4 l + i  ->  stored at 32 i + 8 t + 4 m + 2 r + l
+            col = n - cc + 32 * (cc % 4) + 8 * (cc // 32) + 4 * ((cc // 16) % 2) + 2 * ((cc // 8) % 2) + (cc // 4) % 2
+            gl.store(h_ptr + mo[None, :].to(gl.int64) * stride_h + col[:, None], hval.to(gl.bfloat16),
+                     mask=(mo < hi_off)[None, :])
+
+
+@gluon.jit
+def moe_w2_kernel(h_ptr, pair_ptr, wts_ptr, offs_ptr, w_ptr, s_ptr, y_ptr,
+                  stride_h, stride_we, stride_w, stride_se, stride_s, stride_y,
+                  I, RL,
+                  BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, NW: gl.constexpr,
+                  LXC: gl.constexpr, LXL: gl.constexpr, LWC: gl.constexpr, LW: gl.constexpr, LS: gl.constexpr,
+                  MMA: gl.constexpr):
+    """y[pair, n] fp32 = w_pair · (h[m] · W2ᵀ) for the sorted pairs m of expert program_id(1), columns
+    program_id(0) * BN ..; h bf16 [pairs, I] in `permute_columns` order (written by moe_w13_kernel); w_ptr the
+    int16 view of w2_packed [E, RL, I/2]; RL % BN == 0, I % 128 == 0. Layouts: `layouts(BN, num_warps)`."""
+    pid_n = gl.program_id(0)
+    e = gl.program_id(1)
+    lo_off = gl.load(offs_ptr + e)
+    hi_off = gl.load(offs_ptr + e + 1)
+    if hi_off > lo_off:
+        wrows = (pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LW))).to(gl.int64)
+        wp = w_ptr + e.to(gl.int64) * stride_we
+        sp = s_ptr + e.to(gl.int64) * stride_se
+        fold = _scale_max(sp, wrows, stride_s, I // 32, BN, NW) <= 128   # one multiply per weight pair
+        for m0 in range(lo_off, hi_off, BM):
+            mx = gl.minimum(m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, LXC)), hi_off - 1).to(gl.int64)
+            if fold:
+                acc = _gemm(h_ptr, mx, stride_h, wp, sp, wrows, stride_w, stride_s, I, BM, BN, True, STAGES,
+                            SUB, LXC, LXL, LWC, LW, LS, MMA)
+            else:
+                acc = _gemm(h_ptr, mx, stride_h, wp, sp, wrows, stride_w, stride_s, I, BM, BN, False, STAGES,
+                            SUB, LXC, LXL, LWC, LW, LS, MMA)
+            mo = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
+            omask = mo < hi_off
+            pair = gl.load(pair_ptr + mo, mask=omask, other=0).to(gl.int64)
+            wt = gl.load(wts_ptr + pair, mask=omask, other=0.0)
+            no = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+            gl.store(y_ptr + pair[None, :] * stride_y + no[:, None], acc * wt[None, :], mask=omask[None, :])
+
+
+@functools.lru_cache(maxsize=None)
+def layouts(block_n: int, num_warps: int, block_m: int = 16, sub: int = 1) -> dict:
+    """The kernels' register layouts for BN = block_n weight rows, `num_warps` (4 or 8) warps and block_m (8 or
+    16) tokens, as constexpr arguments (g = lane // 4, t = lane % 4). MMA: the mma.sync accumulator [BN, BM], warps
+    stacked along the weight rows: warp w, rows 16w + g and 16w + 8 + g (+ 16 num_warps j), tokens 2t, 2t + 1
+    (+ 8). LW weight words [BN, 32] int16 with the same rows, 16 bytes of a row per thread (words 4t .. 4t+3); LS
+    the scales [BN, 4 sub] of a copy (rows as LW, groups 4j + t). LWC / LXC: the cp.async copies of the weight words [BN, 32 sub] and
+    the activation tile [BM, 128 sub] (16 bytes per thread and copy; sub 128-column steps per copy); LXL its read into registers: rows g (and g + 8), positions 32i + 8t + e, every warp the
+    same."""
+    if num_warps not in (4, 8) or block_m not in (8, 16) or sub not in (1, 2, 4):
+        raise ValueError(f"mxfp4_moe(impl='gluon'): num_warps={num_warps} must be 4 or 8, block_m={block_m} 8 or 16 "
+                         f"and sub={sub} 1, 2 or 4")
+    nb = num_warps.bit_length() - 1
+    rows = 16 * num_warps
+    if block_n % rows:
+        raise ValueError(f"mxfp4_moe(impl='gluon'): block_n={block_n} must be a multiple of 16 x num_warps = {rows}")
+    reps = [[rows << j, 0] for j in range((block_n // rows).bit_length() - 1)]
+    lw = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]] + reps,
+                                    lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+                                    warp_bases=[[16 << j, 0] for j in range(nb)], block_bases=[], shape=[block_n, 32])
+    return dict(
+        NW=num_warps,
+        SUB=sub,
+        LXC=gl.BlockedLayout([1, 8], [2, 16] if sub == 1 else [1, 32], [num_warps, 1], [1, 0]),
+        LWC=lw if sub == 1 else gl.BlockedLayout([1, 8], [8 // sub, 4 * sub], [num_warps, 1], [1, 0]),   # 64 sub B
+        LXL=gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [0, 32], [0, 64]] + ([[8, 0]] if block_m == 16 else []),
+                                       lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+                                       warp_bases=[[0, 0]] * nb, block_bases=[], shape=[block_m, 128]),
+        LW=lw,
+        LS=gl.DistributedLinearLayout(reg_bases=[[0, 4 << j] for j in range(sub.bit_length() - 1)] + [[8, 0]] + reps,
+                                      lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=[[16 << j, 0] for j in range(nb)], block_bases=[],
+                                      shape=[block_n, 4 * sub]),
+        MMA=gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8]))
+
+
+def permute_columns(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Activations [T, C] (C % 128 == 0, any float dtype) -> bf16 [T, C] with each 128-column block stored in the
+    kernels' operand order: position 32i + 8t + 4m + 2r + l holds column 32t + 16m + 8r + 4l + i (module
+    docstring). One copy; `out` (bf16 [T, C], contiguous) receives it when given. ValueError for other widths."""
+    T, C = x.shape
+    if C % 128:
+        raise ValueError(f"permute_columns: width {C} must be a multiple of 128")
+    out = torch.empty(T, C, dtype=torch.bfloat16, device=x.device) if out is None else out
+    out.view(T, C // 128, 4, 4, 2, 2, 2).copy_(x.view(T, C // 128, 4, 2, 2, 2, 4).permute(0, 1, 6, 2, 3, 4, 5))
+    return out
+
+
+def check_shapes(latent: int, inter: int, block_n13: int, block_n2: int, block_k: int = BLOCK_K) -> None:
+    """The Gluon GEMMs load whole tiles without masks: ValueError unless latent (Rl) and inter (I) are multiples of
+    block_k (the K columns per copy: 128, 256 or 512), I of block_n13 / 2 (gate rows per program) and Rl of block_n2."""
+    if block_k not in (128, 256, 512):
+        raise ValueError(f"mxfp4_moe(impl='gluon'): block_k={block_k} must be 128, 256 or 512")
+    if latent % block_k or inter % block_k or inter % (block_n13 // 2) or latent % block_n2:
+        raise ValueError(f"mxfp4_moe(impl='gluon'): latent width {latent} and expert width {inter} must be multiples "
+                         f"of block_k = {block_k}, the expert width of block_n13 / 2 = {block_n13 // 2} and the latent "
+                         f"width of block_n2 = {block_n2}; use impl='legacy' for these shapes")
+
+
+def grouped_gemms(x, tok, order, wts, offs, w13_packed, w13_scale, w2_packed, w2_scale, h, ypair, xperm, *,
+                  situ_beta: float, situ_linear_beta: float, block_n13: int = 128, block_n2: int = 128,
+                  num_warps: int = 4, stages: int = 4, block_m: int = 16, block_k: int = BLOCK_K) -> None:
+    """The two grouped GEMMs of `kernels.mxfp4_moe` (same sort buffers tok / order / offs and pair outputs): x
+    [T, Rl] is copied into xperm (bf16 [T, Rl], `permute_columns`), then h [pairs, I] bf16 (permuted columns) and
+    ypair [pairs, Rl] fp32 = w_pair · h · W2ᵀ. Weights: MXFP4 as in `kernels.mxfp4_moe` (contiguous rows)."""
+    T, RL = x.shape
+    E, I2, _ = w13_packed.shape
+    I = I2 // 2
+    check_shapes(RL, I, block_n13, block_n2, block_k)
+    sub = block_k // BLOCK_K
+    if stages not in (2, 4, 8):
+        raise ValueError(f"mxfp4_moe(impl='gluon'): num_stages={stages} must be 2, 4 or 8")
+    permute_columns(x, out=xperm)
+    w13 = w13_packed.view(torch.int16)
+    w2 = w2_packed.view(torch.int16)
+    moe_w13_kernel[(I // (block_n13 // 2), E)](
+        xperm, tok, offs, w13, w13_scale, h,
+        xperm.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), h.stride(0),
+        I, RL, float(situ_beta), float(situ_linear_beta), BM=block_m, BN=block_n13, STAGES=stages,
+        **layouts(block_n13, num_warps, block_m, sub),
+        num_warps=num_warps)
+    moe_w2_kernel[(RL // block_n2, E)](
+        h, order, wts, offs, w2, w2_scale, ypair,
+        h.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), ypair.stride(0),
+        I, RL, BM=block_m, BN=block_n2, STAGES=stages, **layouts(block_n2, num_warps, block_m, sub),
+        num_warps=num_warps)

@@ -1,0 +1,185 @@
+"""The Gluon MXFP4 MoE GEMMs (plugins/moe/kernels_gluon.py, `mxfp4_moe(impl="gluon")`).
+
+GPU: against the MoE reference (plugins/moe/reference.py) with poisoned margins around every tensor, several token
+tiles per expert, experts on other EP ranks, factors above 2^1 (the two-multiply branch) and every tile / warp
+choice the benchmark times. CPU (CI): the Triton interpreter cannot run Gluon, so the kernels are compiled for sm_90
+offline (every register re-layout is asserted trivial at compile time), and the host-side column order is checked
+against the kernels' operand order; shape errors name the fix."""
+import os
+
+import pytest
+import torch
+
+from kernel_checks import DEV, Guarded, compile_in_subprocess, relerr
+from plugins.moe import reference as moe_ref
+
+HAS_CUDA = torch.cuda.is_available()
+try:
+    from plugins.moe import kernels_gluon as kg
+except ImportError as e:     # a Triton without Gluon
+    kg, GLUON_ERR = None, repr(e)
+need_gluon = pytest.mark.skipif(kg is None, reason="this Triton has no Gluon (triton.experimental.gluon)")
+gpu_only = pytest.mark.skipif(not HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1",
+                              reason="Gluon kernels run on a CUDA GPU only (the Triton interpreter cannot run Gluon)")
+
+
+def _problem(E, RL, I, T, k, seed=3, hi_scale_expert=None):
+    g = torch.Generator().manual_seed(seed)
+    w13p = torch.randint(0, 256, (E, 2 * I, RL // 2), dtype=torch.uint8, generator=g)
+    w13s = torch.randint(118, 127, (E, 2 * I, RL // 32), dtype=torch.uint8, generator=g)
+    w2p = torch.randint(0, 256, (E, RL, I // 2), dtype=torch.uint8, generator=g)
+    w2s = torch.randint(116, 124, (E, RL, I // 32), dtype=torch.uint8, generator=g)
+    if hi_scale_expert is not None:   # factors 2^4 .. 2^12 up: above 2^1, the two-multiply decode
+        w13s[hi_scale_expert, 3, 1] = 131
+        w2s[hi_scale_expert] += 12
+    x = torch.randn(T, RL, generator=g).to(torch.bfloat16) * 0.1
+    off = 2
+    ids = torch.stack([torch.randperm(E + 3, generator=g)[:k] for _ in range(T)]).int()   # some on other ranks
+    w = torch.rand(T, k, generator=g)
+    return (x, ids, w, w13p, w13s, w2p, w2s), off
+
+
+@need_gluon
+@gpu_only
+@pytest.mark.parametrize("E,RL,I,T,k,cfg", [
+    (8, 256, 256, 9, 4, {}),                                         # < 16 pairs per expert
+    (4, 512, 128, 30, 3, dict(block_n13=128, block_n2=128, num_stages=2)),   # ~22 pairs: two token tiles
+    (6, 256, 384, 13, 5, dict(num_warps=8)),
+    (5, 384, 256, 7, 2, dict(block_n13=128, block_n2=128, num_warps=8)),
+    (8, 256, 256, 5, 2, dict(block_m=8)),                            # 8-token tiles (T * k / E <= 8: default)
+    (6, 512, 256, 11, 4, dict(block_k=256, num_stages=2)),           # 256 columns per copy
+    (4, 256, 512, 30, 3, dict(block_k=256, num_warps=8)),
+    (3, 256, 128, 20, 2, dict(block_m=8, block_n13=64, block_n2=64)),   # 13 pairs: two 8-token tiles
+])
+def test_gluon_moe_matches_reference(E, RL, I, T, k, cfg):
+    (x, ids, w, w13p, w13s, w2p, w2s), off = _problem(E, RL, I, T, k)
+    r = moe_ref.mxfp4_moe(x.float(), ids, w, w13p, w13s, w2p, w2s, expert_offset=off)
+    G = Guarded()
+    y = moe_k().mxfp4_moe(*(G(a.to(DEV)) for a in (x, ids, w, w13p, w13s, w2p, w2s)), expert_offset=off,
+                          impl="gluon", out=G.empty(T, RL, dtype=torch.float32), **cfg)
+    G.check()
+    assert relerr(y, r) < 1e-2        # h is rounded to bf16 between the GEMMs, as in the other kernels
+    legacy = moe_k().mxfp4_moe(*(a.to(DEV) for a in (x, ids, w, w13p, w13s, w2p, w2s)), expert_offset=off)
+    assert relerr(y, legacy) < 1e-2
+
+
+@need_gluon
+@gpu_only
+def test_gluon_moe_factors_above_two():
+    """An expert whose factors exceed 2^1 takes the two-multiply decode (checked per program); it and the others
+    equal the reference."""
+    (x, ids, w, w13p, w13s, w2p, w2s), off = _problem(4, 256, 128, 12, 3, seed=9, hi_scale_expert=1)
+    off = 0
+    ids = ids % 4
+    r = moe_ref.mxfp4_moe(x.float(), ids, w, w13p, w13s, w2p, w2s, expert_offset=off)
+    y = moe_k().mxfp4_moe(*(a.to(DEV) for a in (x, ids, w, w13p, w13s, w2p, w2s)), impl="gluon",
+                          block_n13=128, block_n2=128).cpu()
+    big = (ids == 1).any(1)
+    assert 0 < int(big.sum()) < x.shape[0]
+    assert relerr(y[big], r[big]) < 1e-2 and relerr(y[~big], r[~big]) < 1e-2
+
+
+@need_gluon
+def test_permute_columns_pairs_each_column_with_its_weight():
+    """`permute_columns` puts activation column c where the kernels' B operand for the weight of column c sits: in
+    a 128-column step, thread t (lane % 4) reads positions 32i + 8t + 4m + 2r + l for decode output i, MMA m,
+    register r, lane l; the weight there is code n_{i+4l} of the thread's word q = 2m + r, i.e. column
+    8 (4t + q) + i + 4l. Every column of the step appears once."""
+    cols = torch.arange(256, dtype=torch.float32)[None, :]
+    xp = kg.permute_columns(cols)
+    seen = set()
+    for step in range(2):
+        for t in range(4):
+            for i in range(4):
+                for m in range(2):
+                    for r in range(2):
+                        for lane in range(2):
+                            pos = 128 * step + 32 * i + 8 * t + 4 * m + 2 * r + lane
+                            weight_col = 128 * step + 8 * (4 * t + 2 * m + r) + i + 4 * lane
+                            assert int(xp[0, pos]) == weight_col
+                            seen.add(weight_col)
+    assert seen == set(range(256))
+    assert xp.dtype == torch.bfloat16
+
+
+@need_gluon
+def test_gluon_shape_errors_name_the_fix():
+    with pytest.raises(ValueError, match="multiples of block_k = 128.*impl='legacy'"):
+        kg.check_shapes(64, 64, 256, 256)          # k3-tiny
+    with pytest.raises(ValueError, match="block_n13 / 2 = 256"):
+        kg.check_shapes(256, 384, 512, 256)
+    kg.check_shapes(3584, 3072, 256, 256, 256)     # k3 per-rank shapes
+    with pytest.raises(ValueError, match="block_k=64 must be 128, 256 or 512"):
+        kg.check_shapes(3584, 3072, 256, 256, 64)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        kg.permute_columns(torch.zeros(2, 96))
+    with pytest.raises(ValueError, match="block_n=96 must be a multiple of 16 x num_warps = 64"):
+        kg.layouts(96, 4)
+    if not HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1":
+        (x, ids, w, w13p, w13s, w2p, w2s), off = _problem(2, 128, 128, 3, 2)
+        with pytest.raises(ValueError, match="impl='gluon' needs a CUDA device"):
+            moe_k().mxfp4_moe(x, ids, w, w13p, w13s, w2p, w2s, impl="gluon")
+
+
+@need_gluon
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("kernel,sig", [
+    ("moe_w13_kernel", {"x_ptr": "*bf16", "tok_ptr": "*i32", "offs_ptr": "*i32", "w_ptr": "*i16", "s_ptr": "*u8",
+                        "h_ptr": "*bf16", "beta": "fp32", "lbeta": "fp32"}),
+    ("moe_w2_kernel", {"h_ptr": "*bf16", "pair_ptr": "*i32", "wts_ptr": "*fp32", "offs_ptr": "*i32",
+                       "w_ptr": "*i16", "s_ptr": "*u8", "y_ptr": "*fp32"}),
+])
+def test_gluon_kernels_compile_for_sm90(kernel, sig, stages):
+    """Both kernels compile for sm_90 without a GPU (ptxas included): the decode's inline PTX assembles and every
+    reshape / permute / split that forms the mma.sync operands is a register renaming (`assert_trivial=True`
+    raises otherwise). Shared memory: the ring of weight words and activation tiles (stages x (256 rows x 64
+    bytes + 16 x 256 bytes)) and the scale scan's reduction scratch, nothing for the operands. In a subprocess: a kernel run under TRITON_INTERPRET=1 earlier in
+    this process leaves triton.language patched for the interpreter."""
+    const = {"BM": 16, "BN": 256, "STAGES": stages}
+    code = f"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from plugins.moe import kernels_gluon as kg
+sig, const = {sig!r}, {const!r}
+const.update(kg.layouts(256, 4))
+fn = kg.{kernel}
+names = fn.arg_names
+full = {{n: "constexpr" if n in const else sig.get(n, "i32") for n in names}}
+attrs = {{(names.index(n),): [["tt.divisibility", 16]] for n in names
+         if full[n].startswith("*") or n.startswith("stride")}}
+src = GluonASTSource(fn=fn, signature=full, constexprs={{(names.index(k),): v for k, v in const.items()}},
+                     attrs=attrs)
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={{"num_warps": 4}})
+ptx = k.asm["ptx"]
+print(k.metadata.shared, int("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx),
+      int("prmt.b32 w" in ptx and "mul.lo.u32 v, v, 0x1040" in ptx))
+"""
+    shared, has_mma, has_decode = compile_in_subprocess(code)[-1]
+    ring = stages * (256 * 64 + 16 * 256)
+    assert ring <= int(shared) <= ring + 1024 and has_mma == "1" and has_decode == "1"
+
+
+def moe_k():
+    from plugins.moe import kernels
+    return kernels
+
+
+def test_default_impl_choice(monkeypatch):
+    """`mxfp4_moe` without impl: the Gluon kernels on a CUDA device for decode-sized batches and the widths and tiles
+    they take, the legacy kernels otherwise (the CPU, the interpreter, > 16 pairs per expert, widths that are not
+    multiples of 128, tiles only the legacy kernels take)."""
+    mk = moe_k()
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(mk, "_INTERPRET", False)
+    gluon = "gluon" if kg is not None else "legacy"
+    assert mk.pick_impl(cuda, 64, 16, 112, 3584, 3072) == gluon          # K3 at TP=8: 9 pairs per expert
+    assert mk.pick_impl(cuda, 256, 16, 896, 3584, 3072) == gluon         # EP=8: ~5 pairs per expert
+    assert mk.pick_impl(cuda, 256, 16, 112, 3584, 3072) == "legacy"      # 37 pairs: the 64-row token tiles
+    assert mk.pick_impl(cpu, 64, 16, 112, 3584, 3072) == "legacy"
+    assert mk.pick_impl(cuda, 5, 3, 6, 64, 64) == "legacy"               # k3-tiny widths
+    assert mk.pick_impl(cuda, 64, 16, 112, 3584, 3072, block_k=64) == "legacy"
+    assert mk.pick_impl(cuda, 64, 16, 112, 3584, 3072, block_m=64) == "legacy"
+    assert mk.pick_impl(cuda, 64, 16, 112, 3584, 3072, block_n13=96) == "legacy"
+    monkeypatch.setattr(mk, "_INTERPRET", True)
+    assert mk.pick_impl(cuda, 64, 16, 112, 3584, 3072) == "legacy"
