@@ -492,11 +492,12 @@ if "graph" in ONLY:
             out(what="cuda_graph_decode_step", H=H, error=repr(e)[:400])
 
 # ------------------------------------------------------------------ MoE
-# MoE variants timed against the default (dequant 1 = the runs 2-5 inline PTX, 2 = run 6's with fewer integer
-# ops, 3 = 2 with the re-bias folded into the scale where a program's scales allow; K/N tiles, warps, stages and
-# register caps change registers per thread and so CTAs per SM)
-MOE_VARIANTS = [dict(dequant=2), dict(dequant=3), dict(dequant=1), dict(block_k=128), dict(maxnreg=168),
-                dict(maxnreg=168, dequant=2), dict(block_n13=64, block_n2=64), dict(impl="dot_scaled")]
+# MoE variants timed against the default (impl None: the Gluon kernels for decode-sized batches of >= 64 pairs,
+# plugins/moe/kernels_gluon.py, else the legacy Triton kernels). legacy: dequant 1 = the runs 2-5 inline PTX, 2 =
+# run 6's with fewer integer ops, 3 = 2 with the re-bias folded into the scale where a program's scales allow (its
+# default); gluon: block_k = K columns per cp.async copy, num_stages = ring depth (run 14)
+MOE_VARIANTS = [dict(impl="legacy"), dict(impl="gluon"), dict(impl="gluon", block_k=128),
+                dict(impl="gluon", num_stages=4), dict(impl="legacy", dequant=2), dict(impl="dot_scaled")]
 if MOE_VARIANTS_ARG is not None:
     MOE_VARIANTS = MOE_VARIANTS_ARG
 if "moe" in ONLY:

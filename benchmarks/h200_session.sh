@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One GPU session's tests and benchmarks on a GPU machine (written for the project's H200 image: the system python3 with
 # torch 2.11+cu130 and triton 3.6, no network; not .venv). From the repo root:
-#   bash benchmarks/h200_session.sh tests|bench|profile|decode|tp   (results under $OUT, default /tmp/out)
+#   bash benchmarks/h200_session.sh tests|bench|profile|ncu|decode|tp   (results under $OUT, default /tmp/out)
 # tests : GPU pytest of the kernels, CUDA-graph capture and the GPU runtime -> $OUT/junit.xml, $OUT/pytest.log
 #         (PYTEST_ARGS overrides the files; it is re-parsed by the shell: PYTEST_ARGS='tests/a.py -k "x and not y"')
 # bench : benchmarks/bench_kernels.py (KDA decode/prefill, graph, MLA, MoE) -> $OUT/bench.jsonl + roofline.png
 # profile: benchmarks/profile_kda_prefill.py: per-kernel GPU time of KDA prefill, ours vs chunk_kda -> $OUT/profile.jsonl
 #         (PROFILE_ARGS overrides its arguments)
+# ncu   : Nsight Compute on the MXFP4 MoE GEMMs at boost clocks, T in NCU_TOKENS (default "64 1"), configurations
+#         NCU_CONFIGS (JSON, default legacy and gluon) -> $OUT/ncu_moe_T<T>.txt + $OUT/ncu_summary.jsonl
 # decode: benchmarks/bench_decode.py on k3-slice, B=16 (synthetic weights on the device; DECODE_ARGS overrides)
 # tp    : (several GPUs) bench_decode TP=1 on cuda:0 saved, then TP=EP=N over NCCL for N = 2, 4, .. <= GPUs compared
 #         with it (logits, greedy tokens) -> $OUT/decode_tp.jsonl (TP_ARGS overrides the model/run arguments)
@@ -17,11 +19,11 @@
 # Never feed tests' results to bench: fla's tuning keys omit T, so picks made at test sizes (T ~ 100) would be reused
 # at T=32768 (run 8 measured chunk_kda 1.3x slower that way).
 set -u -o pipefail          # a failing benchmark fails the script through its `| tee | tail`
-usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; }
 case "${1:-}" in
-  tests|bench|profile|decode|tp) ;;
+  tests|bench|profile|ncu|decode|tp) ;;
   -h|--help) usage; exit 0 ;;
-  *) echo "error: say what to run: tests, bench, profile, decode or tp" >&2; usage >&2; exit 2 ;;
+  *) echo "error: say what to run: tests, bench, profile, ncu, decode or tp" >&2; usage >&2; exit 2 ;;
 esac
 MODE=$1
 G=$(nvidia-smi -L 2>/dev/null | wc -l)
@@ -61,6 +63,16 @@ case "$1" in
   profile)
     timeout "${PROFILE_TIMEOUT:-540}" python3 benchmarks/profile_kda_prefill.py --out "$OUT/profile.jsonl" ${PROFILE_ARGS:-} \
       2>&1 | tee "$OUT/profile.log" | tail -40 ;;
+  ncu)
+    command -v ncu >/dev/null || { echo "error: ncu (Nsight Compute) is not on PATH" >&2; exit 2; }
+    M=$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); import ncu_moe; print(ncu_moe.METRICS)')
+    for T in ${NCU_TOKENS:-64 1}; do
+      timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none --kernel-name regex:'moe_w13|moe_w2' --section SpeedOfLight \
+        --section Occupancy --section SchedulerStats --metrics "$M" python3 benchmarks/ncu_moe.py --tokens "$T" \
+        --configs "${NCU_CONFIGS:-[{\"impl\": \"legacy\"}, {\"impl\": \"gluon\"}]}" > "$OUT/ncu_moe_T$T.txt" 2>&1
+      python3 benchmarks/ncu_moe.py --summarize "$OUT/ncu_moe_T$T.txt" | sed "s/^{/{\"T\": $T, /" \
+        | tee -a "$OUT/ncu_summary.jsonl"
+    done ;;
   decode)
     timeout "${DECODE_TIMEOUT:-540}" python3 benchmarks/bench_decode.py --out "$OUT/decode.jsonl" \
       ${DECODE_ARGS:---preset k3-slice --device cuda --batch 16 --prompt-len 512 --steps 32 --ops torch,kernels} \

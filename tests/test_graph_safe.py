@@ -116,7 +116,7 @@ def mla_prefill_case(T=13, N=3, H=2, R=32, DR=16, Dn=16, Dv=16, BS=4, MB=8, dt=t
     return Case("mla_prefill", make, call, mla_k.mla_prefill_workspace_bytes(T, H, R, DR, dtype=dt), (T, H * Dv), dt)
 
 
-def moe_case(E=6, RL=64, I=64, T=5, k=3, off=2, bk=32, bn=32):
+def moe_case(E=6, RL=64, I=64, T=5, k=3, off=2, bk=32, bn=32, impl=None):
     def make(seed):
         g = torch.Generator().manual_seed(seed)
         return dict(x=torch.randn(T, RL, generator=g).to(torch.bfloat16),
@@ -129,7 +129,7 @@ def moe_case(E=6, RL=64, I=64, T=5, k=3, off=2, bk=32, bn=32):
 
     def call(x, ws, out):
         return (moe_k.mxfp4_moe(*x.values(), expert_offset=off, block_k=bk, block_n13=bn, block_n2=bn, out=out,
-                                workspace=ws),)
+                                workspace=ws, impl=impl),)
 
     return Case("mxfp4_moe", make, call, moe_k.mxfp4_moe_workspace_bytes(T, k, E, I, RL), (T, RL), torch.float32)
 
@@ -176,6 +176,7 @@ CPU_CASES = [mla_decode_case(), mla_decode_case(num_splits=3, block_n=16), mla_p
 GPU_CASES = [mla_decode_case(B=4, H=16, R=512, DR=64, BS=64, MB=8, dt=torch.bfloat16),
              mla_prefill_case(T=37, N=3, H=8, R=512, DR=64, Dn=128, Dv=128, BS=64, MB=4, dt=torch.bfloat16),
              moe_case(E=8, RL=512, I=256, T=9, k=4, bk=128, bn=64),
+             moe_case(E=8, RL=512, I=512, T=9, k=4, bk=None, bn=None, impl="gluon"),   # Gluon's default tiles
              kda_prefill_case(T=75, N=3, H=2, K=64, act=torch.bfloat16),
              kda_prefill_case(T=75, N=1, H=2, K=64, act=torch.bfloat16),   # one sequence: chunk_kda's dense path
              kda_decode_case(B=4, H=4, K=128, act=torch.bfloat16, block_v=32)]

@@ -122,19 +122,20 @@ def test_gluon_shape_errors_name_the_fix():
 
 
 @need_gluon
-@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("stages,sub", [(2, 2), (4, 1)])   # the GPU default (2 slots, 256 columns), and 128
 @pytest.mark.parametrize("kernel,sig", [
     ("moe_w13_kernel", {"x_ptr": "*bf16", "tok_ptr": "*i32", "offs_ptr": "*i32", "w_ptr": "*i16", "s_ptr": "*u8",
                         "h_ptr": "*bf16", "beta": "fp32", "lbeta": "fp32"}),
     ("moe_w2_kernel", {"h_ptr": "*bf16", "pair_ptr": "*i32", "wts_ptr": "*fp32", "offs_ptr": "*i32",
                        "w_ptr": "*i16", "s_ptr": "*u8", "y_ptr": "*fp32"}),
 ])
-def test_gluon_kernels_compile_for_sm90(kernel, sig, stages):
+def test_gluon_kernels_compile_for_sm90(kernel, sig, stages, sub):
     """Both kernels compile for sm_90 without a GPU (ptxas included): the decode's inline PTX assembles and every
     reshape / permute / split that forms the mma.sync operands is a register renaming (`assert_trivial=True`
-    raises otherwise). Shared memory: the ring of weight words and activation tiles (stages x (256 rows x 64
-    bytes + 16 x 256 bytes)) and the scale scan's reduction scratch, nothing for the operands. In a subprocess: a kernel run under TRITON_INTERPRET=1 earlier in
-    this process leaves triton.language patched for the interpreter."""
+    raises otherwise). Shared memory: the ring of weight words and activation tiles (stages x sub x (256 rows x
+    64 bytes + 16 x 256 bytes)) and the scale scan's reduction scratch, nothing for the operands. In a
+    subprocess: a kernel run under TRITON_INTERPRET=1 earlier in this process leaves triton.language patched for
+    the interpreter."""
     const = {"BM": 16, "BN": 256, "STAGES": stages}
     code = f"""
 import triton
@@ -142,7 +143,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from plugins.moe import kernels_gluon as kg
 sig, const = {sig!r}, {const!r}
-const.update(kg.layouts(256, 4))
+const.update(kg.layouts(256, 4, 16, {sub}))
 fn = kg.{kernel}
 names = fn.arg_names
 full = {{n: "constexpr" if n in const else sig.get(n, "i32") for n in names}}
@@ -156,7 +157,7 @@ print(k.metadata.shared, int("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f3
       int("prmt.b32 w" in ptx and "mul.lo.u32 v, v, 0x1040" in ptx))
 """
     shared, has_mma, has_decode = compile_in_subprocess(code)[-1]
-    ring = stages * (256 * 64 + 16 * 256)
+    ring = stages * sub * (256 * 64 + 16 * 256)
     assert ring <= int(shared) <= ring + 1024 and has_mma == "1" and has_decode == "1"
 
 
@@ -167,8 +168,8 @@ def moe_k():
 
 def test_default_impl_choice(monkeypatch):
     """`mxfp4_moe` without impl: the Gluon kernels on a CUDA device for decode-sized batches and the widths and tiles
-    they take, the legacy kernels otherwise (the CPU, the interpreter, > 16 pairs per expert, widths that are not
-    multiples of 128, tiles only the legacy kernels take)."""
+    they take, the legacy kernels otherwise (the CPU, the interpreter, < 64 or > 16 per expert (token, choice)
+    pairs, widths that are not multiples of 128, tiles only the legacy kernels take)."""
     mk = moe_k()
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     monkeypatch.setattr(mk, "_INTERPRET", False)
@@ -177,9 +178,26 @@ def test_default_impl_choice(monkeypatch):
     assert mk.pick_impl(cuda, 256, 16, 896, 3584, 3072) == gluon         # EP=8: ~5 pairs per expert
     assert mk.pick_impl(cuda, 256, 16, 112, 3584, 3072) == "legacy"      # 37 pairs: the 64-row token tiles
     assert mk.pick_impl(cpu, 64, 16, 112, 3584, 3072) == "legacy"
+    assert mk.pick_impl(cuda, 2, 16, 112, 3584, 3072) == "legacy"        # 32 pairs: host-bound when eager
+    assert mk.pick_impl(cuda, 4, 16, 112, 3584, 3072) == gluon
     assert mk.pick_impl(cuda, 5, 3, 6, 64, 64) == "legacy"               # k3-tiny widths
     assert mk.pick_impl(cuda, 64, 16, 112, 3584, 3072, block_k=64) == "legacy"
     assert mk.pick_impl(cuda, 64, 16, 112, 3584, 3072, block_m=64) == "legacy"
     assert mk.pick_impl(cuda, 64, 16, 112, 3584, 3072, block_n13=96) == "legacy"
     monkeypatch.setattr(mk, "_INTERPRET", True)
     assert mk.pick_impl(cuda, 64, 16, 112, 3584, 3072) == "legacy"
+
+
+def test_ncu_summary_reads_a_real_report():
+    """benchmarks/ncu_moe.py --summarize on run 14's Nsight Compute report (boost clocks, T=64): four kernels
+    (legacy w13 / w2, Gluon w13 / w2) with duration, DRAM throughput, stall reasons and pipe use."""
+    import sys
+    from kernel_checks import REPO
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import ncu_moe
+
+    recs = ncu_moe.summarize((REPO / "benchmarks/results/h200_run14_g_ncu_T64_real_clocks.txt").read_text())
+    assert [r["kernel"] for r in recs] == ["_moe_w13_kernel", "_moe_w2_kernel", "moe_w13_kernel", "moe_w2_kernel"]
+    assert recs[2]["Duration"] == 525.28 and recs[2]["DRAM Throughput"] == 53.42
+    assert recs[2]["stalls"]["long_scoreboard"] == 1.85 and recs[2]["pipes"]["alu"] == 48.66
+    assert recs[0]["grid"] == "(24, 112, 1)x(128, 1, 1)"

@@ -639,10 +639,14 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
 
 def pick_impl(dev, T: int, k: int, num_experts: int, latent: int, inter: int, **tiles) -> str:
     """`mxfp4_moe`'s default implementation: "gluon" on a CUDA device (not the interpreter) whose Triton has Gluon,
-    for decode-sized batches (experts average <= 16 (token, choice) pairs over the `num_experts` routed experts of
-    all ranks: the Gluon kernels take 8/16-token tiles) and widths and `tiles` (block_n13, block_n2, block_k,
-    block_m, num_warps as given to `mxfp4_moe`; None = its default) the Gluon kernels accept; else "legacy"."""
-    if dev.type != "cuda" or _INTERPRET or triton.cdiv(T * k, max(num_experts, 1)) > 16 or not _has_gluon():
+    for decode-sized batches of at least 64 (token, choice) pairs and at most 16 per expert on average over the
+    `num_experts` routed experts of all ranks (the Gluon kernels take 8/16-token tiles), and widths and `tiles`
+    (block_n13, block_n2, block_k, block_m, num_warps as given to `mxfp4_moe`; None = its default) the Gluon
+    kernels accept; else "legacy". Below 64 pairs (T=1, 2 at top-16) the eager H200 timings were host-bound and the
+    Gluon path's were 1.3-2.4x the legacy path's (its launches cost more Python time), while its kernels took no
+    longer on the GPU (ncu: 140 vs 151 us at T=1; benchmarks/RESULTS.md run 14)."""
+    if dev.type != "cuda" or _INTERPRET or T * k < 64 or triton.cdiv(T * k, max(num_experts, 1)) > 16 \
+            or not _has_gluon():
         return "legacy"
     from plugins.moe import kernels_gluon
     bk = tiles.get("block_k") or (256 if latent % 256 == 0 and inter % 256 == 0 else 128)

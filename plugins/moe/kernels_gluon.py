@@ -1,21 +1,27 @@
 """MXFP4 grouped GEMMs of `mxfp4_moe` in Gluon (Triton's explicit-layout dialect): GPU only, sm_80+ (mma.sync).
 The Triton interpreter cannot run Gluon, so the CPU runs plugins/moe/kernels.py's Triton kernels; CI compiles these
-for sm_90 offline (tests/test_moe_gluon.py). MODEL.md §7.2, §8.3.
+for sm_90 offline (tests/test_moe_gluon.py). MODEL.md §7.2, §8.3. H200 (benchmarks/RESULTS.md run 14): T=64
+707 us = 65.5% of the copy bandwidth, 1.28x the Triton kernels.
 
 Why a second form: in the Triton kernels the compiler picks the register layouts, so the packed bytes are unpacked
-and re-packed around the decode (~3.9 SASS instructions per weight, benchmarks/RESULTS.md runs 6, 12, 13). Here
-each thread loads its MXFP4 bytes (16 contiguous per row and step, one load) straight into the registers of its
-mma.sync B operand and decodes 8 codes per 32-bit word with 13 integer ops and 4 bf16x2 multiplies:
+and re-packed around the decode (~3.9 SASS instructions per weight; ncu: ALU-bound). Here each thread decodes its
+MXFP4 bytes straight into the registers of its mma.sync operand, 8 codes per 32-bit word with 13 integer ops and
+4 bf16x2 multiplies:
 
 * K is relabelled within each 128-column step (a GEMM's K order is free when both operands use the same one). The
   thread with t = lane % 4 takes weight columns [32t, 32t + 32) of the step: 16 contiguous bytes of a row (4
-  words, exactly one E8M0 group) and the activations' columns [32t, 32t + 32) (64 contiguous bytes).
+  words, exactly one E8M0 group), and the same activation columns.
 * A word holds codes n0..n7 (code j at bits 4j .. 4j+3 = column 8u + j of word u); decode output i (0..3) is the
   bf16 pair (n_i, n_{i+4}): both halves need the same shifts, so one 32-bit op serves two weights.
 * Output i of the thread's words q = 2m + r (m, r in {0, 1}) feeds MMA m of output i at k = 8r + 2t + l (l: bf16
-  lane), i.e. real column 32t + 16m + 8r + 4l + i of the step; `_x_operands` takes the activations in the same
-  order. The layout changes are reshapes / permutes / splits of registers only, asserted at compile time
-  (`convert_layout(..., assert_trivial=True)`).
+  lane), i.e. real column 32t + 16m + 8r + 4l + i of the step. The activations are stored once per call in that
+  order (`permute_columns`: position 32i + 8t + 4m + 2r + l; moe_w13_kernel writes h in it for moe_w2_kernel), so
+  a thread's B operands are 16-byte pieces of one row. The layout changes are reshapes / permutes / splits of
+  registers only, asserted at compile time (`convert_layout(..., assert_trivial=True)`).
+* Swap AB: weights are the A operand (16 rows per MMA), tokens the B operand (8 per MMA: 8-token tiles when experts
+  average <= 8 pairs). Weight words and the activation tile stream through a cp.async ring in shared memory (the
+  tile is copied once per CTA and read by every warp; `sub` 128-column steps per copy: 256 columns = 128 bytes of
+  each weight row is the default).
 """
 from __future__ import annotations
 
@@ -263,8 +269,9 @@ def moe_w13_kernel(x_ptr, tok_ptr, offs_ptr, w_ptr, s_ptr, h_ptr,
                    MMA: gl.constexpr):
     """h [pairs, I] bf16 (columns in `permute_columns` order) = SiTU(x[tok] · W1ᵀ, x[tok] · W3ᵀ) for the pairs of
     expert program_id(1) (offs), columns program_id(0) * BN/2 .. + BN/2: the program's BN weight rows are BN/2
-    gate rows n and the up rows I + n, interleaved per 8 rows. x bf16 [T, RL] in `permute_columns` order; w_ptr the int16 view of
-    w13_packed [E, 2I, RL/2]; I % (BN/2) == 0, RL % 128 == 0. Layouts: `layouts(BN, num_warps)`."""
+    gate rows n and the up rows I + n, interleaved per 8 rows. x bf16 [T, RL] in `permute_columns` order; w_ptr
+    the int16 view of w13_packed [E, 2I, RL/2]; I % (BN/2) == 0, RL % (128 SUB) == 0. Layouts and SUB, NW:
+    `layouts(BN, num_warps, BM, SUB)`."""
     HN: gl.constexpr = BN // 2
     pid_n = gl.program_id(0)
     e = gl.program_id(1)
@@ -292,7 +299,8 @@ def moe_w13_kernel(x_ptr, tok_ptr, offs_ptr, w_ptr, s_ptr, h_ptr,
             mo = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, hval.type.layout))
             n = pid_n * HN + gl.arange(0, HN, layout=gl.SliceLayout(1, hval.type.layout))
             cc = n % 128    # = 32 t + 16 m + 8 r + 4 l + i  ->  stored at 32 i + 8 t + 4 m + 2 r + l
-            col = n - cc + 32 * (cc % 4) + 8 * (cc // 32) + 4 * ((cc // 16) % 2) + 2 * ((cc // 8) % 2) + (cc // 4) % 2
+            col = (n - cc + 32 * (cc % 4) + 8 * (cc // 32) + 4 * ((cc // 16) % 2) + 2 * ((cc // 8) % 2)
+                   + (cc // 4) % 2)
             gl.store(h_ptr + mo[None, :].to(gl.int64) * stride_h + col[:, None], hval.to(gl.bfloat16),
                      mask=(mo < hi_off)[None, :])
 
@@ -306,7 +314,8 @@ def moe_w2_kernel(h_ptr, pair_ptr, wts_ptr, offs_ptr, w_ptr, s_ptr, y_ptr,
                   MMA: gl.constexpr):
     """y[pair, n] fp32 = w_pair · (h[m] · W2ᵀ) for the sorted pairs m of expert program_id(1), columns
     program_id(0) * BN ..; h bf16 [pairs, I] in `permute_columns` order (written by moe_w13_kernel); w_ptr the
-    int16 view of w2_packed [E, RL, I/2]; RL % BN == 0, I % 128 == 0. Layouts: `layouts(BN, num_warps)`."""
+    int16 view of w2_packed [E, RL, I/2]; RL % BN == 0, I % (128 SUB) == 0. Layouts and SUB, NW:
+    `layouts(BN, num_warps, BM, SUB)`."""
     pid_n = gl.program_id(0)
     e = gl.program_id(1)
     lo_off = gl.load(offs_ptr + e)
@@ -334,13 +343,14 @@ def moe_w2_kernel(h_ptr, pair_ptr, wts_ptr, offs_ptr, w_ptr, s_ptr, y_ptr,
 
 @functools.lru_cache(maxsize=None)
 def layouts(block_n: int, num_warps: int, block_m: int = 16, sub: int = 1) -> dict:
-    """The kernels' register layouts for BN = block_n weight rows, `num_warps` (4 or 8) warps and block_m (8 or
-    16) tokens, as constexpr arguments (g = lane // 4, t = lane % 4). MMA: the mma.sync accumulator [BN, BM], warps
-    stacked along the weight rows: warp w, rows 16w + g and 16w + 8 + g (+ 16 num_warps j), tokens 2t, 2t + 1
-    (+ 8). LW weight words [BN, 32] int16 with the same rows, 16 bytes of a row per thread (words 4t .. 4t+3); LS
-    the scales [BN, 4 sub] of a copy (rows as LW, groups 4j + t). LWC / LXC: the cp.async copies of the weight words [BN, 32 sub] and
-    the activation tile [BM, 128 sub] (16 bytes per thread and copy; sub 128-column steps per copy); LXL its read into registers: rows g (and g + 8), positions 32i + 8t + e, every warp the
-    same."""
+    """The kernels' constexpr arguments for BN = block_n weight rows, `num_warps` (4 or 8) warps, block_m (8 or 16)
+    tokens and `sub` (1, 2, 4) 128-column steps per copy (g = lane // 4, t = lane % 4). MMA: the mma.sync
+    accumulator [BN, BM], warps stacked along the weight rows: warp w, rows 16w + g and 16w + 8 + g (+ 16 num_warps
+    j), tokens 2t, 2t + 1 (+ 8). LW: weight words [BN, 32] int16 with the same rows, 16 bytes of a row per thread
+    (words 4t .. 4t+3). LS: a copy's scales [BN, 4 sub] (rows as LW, groups 4j + t). LWC / LXC: the cp.async
+    copies of the weight words [BN, 32 sub] and of the activation tile [BM, 128 sub] (16 bytes per thread and
+    copy). LXL: a step's activations read into registers: rows g (and g + 8), positions 32i + 8t + e, every warp
+    the same. ValueError for other warps / tokens / sub, or block_n not a multiple of 16 num_warps."""
     if num_warps not in (4, 8) or block_m not in (8, 16) or sub not in (1, 2, 4):
         raise ValueError(f"mxfp4_moe(impl='gluon'): num_warps={num_warps} must be 4 or 8, block_m={block_m} 8 or 16 "
                          f"and sub={sub} 1, 2 or 4")
@@ -356,8 +366,8 @@ def layouts(block_n: int, num_warps: int, block_m: int = 16, sub: int = 1) -> di
         NW=num_warps,
         SUB=sub,
         LXC=gl.BlockedLayout([1, 8], [2, 16] if sub == 1 else [1, 32], [num_warps, 1], [1, 0]),
-        LWC=lw if sub == 1 else gl.BlockedLayout([1, 8], [8 // sub, 4 * sub], [num_warps, 1], [1, 0]),   # 64 sub B
-        LXL=gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [0, 32], [0, 64]] + ([[8, 0]] if block_m == 16 else []),
+        LWC=lw if sub == 1 else gl.BlockedLayout([1, 8], [8 // sub, 4 * sub], [num_warps, 1], [1, 0]),
+        LXL=gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [0, 32], [0, 64]] + [[8, 0]] * (block_m > 8),
                                        lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
                                        warp_bases=[[0, 0]] * nb, block_bases=[], shape=[block_m, 128]),
         LW=lw,

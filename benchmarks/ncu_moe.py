@@ -1,0 +1,99 @@
+"""MXFP4 MoE under Nsight Compute: drive `mxfp4_moe` once per configuration (run this under `ncu`), or summarize an
+ncu report. The H200 image ships ncu (/usr/local/cuda/bin/ncu); `bash benchmarks/h200_session.sh ncu` runs both.
+
+  ncu --clock-control none --kernel-name regex:'moe_w13|moe_w2' --section SpeedOfLight --section Occupancy \\
+      --section SchedulerStats --metrics <METRICS below> python3 benchmarks/ncu_moe.py --tokens 64 > ncu.txt
+  python3 benchmarks/ncu_moe.py --summarize ncu.txt
+
+The problem is the benchmark's (benchmarks/bench_kernels.py "moe"): 112 local experts, latent 3584, expert width
+3072, top-16, random E2M1 bytes, E8M0 exponents 118..125, x ~ N(0, 0.01) bf16. `--clock-control none` keeps the
+boost clocks (ncu locks the base clock by default, which turns these kernels compute bound). Summary per kernel:
+duration (us), DRAM throughput (% of peak), issue rate, warps, stall reasons (cycles per issued instruction) and
+pipe utilization (% of peak) -- benchmarks/RESULTS.md run 14 reads them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+METRICS = ("regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio,"
+           "regex:sm__inst_executed_pipe_.*\\.avg\\.pct_of_peak_sustained_active,"
+           "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,"
+           "l1tex__data_bank_conflicts_pipe_lsu.sum,dram__bytes_read.sum,smsp__inst_executed.sum")
+_KEYS = ("SM Frequency", "Duration", "DRAM Throughput", "Compute (SM) Throughput", "Issued Warp Per Scheduler",
+         "Active Warps Per Scheduler", "Eligible Warps Per Scheduler", "Theoretical Occupancy",
+         "smsp__inst_executed.sum", "l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum",
+         "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum", "l1tex__data_bank_conflicts_pipe_lsu.sum")
+
+
+def _num(s: str) -> float:
+    return float(s.replace(",", ""))
+
+
+def summarize(text: str) -> list[dict]:
+    """One dict per kernel launch of an ncu text report (the sections and METRICS above): name, grid, the _KEYS
+    values found, `stalls` {reason: cycles per issued instruction > 0.05}, `pipes` {pipe: % of peak > 2}."""
+    out = []
+    parts = re.split(r"\n  (\S+) (\([\d, ]+\)x\([\d, ]+\)),", text)
+    for name, grid, body in zip(parts[1::3], parts[2::3], parts[3::3]):
+        rec = {"kernel": name, "grid": grid}
+        for k in _KEYS:
+            m = re.search(re.escape(k) + r"\s+(\S+\s+)?([\d,.]+)\s*\n", body)
+            if m:
+                rec[k] = _num(m.group(2))
+        rec["stalls"] = {n: _num(v) for n, v in re.findall(
+            r"smsp__average_warps_issue_stalled_(\w+)_per_issue_active\.ratio\s+\S*\s+([\d,.]+)", body)
+            if _num(v) > 0.05}
+        rec["pipes"] = {n: _num(v) for n, v in re.findall(
+            r"sm__inst_executed_pipe_(\w+)\.avg\.pct_of_peak_sustained_active\s+\S*\s+([\d,.]+)", body)
+            if _num(v) > 2 and "realtime" not in n}
+        out.append(rec)
+    return out
+
+
+def drive(tokens: int, configs: list[dict]) -> None:
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from plugins.moe import kernels as moe_k
+
+    dev = "cuda"
+    E, D, I, K = 112, 3584, 3072, 16
+    g = torch.Generator(device=dev).manual_seed(0)
+    w13p = torch.randint(0, 256, (E, 2 * I, D // 2), device=dev, dtype=torch.uint8, generator=g)
+    w13s = torch.randint(118, 126, (E, 2 * I, D // 32), device=dev, dtype=torch.uint8, generator=g)
+    w2p = torch.randint(0, 256, (E, D, I // 2), device=dev, dtype=torch.uint8, generator=g)
+    w2s = torch.randint(118, 126, (E, D, I // 32), device=dev, dtype=torch.uint8, generator=g)
+    x = torch.randn(tokens, D, device=dev, dtype=torch.bfloat16, generator=g) * 0.1
+    ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:K] for _ in range(tokens)]).int()
+    w = torch.rand(tokens, K, device=dev, generator=g)
+    for cfg in configs:
+        moe_k.mxfp4_moe(x, ids, w, w13p, w13s, w2p, w2s, **cfg)
+    torch.cuda.synchronize()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=64, help="tokens T (default 64)")
+    ap.add_argument("--configs", default='[{"impl": "legacy"}, {"impl": "gluon"}]',
+                    help="JSON list of mxfp4_moe keyword sets, one call each (default: legacy, gluon)")
+    ap.add_argument("--summarize", metavar="NCU_TXT", help="print one JSON line per kernel of this ncu report instead")
+    a = ap.parse_args(argv)
+    if a.summarize:
+        for rec in summarize(Path(a.summarize).read_text()):
+            print(json.dumps(rec))
+        return 0
+    try:
+        configs = json.loads(a.configs)
+        assert isinstance(configs, list) and all(isinstance(c, dict) for c in configs)
+    except (ValueError, AssertionError):
+        ap.error(f"--configs {a.configs!r}: expected a JSON list of objects")
+    drive(a.tokens, configs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
