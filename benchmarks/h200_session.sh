@@ -69,7 +69,7 @@ case "$1" in
     for T in ${NCU_TOKENS:-64 1}; do
       timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none --kernel-name regex:'moe_w13|moe_w2' --section SpeedOfLight \
         --section Occupancy --section SchedulerStats --metrics "$M" python3 benchmarks/ncu_moe.py --tokens "$T" \
-        --configs "${NCU_CONFIGS:-[{\"impl\": \"legacy\"}, {\"impl\": \"gluon\"}]}" > "$OUT/ncu_moe_T$T.txt" 2>&1
+        ${NCU_CONFIGS:+--configs "$NCU_CONFIGS"} > "$OUT/ncu_moe_T$T.txt" 2>&1
       python3 benchmarks/ncu_moe.py --summarize "$OUT/ncu_moe_T$T.txt" | sed "s/^{/{\"T\": $T, /" \
         | tee -a "$OUT/ncu_summary.jsonl"
     done ;;

@@ -55,11 +55,14 @@ def test_gluon_moe_matches_reference(E, RL, I, T, k, cfg):
     (x, ids, w, w13p, w13s, w2p, w2s), off = _problem(E, RL, I, T, k)
     r = moe_ref.mxfp4_moe(x.float(), ids, w, w13p, w13s, w2p, w2s, expert_offset=off)
     G = Guarded()
+    nbytes = moe_k().mxfp4_moe_workspace_bytes(T, k, E, I, RL, device=DEV)     # poisoned margins around it too
     y = moe_k().mxfp4_moe(*(G(a.to(DEV)) for a in (x, ids, w, w13p, w13s, w2p, w2s)), expert_offset=off,
-                          impl="gluon", out=G.empty(T, RL, dtype=torch.float32), **cfg)
+                          impl="gluon", out=G.empty(T, RL, dtype=torch.float32),
+                          workspace=G(torch.zeros(nbytes, dtype=torch.uint8, device=DEV)), **cfg)
     G.check()
     assert relerr(y, r) < 1e-2        # h is rounded to bf16 between the GEMMs, as in the other kernels
-    legacy = moe_k().mxfp4_moe(*(a.to(DEV) for a in (x, ids, w, w13p, w13s, w2p, w2s)), expert_offset=off)
+    legacy = moe_k().mxfp4_moe(*(a.to(DEV) for a in (x, ids, w, w13p, w13s, w2p, w2s)), expert_offset=off,
+                               impl="legacy")
     assert relerr(y, legacy) < 1e-2
 
 
@@ -122,28 +125,29 @@ def test_gluon_shape_errors_name_the_fix():
 
 
 @need_gluon
-@pytest.mark.parametrize("stages,sub", [(2, 2), (4, 1)])   # the GPU default (2 slots, 256 columns), and 128
+@pytest.mark.parametrize("stages,sub,bm,nw", [(2, 2, 16, 4), (2, 2, 8, 4), (4, 1, 16, 4), (2, 4, 16, 8)])
+# the GPU default (2 slots, 256 columns, 16 or 8 tokens), 128 columns with 4 slots, 512 columns with 8 warps
 @pytest.mark.parametrize("kernel,sig", [
     ("moe_w13_kernel", {"x_ptr": "*bf16", "tok_ptr": "*i32", "offs_ptr": "*i32", "w_ptr": "*i16", "s_ptr": "*u8",
                         "h_ptr": "*bf16", "beta": "fp32", "lbeta": "fp32"}),
     ("moe_w2_kernel", {"h_ptr": "*bf16", "pair_ptr": "*i32", "wts_ptr": "*fp32", "offs_ptr": "*i32",
                        "w_ptr": "*i16", "s_ptr": "*u8", "y_ptr": "*fp32"}),
 ])
-def test_gluon_kernels_compile_for_sm90(kernel, sig, stages, sub):
+def test_gluon_kernels_compile_for_sm90(kernel, sig, stages, sub, bm, nw):
     """Both kernels compile for sm_90 without a GPU (ptxas included): the decode's inline PTX assembles and every
     reshape / permute / split that forms the mma.sync operands is a register renaming (`assert_trivial=True`
     raises otherwise). Shared memory: the ring of weight words and activation tiles (stages x sub x (256 rows x
-    64 bytes + 16 x 256 bytes)) and the scale scan's reduction scratch, nothing for the operands. In a
+    64 bytes + tokens x 256 bytes)) and the scale scan's reduction scratch, nothing for the operands. In a
     subprocess: a kernel run under TRITON_INTERPRET=1 earlier in this process leaves triton.language patched for
     the interpreter."""
-    const = {"BM": 16, "BN": 256, "STAGES": stages}
+    const = {"BM": bm, "BN": 256, "STAGES": stages}
     code = f"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from plugins.moe import kernels_gluon as kg
 sig, const = {sig!r}, {const!r}
-const.update(kg.layouts(256, 4, 16, {sub}))
+const.update(kg.layouts(256, {nw}, {bm}, {sub}))
 fn = kg.{kernel}
 names = fn.arg_names
 full = {{n: "constexpr" if n in const else sig.get(n, "i32") for n in names}}
@@ -151,13 +155,13 @@ attrs = {{(names.index(n),): [["tt.divisibility", 16]] for n in names
          if full[n].startswith("*") or n.startswith("stride")}}
 src = GluonASTSource(fn=fn, signature=full, constexprs={{(names.index(k),): v for k, v in const.items()}},
                      attrs=attrs)
-k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={{"num_warps": 4}})
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={{"num_warps": {nw}}})
 ptx = k.asm["ptx"]
 print(k.metadata.shared, int("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx),
       int("prmt.b32 w" in ptx and "mul.lo.u32 v, v, 0x1040" in ptx))
 """
     shared, has_mma, has_decode = compile_in_subprocess(code)[-1]
-    ring = stages * sub * (256 * 64 + 16 * 256)
+    ring = stages * sub * (256 * 64 + bm * 256)
     assert ring <= int(shared) <= ring + 1024 and has_mma == "1" and has_decode == "1"
 
 
@@ -184,8 +188,22 @@ def test_default_impl_choice(monkeypatch):
     assert mk.pick_impl(cuda, 64, 16, 112, 3584, 3072, block_k=64) == "legacy"
     assert mk.pick_impl(cuda, 64, 16, 112, 3584, 3072, block_m=64) == "legacy"
     assert mk.pick_impl(cuda, 64, 16, 112, 3584, 3072, block_n13=96) == "legacy"
+    assert mk.pick_impl(cuda, 64, 16, 112, 3584, 3072, num_stages=3) == "legacy"   # the legacy default depth
+    assert mk.pick_impl(cuda, 64, 16, 112, 3584, 3072, num_stages=4) == gluon
     monkeypatch.setattr(mk, "_INTERPRET", True)
     assert mk.pick_impl(cuda, 64, 16, 112, 3584, 3072) == "legacy"
+
+
+def test_mxfp4_moe_refuses_mixed_or_unknown_impl_arguments_before_any_launch(monkeypatch):
+    """An unknown impl, or legacy-only knobs with impl='gluon', raise before anything runs (no sort launch)."""
+    mk = moe_k()
+    (x, ids, w, w13p, w13s, w2p, w2s), off = _problem(2, 128, 128, 3, 2)
+    monkeypatch.setattr(mk, "_sort_pairs", lambda *a, **k: pytest.fail("launched before validating"))
+    with pytest.raises(ValueError, match="impl='fast' must be 'legacy', 'gluon' or 'dot_scaled'"):
+        mk.mxfp4_moe(x, ids, w, w13p, w13s, w2p, w2s, impl="fast")
+    if HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(ValueError, match="dequant and maxnreg apply to impl='legacy' only"):
+            mk.mxfp4_moe(*(a.cuda() for a in (x, ids, w, w13p, w13s, w2p, w2s)), impl="gluon", dequant=2)
 
 
 def test_ncu_summary_reads_a_real_report():

@@ -16,6 +16,7 @@ Hopper has no FP4 MMA: the MMAs are bf16 with fp32 accumulation.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
@@ -25,6 +26,7 @@ import triton.language as tl
 from plugins.moe.reference import check_num_experts
 from plugins.workspace import Workspace, plan_bytes
 
+log = logging.getLogger(__name__)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -559,14 +561,19 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
     I = I2 // 2
     dev = x.device
     n_global = check_num_experts(num_experts, int(expert_offset), E)    # validated even with block_m given
+    legacy_knobs = dequant is not None or maxnreg is not None
     if impl is None:
-        legacy_knobs = dequant is not None or maxnreg is not None
         impl = "legacy" if legacy_knobs else pick_impl(dev, T, k, n_global, RL, I, block_n13=block_n13,
                                                          block_n2=block_n2, block_k=block_k, block_m=block_m,
-                                                         num_warps=num_warps)
+                                                         num_warps=num_warps, num_stages=num_stages)
+    if impl not in ("legacy", "gluon", "dot_scaled"):
+        raise ValueError(f"mxfp4_moe: impl={impl!r} must be 'legacy', 'gluon' or 'dot_scaled' (or None: the default)")
     if impl == "gluon" and (dev.type != "cuda" or _INTERPRET):
         raise ValueError("mxfp4_moe: impl='gluon' needs a CUDA device (the Triton interpreter cannot run Gluon); "
                          "use impl='legacy'")
+    if impl == "gluon" and legacy_knobs:
+        raise ValueError("mxfp4_moe: dequant and maxnreg apply to impl='legacy' only; drop them or use "
+                         "impl='legacy'")
     block_m_arg, block_k_arg = block_m, block_k
     block_m = block_m or _pick_block_m(T, k, n_global)
     block_k = block_k or default_block_k(RL, I, 64 if impl == "dot_scaled" else block_m)
@@ -608,8 +615,6 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
                                     stages=2 if num_stages is None else num_stages, block_m=bm,
                                     block_k=bk)
     else:
-        if impl != "legacy":
-            raise ValueError(f"mxfp4_moe: impl={impl!r} must be 'legacy', 'gluon' or 'dot_scaled'")
         on_gpu = dev.type == "cuda" and not _INTERPRET
         if dequant is None:   # folded scales with 64-row tiles ran 1.45x slower on the H200 (RESULTS.md run 6)
             dequant = (3 if block_m < 64 else 2) if on_gpu else 0
@@ -638,16 +643,22 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
 
 
 def pick_impl(dev, T: int, k: int, num_experts: int, latent: int, inter: int, **tiles) -> str:
-    """`mxfp4_moe`'s default implementation: "gluon" on a CUDA device (not the interpreter) whose Triton has Gluon,
-    for decode-sized batches of at least 64 (token, choice) pairs and at most 16 per expert on average over the
-    `num_experts` routed experts of all ranks (the Gluon kernels take 8/16-token tiles), and widths and `tiles`
-    (block_n13, block_n2, block_k, block_m, num_warps as given to `mxfp4_moe`; None = its default) the Gluon
-    kernels accept; else "legacy". Below 64 pairs (T=1, 2 at top-16) the eager H200 timings were host-bound and the
-    Gluon path's were 1.3-2.4x the legacy path's (its launches cost more Python time), while its kernels took no
-    longer on the GPU (ncu: 140 vs 151 us at T=1; benchmarks/RESULTS.md run 14)."""
+    """`mxfp4_moe`'s default implementation: "gluon" on a CUDA device of compute capability >= 9.0 (its decode's
+    bf16x2 multiply; not the interpreter) whose Triton has Gluon, for decode-sized batches of at least 64 (token,
+    choice) pairs and at most 16 per expert on average over the `num_experts` routed experts of all ranks (the Gluon
+    kernels take 8/16-token tiles), and widths and `tiles` (block_n13, block_n2, block_k, block_m, num_warps,
+    num_stages as given to `mxfp4_moe`; None = its default) the Gluon kernels accept; else "legacy". Below 64 pairs
+    (T=1, 2 at top-16) the eager H200 timings were host-bound and the Gluon path's were 1.3-2.4x the legacy path's
+    (its launches cost more Python time), while its kernels took no longer on the GPU (ncu: 140 vs 151 us at T=1;
+    benchmarks/RESULTS.md run 14)."""
     if dev.type != "cuda" or _INTERPRET or T * k < 64 or triton.cdiv(T * k, max(num_experts, 1)) > 16 \
-            or not _has_gluon():
+            or tiles.get("num_stages") not in (None, 2, 4, 8) or not _has_gluon():
         return "legacy"
+    try:
+        if torch.cuda.get_device_capability(dev) < (9, 0):
+            return "legacy"
+    except (RuntimeError, AssertionError):     # no driver here (tests on the CPU): the caller's device decides
+        pass
     from plugins.moe import kernels_gluon
     bk = tiles.get("block_k") or (256 if latent % 256 == 0 and inter % 256 == 0 else 128)
     try:
@@ -661,9 +672,11 @@ def pick_impl(dev, T: int, k: int, num_experts: int, latent: int, inter: int, **
 
 @functools.lru_cache(maxsize=None)
 def _has_gluon() -> bool:
+    """Whether plugins.moe.kernels_gluon imports (a Triton with Gluon and the names it uses)."""
     try:
         from plugins.moe import kernels_gluon  # noqa: F401
-    except ImportError:
+    except Exception as e:     # ImportError, or an AttributeError from a Gluon whose names moved
+        log.info("mxfp4_moe: Gluon kernels unavailable (%r): the legacy Triton kernels run", e)
         return False
     return True
 

@@ -1,4 +1,5 @@
-"""MXFP4 grouped GEMMs of `mxfp4_moe` in Gluon (Triton's explicit-layout dialect): GPU only, sm_80+ (mma.sync).
+"""MXFP4 grouped GEMMs of `mxfp4_moe` in Gluon (Triton's explicit-layout dialect): GPU only, sm_90+ (the decode's
+mul.rn.bf16x2; the MMAs are mma.sync).
 The Triton interpreter cannot run Gluon, so the CPU runs plugins/moe/kernels.py's Triton kernels; CI compiles these
 for sm_90 offline (tests/test_moe_gluon.py). MODEL.md §7.2, §8.3. H200 (benchmarks/RESULTS.md run 14): T=64
 707 us = 65.5% of the copy bandwidth, 1.28x the Triton kernels.
@@ -44,7 +45,9 @@ def _dq_asm(folded: bool) -> str:
     codes (mask), z * (2^a + 2^b) = z << a | z << b (the copies never overlap: no carry), & 0x81C081C0 keeps the
     magnitude at bf16 bits 8:6 and the sign at bit 15 of both halves: value x 2^-126 (0.5 is a bf16 subnormal,
     kept by mul.bf16x2), then x the factor (unfolded: first x 2^126). (n2, n6), (n3, n7) come from the word with
-    the bytes of each half swapped (one prmt), like (n0, n4), (n1, n5)."""
+    the bytes of each half swapped (one prmt), like (n0, n4), (n1, n5). E8M0 edges on the unfolded path (taken
+    only when a program's largest exponent exceeds 128): s = 0 (2^-127) decodes as 0, s = 255 (NaN in OCP MX) as
+    inf / NaN; the legacy kernels do the same."""
     rebias = "" if folded else "mul.rn.bf16x2 v, v, bias;"
 
     def pair(out, src, mask, mult):
@@ -229,6 +232,9 @@ def _gemm(a_ptr, arows, stride_a, wp, sp, wrows, stride_w, stride_s, K,
             pw = wbuf.index(i % STAGES).slice(32 * j, 32, 1).load(LW)
             acc = _mma_step(acc, pw, sc, x00, x01, x10, x11, x20, x21, x30, x31, FOLDED, BN, LA)
         sb = sb_n
+    # the last STAGES - 1 copies (repeats of the last slot) are still in flight: the next token tile's first copies
+    # go to the same slots, and cp.async copies are ordered only by waits
+    async_copy.wait_group(0)
     return acc
 
 
