@@ -239,6 +239,21 @@ def _gemm(a_ptr, arows, stride_a, wp, sp, wrows, stride_w, stride_s, K,
 
 
 @gluon.jit
+def _gemm_fold(fold, a_ptr, arows, stride_a, wp, sp, wrows, stride_w, stride_s, K,
+               BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, LXC: gl.constexpr,
+               LXL: gl.constexpr, LWC: gl.constexpr, LW: gl.constexpr, LS: gl.constexpr, MMA: gl.constexpr):
+    """`_gemm` with one multiply per weight pair when `fold` (every factor of the program's rows <= 2^1: a uniform
+    branch), else two."""
+    if fold:
+        acc = _gemm(a_ptr, arows, stride_a, wp, sp, wrows, stride_w, stride_s, K, BM, BN, True, STAGES, SUB,
+                    LXC, LXL, LWC, LW, LS, MMA)
+    else:
+        acc = _gemm(a_ptr, arows, stride_a, wp, sp, wrows, stride_w, stride_s, K, BM, BN, False, STAGES, SUB,
+                    LXC, LXL, LWC, LW, LS, MMA)
+    return acc
+
+
+@gluon.jit
 def _situ(g, u, beta, lbeta):
     # 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25); tanh(x) = 2 sigmoid(2x) - 1
     tg = 2.0 / (1.0 + gl.exp(-2.0 * g / beta)) - 1.0
@@ -294,12 +309,8 @@ def moe_w13_kernel(x_ptr, tok_ptr, offs_ptr, w_ptr, s_ptr, h_ptr,
         for m0 in range(lo_off, hi_off, BM):
             mx = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, LXC))
             toks = gl.load(tok_ptr + mx, mask=mx < hi_off, other=0).to(gl.int64)
-            if fold:
-                acc = _gemm(x_ptr, toks, stride_x, wp, sp, wrows, stride_w, stride_s, RL, BM, BN, True, STAGES,
-                            SUB, LXC, LXL, LWC, LW, LS, MMA)
-            else:
-                acc = _gemm(x_ptr, toks, stride_x, wp, sp, wrows, stride_w, stride_s, RL, BM, BN, False, STAGES,
-                            SUB, LXC, LXL, LWC, LW, LS, MMA)
+            acc = _gemm_fold(fold, x_ptr, toks, stride_x, wp, sp, wrows, stride_w, stride_s, RL, BM, BN, STAGES,
+                             SUB, LXC, LXL, LWC, LW, LS, MMA)
             g, u = acc.reshape([BN // 16, 2, 8, BM]).permute([0, 2, 3, 1]).split()
             hval = _situ(g.reshape([HN, BM]), u.reshape([HN, BM]), beta, lbeta)   # [HN, BM]: h transposed
             mo = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, hval.type.layout))
@@ -333,12 +344,8 @@ def moe_w2_kernel(h_ptr, pair_ptr, wts_ptr, offs_ptr, w_ptr, s_ptr, y_ptr,
         fold = _scale_max(sp, wrows, stride_s, I // 32, BN, NW) <= 128   # one multiply per weight pair
         for m0 in range(lo_off, hi_off, BM):
             mx = gl.minimum(m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, LXC)), hi_off - 1).to(gl.int64)
-            if fold:
-                acc = _gemm(h_ptr, mx, stride_h, wp, sp, wrows, stride_w, stride_s, I, BM, BN, True, STAGES,
-                            SUB, LXC, LXL, LWC, LW, LS, MMA)
-            else:
-                acc = _gemm(h_ptr, mx, stride_h, wp, sp, wrows, stride_w, stride_s, I, BM, BN, False, STAGES,
-                            SUB, LXC, LXL, LWC, LW, LS, MMA)
+            acc = _gemm_fold(fold, h_ptr, mx, stride_h, wp, sp, wrows, stride_w, stride_s, I, BM, BN, STAGES,
+                             SUB, LXC, LXL, LWC, LW, LS, MMA)
             mo = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
             omask = mo < hi_off
             pair = gl.load(pair_ptr + mo, mask=omask, other=0).to(gl.int64)
