@@ -31,7 +31,7 @@ G=$(nvidia-smi -L 2>/dev/null | wc -l)
 if [ "$1" = tp ]; then
   [ "$G" -ge 2 ] || { echo "error: tp needs 2 or more GPUs, this machine has $G" >&2; exit 2; }
 fi
-if ! ls .whl/*.whl >/dev/null 2>&1; then
+if [ "$1" != ncu ] && ! ls .whl/*.whl >/dev/null 2>&1; then     # ncu profiles the MoE only: no fla-core
   echo "error: .whl/ holds no wheels; on a machine with network run: pip download fla-core==0.6.0 --no-deps -d .whl" >&2
   exit 2
 fi
@@ -45,7 +45,10 @@ save_autotune() {
   (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$OUT/autotune_$MODE.tgz" -T -) || true
 }
 trap save_autotune EXIT
-python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl
+if [ "$1" != ncu ]; then
+  python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "error: installing .whl/*.whl failed" >&2; exit 2; }
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 case "$1" in
@@ -66,13 +69,17 @@ case "$1" in
   ncu)
     command -v ncu >/dev/null || { echo "error: ncu (Nsight Compute) is not on PATH" >&2; exit 2; }
     M=$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); import ncu_moe; print(ncu_moe.METRICS)')
+    rc=0
     for T in ${NCU_TOKENS:-64 1}; do
       timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none --kernel-name regex:'moe_w13|moe_w2' --section SpeedOfLight \
         --section Occupancy --section SchedulerStats --metrics "$M" python3 benchmarks/ncu_moe.py --tokens "$T" \
-        ${NCU_CONFIGS:+--configs "$NCU_CONFIGS"} > "$OUT/ncu_moe_T$T.txt" 2>&1
+        ${NCU_CONFIGS:+--configs "$NCU_CONFIGS"} > "$OUT/ncu_moe_T$T.txt" 2>&1 \
+        || { echo "error: ncu failed for T=$T; the end of $OUT/ncu_moe_T$T.txt:" >&2
+             tail -5 "$OUT/ncu_moe_T$T.txt" >&2; rc=1; continue; }
       python3 benchmarks/ncu_moe.py --summarize "$OUT/ncu_moe_T$T.txt" | sed "s/^{/{\"T\": $T, /" \
-        | tee -a "$OUT/ncu_summary.jsonl"
-    done ;;
+        | tee -a "$OUT/ncu_summary.jsonl" || rc=1
+    done
+    exit $rc ;;
   decode)
     timeout "${DECODE_TIMEOUT:-540}" python3 benchmarks/bench_decode.py --out "$OUT/decode.jsonl" \
       ${DECODE_ARGS:---preset k3-slice --device cuda --batch 16 --prompt-len 512 --steps 32 --ops torch,kernels} \

@@ -55,7 +55,12 @@ def summarize(text: str) -> list[dict]:
 
 
 def drive(tokens: int, configs: list[dict]) -> None:
+    """One `mxfp4_moe` call per config on the benchmark's problem with `tokens` tokens. SystemExit without CUDA."""
     import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("ncu_moe.py: needs a CUDA GPU (run it under ncu on the GPU machine); --summarize runs "
+                         "anywhere")
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from plugins.moe import kernels as moe_k
@@ -76,13 +81,16 @@ def drive(tokens: int, configs: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="METRICS (ncu --metrics): " + METRICS)
     ap.add_argument("--tokens", type=int, default=64, help="tokens T (default 64)")
     ap.add_argument("--configs", default='[{"impl": "legacy"}, {"impl": "gluon"}]',
                     help="JSON list of mxfp4_moe keyword sets, one call each (default: legacy, gluon)")
     ap.add_argument("--summarize", metavar="NCU_TXT", help="print one JSON line per kernel of this ncu report instead")
     a = ap.parse_args(argv)
     if a.summarize:
+        if not Path(a.summarize).is_file():
+            ap.error(f"--summarize {a.summarize}: no such file")
         for rec in summarize(Path(a.summarize).read_text()):
             print(json.dumps(rec))
         return 0

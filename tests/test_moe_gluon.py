@@ -125,29 +125,31 @@ def test_gluon_shape_errors_name_the_fix():
 
 
 @need_gluon
-@pytest.mark.parametrize("stages,sub,bm,nw", [(2, 2, 16, 4), (2, 2, 8, 4), (4, 1, 16, 4), (2, 4, 16, 8)])
-# the GPU default (2 slots, 256 columns, 16 or 8 tokens), 128 columns with 4 slots, 512 columns with 8 warps
+@pytest.mark.parametrize("stages,sub,bm,nw,bn", [(2, 2, 16, 4, 128), (2, 2, 8, 4, 128), (4, 1, 16, 4, 256),
+                                                 (2, 4, 16, 8, 256)])
+# the GPU default (2 slots, 256 columns, 128 rows, 16 or 8 tokens), 128 columns with 4 slots and 256 rows, 512 columns
+# with 8 warps
 @pytest.mark.parametrize("kernel,sig", [
     ("moe_w13_kernel", {"x_ptr": "*bf16", "tok_ptr": "*i32", "offs_ptr": "*i32", "w_ptr": "*i16", "s_ptr": "*u8",
                         "h_ptr": "*bf16", "beta": "fp32", "lbeta": "fp32"}),
     ("moe_w2_kernel", {"h_ptr": "*bf16", "pair_ptr": "*i32", "wts_ptr": "*fp32", "offs_ptr": "*i32",
                        "w_ptr": "*i16", "s_ptr": "*u8", "y_ptr": "*fp32"}),
 ])
-def test_gluon_kernels_compile_for_sm90(kernel, sig, stages, sub, bm, nw):
+def test_gluon_kernels_compile_for_sm90(kernel, sig, stages, sub, bm, nw, bn):
     """Both kernels compile for sm_90 without a GPU (ptxas included): the decode's inline PTX assembles and every
     reshape / permute / split that forms the mma.sync operands is a register renaming (`assert_trivial=True`
-    raises otherwise). Shared memory: the ring of weight words and activation tiles (stages x sub x (256 rows x
-    64 bytes + tokens x 256 bytes)) and the scale scan's reduction scratch, nothing for the operands. In a
+    raises otherwise). Shared memory: the ring of weight words and activation tiles (stages x sub x (rows x 64
+    bytes + tokens x 256 bytes)) and the scale scan's reduction scratch, nothing for the operands. In a
     subprocess: a kernel run under TRITON_INTERPRET=1 earlier in this process leaves triton.language patched for
     the interpreter."""
-    const = {"BM": bm, "BN": 256, "STAGES": stages}
+    const = {"BM": bm, "BN": bn, "STAGES": stages}
     code = f"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from plugins.moe import kernels_gluon as kg
 sig, const = {sig!r}, {const!r}
-const.update(kg.layouts(256, {nw}, {bm}, {sub}))
+const.update(kg.layouts({bn}, {nw}, {bm}, {sub}))
 fn = kg.{kernel}
 names = fn.arg_names
 full = {{n: "constexpr" if n in const else sig.get(n, "i32") for n in names}}
@@ -161,7 +163,7 @@ print(k.metadata.shared, int("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f3
       int("prmt.b32 w" in ptx and "mul.lo.u32 v, v, 0x1040" in ptx))
 """
     shared, has_mma, has_decode = compile_in_subprocess(code)[-1]
-    ring = stages * sub * (256 * 64 + bm * 256)
+    ring = stages * sub * (bn * 64 + bm * 256)
     assert ring <= int(shared) <= ring + 1024 and has_mma == "1" and has_decode == "1"
 
 

@@ -536,8 +536,8 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
     [E, 2I, Rl/32] uint8 (E8M0); w2_packed [E, Rl, I/2], w2_scale [E, Rl, I/32] likewise.
     impl None (default): "gluon" on a CUDA device when the shapes allow it (:func:`pick_impl`), else "legacy".
     impl "gluon": plugins/moe/kernels_gluon.py, the explicit-layout GEMMs (MXFP4 bytes decoded straight into the
-    mma.sync operand registers, weights and activation tiles through a cp.async ring; H200 run 14: T=64 1.2x and
-    T=8 1.5x the legacy kernels): block_n13 / block_n2 weight rows per program (default 128), block_k the K
+    mma.sync operand registers, weights and activation tiles through a cp.async ring; H200 run 14: T=64 1.28x and
+    T=8 1.42x the legacy kernels): block_n13 / block_n2 weight rows per program (default 128), block_k the K
     columns per copy (128, 256 or 512; default 256 where both widths allow), num_stages the ring depth (2, 4 or 8;
     default 2), block_m 8 or 16 tokens (default: 8 when experts average <= 8 pairs), num_warps 4 or 8.
     impl "legacy": inline-PTX dequant to bf16 tiles in registers, x as the LHS (block_n 128);
@@ -570,7 +570,7 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
         raise ValueError(f"mxfp4_moe: impl={impl!r} must be 'legacy', 'gluon' or 'dot_scaled' (or None: the default)")
     if impl == "gluon" and (dev.type != "cuda" or _INTERPRET):
         raise ValueError("mxfp4_moe: impl='gluon' needs a CUDA device (the Triton interpreter cannot run Gluon); "
-                         "use impl='legacy'")
+                         "use impl='legacy' (CPU tensors: with TRITON_INTERPRET=1 set before Triton is imported)")
     if impl == "gluon" and legacy_knobs:
         raise ValueError("mxfp4_moe: dequant and maxnreg apply to impl='legacy' only; drop them or use "
                          "impl='legacy'")
@@ -676,7 +676,8 @@ def _has_gluon() -> bool:
     try:
         from plugins.moe import kernels_gluon  # noqa: F401
     except Exception as e:     # ImportError, or an AttributeError from a Gluon whose names moved
-        log.info("mxfp4_moe: Gluon kernels unavailable (%r): the legacy Triton kernels run", e)
+        log.warning("mxfp4_moe: Gluon kernels unavailable (%r; they need Triton >= 3.6 with Gluon): the slower "
+                    "legacy Triton kernels run", e)
         return False
     return True
 
