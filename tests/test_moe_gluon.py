@@ -221,3 +221,39 @@ def test_ncu_summary_reads_a_real_report():
     assert recs[2]["Duration"] == 525.28 and recs[2]["DRAM Throughput"] == 53.42
     assert recs[2]["stalls"]["long_scoreboard"] == 1.85 and recs[2]["pipes"]["alu"] == 48.66
     assert recs[0]["grid"] == "(24, 112, 1)x(128, 1, 1)"
+
+
+@need_gluon
+def test_resolve_tiles_defaults_and_launch_arguments(monkeypatch):
+    """One place fills in and checks the Gluon tiles (`resolve_tiles`), and `grouped_gemms` launches both kernels
+    with them (kernels replaced by recorders: the launch itself needs a GPU): grids (I / (BN/2), E) and (Rl / BN, E),
+    the constexpr tiles and layouts, and the activations copied in the kernels' column order."""
+    t = kg.resolve_tiles(3584, 3072, pairs_per_expert=9)
+    assert t == dict(block_n13=128, block_n2=128, block_k=256, block_m=16, num_warps=4, stages=2)
+    assert kg.resolve_tiles(3584, 3200, pairs_per_expert=1)["block_k"] == 128     # 3200 % 256 != 0
+    assert kg.resolve_tiles(3584, 3072, pairs_per_expert=1)["block_m"] == 8
+    with pytest.raises(ValueError, match="num_stages=3 must be 2, 4 or 8"):
+        kg.resolve_tiles(3584, 3072, stages=3)
+    launches = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((self.name, grid, args, kw))
+    monkeypatch.setattr(kg, "moe_w13_kernel", Recorder("w13"))
+    monkeypatch.setattr(kg, "moe_w2_kernel", Recorder("w2"))
+    (x, ids, w, w13p, w13s, w2p, w2s), _ = _problem(3, 256, 512, 5, 2)
+    M, I, RL = 10, 512, 256
+    h, ypair = torch.empty(M, I, dtype=torch.bfloat16), torch.empty(M, RL)
+    xperm = torch.empty(5, RL, dtype=torch.bfloat16)
+    z = torch.zeros(M, dtype=torch.int32)
+    kg.grouped_gemms(x, z, z, w.reshape(-1), torch.zeros(4, dtype=torch.int32), w13p, w13s, w2p, w2s, h, ypair,
+                     xperm, situ_beta=4.0, situ_linear_beta=25.0, num_warps=8, pairs_per_expert=3)
+    (n13, g13, a13, k13), (n2, g2, a2, k2) = launches
+    assert (n13, g13, n2, g2) == ("w13", (I // 64, 3), "w2", (RL // 128, 3))
+    assert (k13["BM"], k13["BN"], k13["STAGES"], k13["SUB"], k13["NW"], k13["num_warps"]) == (8, 128, 2, 2, 8, 8)
+    assert k13["LW"] == kg.layouts(128, 8, 8, 2)["LW"] and k2["BN"] == 128
+    assert a13[0] is xperm and torch.equal(xperm, kg.permute_columns(x)) and a2[0] is h
+    assert a13[3].dtype == torch.int16 and a13[3].shape == (3, 2 * I, RL // 4)

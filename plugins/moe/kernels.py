@@ -606,14 +606,11 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
             ypair.stride(0), I, RL, BM=BM, BN=BN2, BK=BK, num_warps=num_warps, num_stages=ns)
     elif impl == "gluon":
         from plugins.moe import kernels_gluon
-        bm = block_m_arg or (8 if triton.cdiv(T * k, n_global) <= 8 else 16)
-        bk = block_k_arg or (256 if RL % 256 == 0 and I % 256 == 0 else 128)
         kernels_gluon.grouped_gemms(x, tok, order, wts, offs, w13_packed, w13_scale, w2_packed, w2_scale, h, ypair,
                                     ws.empty((T, RL), torch.bfloat16), situ_beta=situ_beta,
-                                    situ_linear_beta=situ_linear_beta, block_n13=block_n13 or 128,
-                                    block_n2=block_n2 or 128, num_warps=num_warps,
-                                    stages=2 if num_stages is None else num_stages, block_m=bm,
-                                    block_k=bk)
+                                    situ_linear_beta=situ_linear_beta, block_n13=block_n13, block_n2=block_n2,
+                                    block_k=block_k_arg, block_m=block_m_arg, num_warps=num_warps,
+                                    stages=num_stages, pairs_per_expert=triton.cdiv(T * k, n_global))
     else:
         on_gpu = dev.type == "cuda" and not _INTERPRET
         if dequant is None:   # folded scales with 64-row tiles ran 1.45x slower on the H200 (RESULTS.md run 6)
@@ -652,7 +649,7 @@ def pick_impl(dev, T: int, k: int, num_experts: int, latent: int, inter: int, **
     (its launches cost more Python time), while its kernels took no longer on the GPU (ncu: 140 vs 151 us at T=1;
     benchmarks/RESULTS.md run 14)."""
     if dev.type != "cuda" or _INTERPRET or T * k < 64 or triton.cdiv(T * k, max(num_experts, 1)) > 16 \
-            or tiles.get("num_stages") not in (None, 2, 4, 8) or not _has_gluon():
+            or not _has_gluon():
         return "legacy"
     try:
         if torch.cuda.get_device_capability(dev) < (9, 0):
@@ -660,11 +657,10 @@ def pick_impl(dev, T: int, k: int, num_experts: int, latent: int, inter: int, **
     except (RuntimeError, AssertionError):     # no driver here (tests on the CPU): the caller's device decides
         pass
     from plugins.moe import kernels_gluon
-    bk = tiles.get("block_k") or (256 if latent % 256 == 0 and inter % 256 == 0 else 128)
     try:
-        kernels_gluon.check_shapes(latent, inter, tiles.get("block_n13") or 128, tiles.get("block_n2") or 128, bk)
-        for bn in (tiles.get("block_n13") or 128, tiles.get("block_n2") or 128):
-            kernels_gluon.layouts(bn, tiles.get("num_warps") or 4, tiles.get("block_m") or 16, bk // 128)
+        kernels_gluon.resolve_tiles(latent, inter, block_n13=tiles.get("block_n13"), block_n2=tiles.get("block_n2"),
+                                    block_k=tiles.get("block_k"), block_m=tiles.get("block_m"),
+                                    num_warps=tiles.get("num_warps") or 4, stages=tiles.get("num_stages"))
     except ValueError:
         return "legacy"
     return "gluon"

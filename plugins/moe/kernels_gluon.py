@@ -414,30 +414,47 @@ def check_shapes(latent: int, inter: int, block_n13: int, block_n2: int, block_k
                          f"width of block_n2 = {block_n2}; use impl='legacy' for these shapes")
 
 
+def resolve_tiles(latent: int, inter: int, *, block_n13: int | None = None, block_n2: int | None = None,
+                  block_k: int | None = None, block_m: int | None = None, num_warps: int = 4,
+                  stages: int | None = None, pairs_per_expert: int = 16) -> dict:
+    """The Gluon GEMMs' tiles with the defaults filled in and checked, for latent width Rl and expert width I:
+    block_n13 / block_n2 weight rows per program (default 128), block_k K columns per copy (default 256 where both
+    widths allow, else 128), block_m tokens per tile (default 8 when experts average <= 8 pairs
+    (`pairs_per_expert`), else 16), stages ring slots (default 2; 2, 4 or 8). Returns the keyword arguments of
+    `grouped_gemms`' tiles. ValueError (naming the argument) for anything the kernels cannot take."""
+    t = dict(block_n13=block_n13 or 128, block_n2=block_n2 or 128,
+             block_k=block_k or (256 if latent % 256 == 0 and inter % 256 == 0 else 128),
+             block_m=block_m or (8 if pairs_per_expert <= 8 else 16), num_warps=num_warps,
+             stages=2 if stages is None else stages)
+    check_shapes(latent, inter, t["block_n13"], t["block_n2"], t["block_k"])
+    if t["stages"] not in (2, 4, 8):
+        raise ValueError(f"mxfp4_moe(impl='gluon'): num_stages={t['stages']} must be 2, 4 or 8")
+    for bn in (t["block_n13"], t["block_n2"]):
+        layouts(bn, num_warps, t["block_m"], t["block_k"] // BLOCK_K)
+    return t
+
+
 def grouped_gemms(x, tok, order, wts, offs, w13_packed, w13_scale, w2_packed, w2_scale, h, ypair, xperm, *,
-                  situ_beta: float, situ_linear_beta: float, block_n13: int = 128, block_n2: int = 128,
-                  num_warps: int = 4, stages: int = 4, block_m: int = 16, block_k: int = BLOCK_K) -> None:
-    """The two grouped GEMMs of `kernels.mxfp4_moe` (same sort buffers tok / order / offs and pair outputs): x
-    [T, Rl] is copied into xperm (bf16 [T, Rl], `permute_columns`), then h [pairs, I] bf16 (permuted columns) and
-    ypair [pairs, Rl] fp32 = w_pair · h · W2ᵀ. Weights: MXFP4 as in `kernels.mxfp4_moe` (contiguous rows)."""
+                  situ_beta: float, situ_linear_beta: float, **tiles) -> None:
+    """The two grouped GEMMs of `kernels.mxfp4_moe` (same sort buffers tok / order / offs int32 and pair outputs):
+    x [T, Rl] (bf16/fp32) is copied into xperm (bf16 [T, Rl], `permute_columns`), then h [pairs, I] bf16 (permuted
+    columns) and ypair [pairs, Rl] fp32 = w_pair · h · W2ᵀ. Weights: MXFP4 as in `kernels.mxfp4_moe` (uint8,
+    contiguous rows). tiles: `resolve_tiles`' arguments (ValueError for what the kernels cannot take)."""
     T, RL = x.shape
     E, I2, _ = w13_packed.shape
     I = I2 // 2
-    check_shapes(RL, I, block_n13, block_n2, block_k)
-    sub = block_k // BLOCK_K
-    if stages not in (2, 4, 8):
-        raise ValueError(f"mxfp4_moe(impl='gluon'): num_stages={stages} must be 2, 4 or 8")
+    t = resolve_tiles(RL, I, **tiles)
+    bn13, bn2, bm, nw, st, sub = (t["block_n13"], t["block_n2"], t["block_m"], t["num_warps"], t["stages"],
+                                  t["block_k"] // BLOCK_K)
     permute_columns(x, out=xperm)
     w13 = w13_packed.view(torch.int16)
     w2 = w2_packed.view(torch.int16)
-    moe_w13_kernel[(I // (block_n13 // 2), E)](
+    moe_w13_kernel[(I // (bn13 // 2), E)](
         xperm, tok, offs, w13, w13_scale, h,
         xperm.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), h.stride(0),
-        I, RL, float(situ_beta), float(situ_linear_beta), BM=block_m, BN=block_n13, STAGES=stages,
-        **layouts(block_n13, num_warps, block_m, sub),
-        num_warps=num_warps)
-    moe_w2_kernel[(RL // block_n2, E)](
+        I, RL, float(situ_beta), float(situ_linear_beta), BM=bm, BN=bn13, STAGES=st, **layouts(bn13, nw, bm, sub),
+        num_warps=nw)
+    moe_w2_kernel[(RL // bn2, E)](
         h, order, wts, offs, w2, w2_scale, ypair,
         h.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), ypair.stride(0),
-        I, RL, BM=block_m, BN=block_n2, STAGES=stages, **layouts(block_n2, num_warps, block_m, sub),
-        num_warps=num_warps)
+        I, RL, BM=bm, BN=bn2, STAGES=st, **layouts(bn2, nw, bm, sub), num_warps=nw)
