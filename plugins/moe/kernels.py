@@ -536,16 +536,18 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
     [E, 2I, Rl/32] uint8 (E8M0); w2_packed [E, Rl, I/2], w2_scale [E, Rl, I/32] likewise.
     impl None (default): "gluon" on a CUDA device when the shapes allow it (:func:`pick_impl`), else "legacy".
     impl "gluon": plugins/moe/kernels_gluon.py, the explicit-layout GEMMs (MXFP4 bytes decoded straight into the
-    mma.sync operand registers, weights and activation tiles through a cp.async ring; H200 run 14: T=64 1.28x and
-    T=8 1.42x the legacy kernels): block_n13 / block_n2 weight rows per program (default 128), block_k the K
+    mma.sync operand registers, weights and activation tiles through a cp.async ring; H200 run 15: T=64 1.26x and
+    T=8 1.48x the legacy kernels): block_n13 / block_n2 weight rows per program (default 128), block_k the K
     columns per copy (128, 256 or 512; default 256 where both widths allow), num_stages the ring depth (2, 4 or 8;
-    default 2), block_m 8 or 16 tokens (default: 8 when experts average <= 8 pairs), num_warps 4 or 8.
+    default 2), block_m 8 or 16 tokens (default: 8 when experts average <= 8 pairs), num_warps 4 or 8, maxnreg
+    (default 128).
     impl "legacy": inline-PTX dequant to bf16 tiles in registers, x as the LHS (block_n 128);
     dequant: 3 (GPU default for 16/32-row token tiles: `_dequant_asm2` with one multiply per weight pair in every
     program whose scales are all <= 2^1, checked per program), 2 (`_dequant_asm2` always with two; the GPU default
     for 64-row tiles), 1 (`_dequant_asm`, runs 2-5), 0 plain Triton (the interpreter; the only choice off the GPU,
     ValueError otherwise). E8M0 0 (2^-127) decodes as 0 on the unfolded GPU paths.
-    maxnreg: optional register cap per thread for the two GEMM kernels (run 6: 168 within noise of none).
+    maxnreg: register cap per thread for the two GEMM kernels (legacy: default none, run 6: 168 within noise of
+    none; gluon: default 128, run 15).
     impl "dot_scaled": weights as the scaled-dot LHS (see _moe_w13_ds_kernel). On the H200 (runs 3 and 6,
     benchmarks/RESULTS.md) dot_scaled was slower (T=64: 2511 us vs 1055 us), so it is opt-in.
     num_experts: routed experts over all EP ranks (0 = E, no EP): the token-tile choice divides T*k by it;
@@ -561,19 +563,18 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
     I = I2 // 2
     dev = x.device
     n_global = check_num_experts(num_experts, int(expert_offset), E)    # validated even with block_m given
-    legacy_knobs = dequant is not None or maxnreg is not None
     if impl is None:
-        impl = "legacy" if legacy_knobs else pick_impl(dev, T, k, n_global, RL, I, block_n13=block_n13,
-                                                         block_n2=block_n2, block_k=block_k, block_m=block_m,
-                                                         num_warps=num_warps, num_stages=num_stages)
+        impl = "legacy" if dequant is not None else pick_impl(dev, T, k, n_global, RL, I, block_n13=block_n13,
+                                                               block_n2=block_n2, block_k=block_k, block_m=block_m,
+                                                               num_warps=num_warps, num_stages=num_stages,
+                                                               maxnreg=maxnreg)
     if impl not in ("legacy", "gluon", "dot_scaled"):
         raise ValueError(f"mxfp4_moe: impl={impl!r} must be 'legacy', 'gluon' or 'dot_scaled' (or None: the default)")
     if impl == "gluon" and (dev.type != "cuda" or _INTERPRET):
         raise ValueError("mxfp4_moe: impl='gluon' needs a CUDA device (the Triton interpreter cannot run Gluon); "
                          "use impl='legacy' (CPU tensors: with TRITON_INTERPRET=1 set before Triton is imported)")
-    if impl == "gluon" and legacy_knobs:
-        raise ValueError("mxfp4_moe: dequant and maxnreg apply to impl='legacy' only; drop them or use "
-                         "impl='legacy'")
+    if impl == "gluon" and dequant is not None:
+        raise ValueError("mxfp4_moe: dequant applies to impl='legacy' only; drop it or use impl='legacy'")
     block_m_arg, block_k_arg = block_m, block_k
     block_m = block_m or _pick_block_m(T, k, n_global)
     block_k = block_k or default_block_k(RL, I, 64 if impl == "dot_scaled" else block_m)
@@ -610,7 +611,8 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
                                     ws.empty((T, RL), torch.bfloat16), situ_beta=situ_beta,
                                     situ_linear_beta=situ_linear_beta, block_n13=block_n13, block_n2=block_n2,
                                     block_k=block_k_arg, block_m=block_m_arg, num_warps=num_warps,
-                                    stages=num_stages, pairs_per_expert=triton.cdiv(T * k, n_global))
+                                    stages=num_stages, maxnreg=maxnreg,
+                                    pairs_per_expert=triton.cdiv(T * k, n_global))
     else:
         on_gpu = dev.type == "cuda" and not _INTERPRET
         if dequant is None:   # folded scales with 64-row tiles ran 1.45x slower on the H200 (RESULTS.md run 6)
@@ -660,7 +662,8 @@ def pick_impl(dev, T: int, k: int, num_experts: int, latent: int, inter: int, **
     try:
         kernels_gluon.resolve_tiles(latent, inter, block_n13=tiles.get("block_n13"), block_n2=tiles.get("block_n2"),
                                     block_k=tiles.get("block_k"), block_m=tiles.get("block_m"),
-                                    num_warps=tiles.get("num_warps") or 4, stages=tiles.get("num_stages"))
+                                    num_warps=tiles.get("num_warps") or 4, stages=tiles.get("num_stages"),
+                                    maxnreg=tiles.get("maxnreg"))
     except ValueError:
         return "legacy"
     return "gluon"

@@ -1,8 +1,8 @@
 """MXFP4 grouped GEMMs of `mxfp4_moe` in Gluon (Triton's explicit-layout dialect): GPU only, sm_90+ (the decode's
 mul.rn.bf16x2; the MMAs are mma.sync).
 The Triton interpreter cannot run Gluon, so the CPU runs plugins/moe/kernels.py's Triton kernels; CI compiles these
-for sm_90 offline (tests/test_moe_gluon.py). MODEL.md §7.2, §8.3. H200 (benchmarks/RESULTS.md run 14): T=64
-707 us = 65.5% of the copy bandwidth, 1.28x the Triton kernels.
+for sm_90 offline (tests/test_moe_gluon.py). MODEL.md §7.2, §8.3. H200 (benchmarks/RESULTS.md runs 14, 15): T=64
+707-718 us = 64.5-65.5% of the copy bandwidth, 1.26-1.28x the Triton kernels; T=8 441 us, 1.48x.
 
 Why a second form: in the Triton kernels the compiler picks the register layouts, so the packed bytes are unpacked
 and re-packed around the decode (~3.9 SASS instructions per weight; ncu: ALU-bound). Here each thread decodes its
@@ -22,7 +22,9 @@ MXFP4 bytes straight into the registers of its mma.sync operand, 8 codes per 32-
 * Swap AB: weights are the A operand (16 rows per MMA), tokens the B operand (8 per MMA: 8-token tiles when experts
   average <= 8 pairs). Weight words and the activation tile stream through a cp.async ring in shared memory (the
   tile is copied once per CTA and read by every warp; `sub` 128-column steps per copy: 256 columns = 128 bytes of
-  each weight row is the default).
+  each weight row is the default). A program's first copies are in flight while it scans its E8M0 bytes for the
+  fold decision (one round trip), and the next token tile's while it stores the current one; 128 registers per
+  thread (4 programs per SM, no spills).
 """
 from __future__ import annotations
 
@@ -185,71 +187,85 @@ def _mma_step(acc, p, sc, x00, x01, x10, x11, x20, x21, x30, x31, FOLDED: gl.con
 
 
 @gluon.jit
-def _gemm(a_ptr, arows, stride_a, wp, sp, wrows, stride_w, stride_s, K,
-          BM: gl.constexpr, BN: gl.constexpr, FOLDED: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr,
-          LXC: gl.constexpr, LXL: gl.constexpr, LWC: gl.constexpr, LW: gl.constexpr, LS: gl.constexpr,
-          MMA: gl.constexpr):
-    """fp32 [BN, BM] = W[wrows] · A[arows]ᵀ over K (K % (128 SUB) == 0): A bf16 rows [*, K] in `permute_columns`
-    order (arows: SliceLayout(1, LXC)), W the int16 view of one expert's packed E2M1 rows (wp; wrows:
-    SliceLayout(1, LW); stride_w in int16), sp its E8M0 rows. The weight words [BN, 32 SUB] and the activation
-    tile [BM, 128 SUB] of SUB 128-column steps stream through a ring of STAGES (a power of two) shared-memory
-    slots by cp.async, STAGES - 1 slots ahead (the tile is copied once per CTA and read by every warp; SUB = 2
-    reads 128 contiguous bytes of every weight row per copy); the E8M0 bytes of the next slot are loaded into
-    registers."""
-    LA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
-    LB: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
+def _copy_slot(wbuf, xbuf, slot, wptr, aptr, n, SUB: gl.constexpr):
+    """Start the cp.async copies of slot n (SUB 128-column steps: weight words and activation tile) into ring slot
+    `slot`, as one commit group."""
+    _async_load(wbuf.index(slot), wptr + n * (32 * SUB))
+    _async_load(xbuf.index(slot), aptr + n * (128 * SUB))
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _ring(wp, wrows, stride_w, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr,
+          LWC: gl.constexpr):
+    """The cp.async ring of one program: (wbuf, xbuf, wptr). wbuf int16 [STAGES, BN, 32 SUB] holds the weight words
+    of STAGES copies, xbuf bf16 [STAGES, BM, 128 SUB] the activation tiles (read by every warp; in every odd row the
+    64-byte blocks are swapped pairwise, so the 16-byte reads of rows g and g + 1 by one quarter warp fall on
+    different banks); wptr the words of copy 0 of rows wrows (stride_w int16 apart) of the expert at wp."""
     SH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    # activation tile: in every odd row the 64-byte blocks are swapped pairwise, so the 16-byte reads of rows g and
-    # g + 1 by one quarter warp (4 threads each, 64 bytes apart) fall on different banks
     SX: gl.constexpr = gl.SwizzledSharedLayout(32, 1, 2, [1, 0])
     jj = gl.arange(0, 32 * SUB, layout=gl.SliceLayout(0, LWC))
-    kk = gl.arange(0, 128 * SUB, layout=gl.SliceLayout(0, LXC))
     wptr = wp + gl.convert_layout(wrows, gl.SliceLayout(1, LWC))[:, None] * stride_w + jj[None, :]
-    aptr = a_ptr + arows[:, None] * stride_a + kk[None, :]
-    srows = gl.convert_layout(wrows, gl.SliceLayout(1, LS), assert_trivial=True)
     wbuf = gl.allocate_shared_memory(gl.int16, [STAGES, BN, 32 * SUB], SH)
     xbuf = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, 128 * SUB], SX)
-    nslots = K // (128 * SUB)
+    return wbuf, xbuf, wptr
+
+
+@gluon.jit
+def _fill(wbuf, xbuf, wptr, a_ptr, arows, stride_a, nslots, STAGES: gl.constexpr, SUB: gl.constexpr,
+          LXC: gl.constexpr):
+    """Start a token tile: the activation pointers aptr [BM, 128 SUB] of rows arows (SliceLayout(1, LXC)) of A
+    (bf16 [*, K], `permute_columns` order) and the ring's first STAGES - 1 copies (past the last copy: repeats of
+    it, L2 hits). Returns aptr."""
+    kk = gl.arange(0, 128 * SUB, layout=gl.SliceLayout(0, LXC))
+    aptr = a_ptr + arows[:, None] * stride_a + kk[None, :]
     for s in gl.static_range(STAGES - 1):
-        st = gl.minimum(s, nslots - 1)
-        _async_load(wbuf.index(s), wptr + st * (32 * SUB))
-        _async_load(xbuf.index(s), aptr + st * (128 * SUB))
-        async_copy.commit_group()
+        _copy_slot(wbuf, xbuf, s, wptr, aptr, gl.minimum(s, nslots - 1), SUB)
+    return aptr
+
+
+@gluon.jit
+def _gemm(wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots,
+          BM: gl.constexpr, BN: gl.constexpr, FOLDED: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr,
+          LXL: gl.constexpr, LW: gl.constexpr, LS: gl.constexpr, MMA: gl.constexpr):
+    """fp32 [BN, BM] = W[wrows] · A[arows]ᵀ over K = nslots x 128 SUB columns, for a token tile `_fill` started
+    (wbuf, xbuf, wptr: `_ring`; W the int16 view of one expert's packed E2M1 rows; sp its E8M0 rows, wrows
+    SliceLayout(1, LW)). Each iteration starts the copy STAGES - 1 ahead, waits for its own, and runs the SUB
+    128-column steps of one slot; the E8M0 bytes of the next slot are loaded into registers. Returns with every
+    copy landed (the next `_fill` reuses the slots; cp.async copies are ordered only by waits)."""
+    LA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
+    LB: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
+    srows = gl.convert_layout(wrows, gl.SliceLayout(1, LS), assert_trivial=True)
     acc = gl.zeros([BN, BM], gl.float32, MMA)
     sb = _scale_load(sp, srows, 0, stride_s, 4 * SUB, LS)
     for i in range(nslots):
-        nx = gl.minimum(i + STAGES - 1, nslots - 1)   # past the end: a repeat of the last slot (an L2 hit)
-        slot = (i + STAGES - 1) % STAGES
-        _async_load(wbuf.index(slot), wptr + nx * (32 * SUB))
-        _async_load(xbuf.index(slot), aptr + nx * (128 * SUB))
-        async_copy.commit_group()
+        _copy_slot(wbuf, xbuf, (i + STAGES - 1) % STAGES, wptr, aptr, gl.minimum(i + STAGES - 1, nslots - 1), SUB)
         sb_n = _scale_load(sp, srows, gl.minimum(i + 1, nslots - 1) * (4 * SUB), stride_s, 4 * SUB, LS)
         async_copy.wait_group(STAGES - 1)
+        cur = i % STAGES
         for j in gl.static_range(SUB):
             sc = _scale_bits(_scale_part(sb, j, BN, SUB), BN, FOLDED, LW)
-            xv = xbuf.index(i % STAGES).slice(128 * j, 128, 1).load(LXL)
+            xv = xbuf.index(cur).slice(128 * j, 128, 1).load(LXL)
             x00, x01, x10, x11, x20, x21, x30, x31 = _x_operands(xv, BM, LB)
-            pw = wbuf.index(i % STAGES).slice(32 * j, 32, 1).load(LW)
+            pw = wbuf.index(cur).slice(32 * j, 32, 1).load(LW)
             acc = _mma_step(acc, pw, sc, x00, x01, x10, x11, x20, x21, x30, x31, FOLDED, BN, LA)
         sb = sb_n
-    # the last STAGES - 1 copies (repeats of the last slot) are still in flight: the next token tile's first copies
-    # go to the same slots, and cp.async copies are ordered only by waits
     async_copy.wait_group(0)
     return acc
 
 
 @gluon.jit
-def _gemm_fold(fold, a_ptr, arows, stride_a, wp, sp, wrows, stride_w, stride_s, K,
-               BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, LXC: gl.constexpr,
-               LXL: gl.constexpr, LWC: gl.constexpr, LW: gl.constexpr, LS: gl.constexpr, MMA: gl.constexpr):
+def _gemm_fold(fold, wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots,
+               BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, LXL: gl.constexpr,
+               LW: gl.constexpr, LS: gl.constexpr, MMA: gl.constexpr):
     """`_gemm` with one multiply per weight pair when `fold` (every factor of the program's rows <= 2^1: a uniform
     branch), else two."""
     if fold:
-        acc = _gemm(a_ptr, arows, stride_a, wp, sp, wrows, stride_w, stride_s, K, BM, BN, True, STAGES, SUB,
-                    LXC, LXL, LWC, LW, LS, MMA)
+        acc = _gemm(wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, BM, BN, True, STAGES, SUB, LXL, LW, LS,
+                    MMA)
     else:
-        acc = _gemm(a_ptr, arows, stride_a, wp, sp, wrows, stride_w, stride_s, K, BM, BN, False, STAGES, SUB,
-                    LXC, LXL, LWC, LW, LS, MMA)
+        acc = _gemm(wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, BM, BN, False, STAGES, SUB, LXL, LW,
+                    LS, MMA)
     return acc
 
 
@@ -262,15 +278,15 @@ def _situ(g, u, beta, lbeta):
 
 
 @gluon.jit
-def _scale_max(sp, rows, stride_s, NG, BN: gl.constexpr, NW: gl.constexpr):
-    """Largest E8M0 exponent of weight rows `rows` [BN] (any 1-D layout) over all NG groups, 32 groups per load
-    (4 bytes per thread and row): NG / 32 memory round trips (4 for K = 3584)."""
+def _scale_max(sp, rows, stride_s, NG: gl.constexpr, BN: gl.constexpr, NW: gl.constexpr):
+    """Largest E8M0 exponent of weight rows `rows` [BN] (any 1-D layout) over all NG groups (a multiple of 4):
+    independent 4-byte loads of 32 groups per row at a time, one memory round trip."""
     LSC: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
     gg = gl.arange(0, 32, layout=gl.SliceLayout(0, LSC))
     r = gl.convert_layout(rows, gl.SliceLayout(1, LSC))
     acc = gl.zeros([BN, 32], gl.int32, LSC)
-    for g0 in range(0, NG, 32):
-        s = gl.load(sp + r[:, None] * stride_s + (g0 + gg)[None, :], mask=(g0 + gg < NG)[None, :], other=0)
+    for q in gl.static_range((NG + 31) // 32):
+        s = gl.load(sp + r[:, None] * stride_s + (32 * q + gg)[None, :], mask=(32 * q + gg < NG)[None, :], other=0)
         acc = gl.maximum(acc, s.to(gl.int32))
     return gl.reduce(gl.reduce(acc, 1, _maximum), 0, _maximum)
 
@@ -282,12 +298,25 @@ def _maximum(a, b):
 
 
 @gluon.jit
+def _token_rows(tok_ptr, m0, hi_off, BM: gl.constexpr, LXC: gl.constexpr):
+    """int64 [BM] (SliceLayout(1, LXC)): the token of sorted pairs m0 .. m0 + BM (past hi_off: token 0, unused)."""
+    mx = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, LXC))
+    return gl.load(tok_ptr + mx, mask=mx < hi_off, other=0).to(gl.int64)
+
+
+@gluon.jit
+def _pair_rows(m0, hi_off, BM: gl.constexpr, LXC: gl.constexpr):
+    """int64 [BM] (SliceLayout(1, LXC)): h rows m0 .. m0 + BM, clamped to the expert's last pair hi_off - 1."""
+    return gl.minimum(m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, LXC)), hi_off - 1).to(gl.int64)
+
+
+@gluon.jit
 def moe_w13_kernel(x_ptr, tok_ptr, offs_ptr, w_ptr, s_ptr, h_ptr,
                    stride_x, stride_we, stride_w, stride_se, stride_s, stride_h,
                    I, RL, beta, lbeta,
                    BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, NW: gl.constexpr,
-                   LXC: gl.constexpr, LXL: gl.constexpr, LWC: gl.constexpr, LW: gl.constexpr, LS: gl.constexpr,
-                   MMA: gl.constexpr):
+                   NG: gl.constexpr, LXC: gl.constexpr, LXL: gl.constexpr,
+                   LWC: gl.constexpr, LW: gl.constexpr, LS: gl.constexpr, MMA: gl.constexpr):
     """h [pairs, I] bf16 (columns in `permute_columns` order) = SiTU(x[tok] · W1ᵀ, x[tok] · W3ᵀ) for the pairs of
     expert program_id(1) (offs), columns program_id(0) * BN/2 .. + BN/2: the program's BN weight rows are BN/2
     gate rows n and the up rows I + n, interleaved per 8 rows. x bf16 [T, RL] in `permute_columns` order; w_ptr
@@ -305,12 +334,18 @@ def moe_w13_kernel(x_ptr, tok_ptr, offs_ptr, w_ptr, s_ptr, h_ptr,
         wrows = (pid_n * HN + (c // 16) * 8 + c % 8 + gl.where((c // 8) % 2 == 1, I, 0)).to(gl.int64)
         wp = w_ptr + e.to(gl.int64) * stride_we
         sp = s_ptr + e.to(gl.int64) * stride_se
-        fold = _scale_max(sp, wrows, stride_s, RL // 32, BN, NW) <= 128   # one multiply per weight pair
+        wbuf, xbuf, wptr = _ring(wp, wrows, stride_w, BM, BN, STAGES, SUB, LWC)
+        nslots = RL // (128 * SUB)
+        # the first copies are in flight during the scale scan
+        aptr = _fill(wbuf, xbuf, wptr, x_ptr, _token_rows(tok_ptr, lo_off, hi_off, BM, LXC), stride_x, nslots,
+                     STAGES, SUB, LXC)
+        fold = _scale_max(sp, wrows, stride_s, NG, BN, NW) <= 128   # one multiply per weight pair
         for m0 in range(lo_off, hi_off, BM):
-            mx = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, LXC))
-            toks = gl.load(tok_ptr + mx, mask=mx < hi_off, other=0).to(gl.int64)
-            acc = _gemm_fold(fold, x_ptr, toks, stride_x, wp, sp, wrows, stride_w, stride_s, RL, BM, BN, STAGES,
-                             SUB, LXC, LXL, LWC, LW, LS, MMA)
+            acc = _gemm_fold(fold, wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, BM, BN, STAGES, SUB, LXL,
+                             LW, LS, MMA)
+            if m0 + BM < hi_off:    # the next token tile's first copies overlap this tile's epilogue
+                aptr = _fill(wbuf, xbuf, wptr, x_ptr, _token_rows(tok_ptr, m0 + BM, hi_off, BM, LXC), stride_x,
+                             nslots, STAGES, SUB, LXC)
             g, u = acc.reshape([BN // 16, 2, 8, BM]).permute([0, 2, 3, 1]).split()
             hval = _situ(g.reshape([HN, BM]), u.reshape([HN, BM]), beta, lbeta)   # [HN, BM]: h transposed
             mo = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, hval.type.layout))
@@ -327,8 +362,8 @@ def moe_w2_kernel(h_ptr, pair_ptr, wts_ptr, offs_ptr, w_ptr, s_ptr, y_ptr,
                   stride_h, stride_we, stride_w, stride_se, stride_s, stride_y,
                   I, RL,
                   BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, NW: gl.constexpr,
-                  LXC: gl.constexpr, LXL: gl.constexpr, LWC: gl.constexpr, LW: gl.constexpr, LS: gl.constexpr,
-                  MMA: gl.constexpr):
+                  NG: gl.constexpr, LXC: gl.constexpr, LXL: gl.constexpr,
+                  LWC: gl.constexpr, LW: gl.constexpr, LS: gl.constexpr, MMA: gl.constexpr):
     """y[pair, n] fp32 = w_pair · (h[m] · W2ᵀ) for the sorted pairs m of expert program_id(1), columns
     program_id(0) * BN ..; h bf16 [pairs, I] in `permute_columns` order (written by moe_w13_kernel); w_ptr the
     int16 view of w2_packed [E, RL, I/2]; RL % BN == 0, I % (128 SUB) == 0. Layouts and SUB, NW:
@@ -338,14 +373,21 @@ def moe_w2_kernel(h_ptr, pair_ptr, wts_ptr, offs_ptr, w_ptr, s_ptr, y_ptr,
     lo_off = gl.load(offs_ptr + e)
     hi_off = gl.load(offs_ptr + e + 1)
     if hi_off > lo_off:
-        wrows = (pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LW))).to(gl.int64)
+        c = gl.arange(0, BN, layout=gl.SliceLayout(1, LW))
+        wrows = (pid_n * BN + c).to(gl.int64)
         wp = w_ptr + e.to(gl.int64) * stride_we
         sp = s_ptr + e.to(gl.int64) * stride_se
-        fold = _scale_max(sp, wrows, stride_s, I // 32, BN, NW) <= 128   # one multiply per weight pair
+        wbuf, xbuf, wptr = _ring(wp, wrows, stride_w, BM, BN, STAGES, SUB, LWC)
+        nslots = I // (128 * SUB)
+        aptr = _fill(wbuf, xbuf, wptr, h_ptr, _pair_rows(lo_off, hi_off, BM, LXC), stride_h, nslots, STAGES,
+                     SUB, LXC)
+        fold = _scale_max(sp, wrows, stride_s, NG, BN, NW) <= 128   # one multiply per weight pair
         for m0 in range(lo_off, hi_off, BM):
-            mx = gl.minimum(m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, LXC)), hi_off - 1).to(gl.int64)
-            acc = _gemm_fold(fold, h_ptr, mx, stride_h, wp, sp, wrows, stride_w, stride_s, I, BM, BN, STAGES,
-                             SUB, LXC, LXL, LWC, LW, LS, MMA)
+            acc = _gemm_fold(fold, wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, BM, BN, STAGES, SUB, LXL,
+                             LW, LS, MMA)
+            if m0 + BM < hi_off:
+                aptr = _fill(wbuf, xbuf, wptr, h_ptr, _pair_rows(m0 + BM, hi_off, BM, LXC), stride_h, nslots,
+                             STAGES, SUB, LXC)
             mo = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
             omask = mo < hi_off
             pair = gl.load(pair_ptr + mo, mask=omask, other=0).to(gl.int64)
@@ -416,19 +458,23 @@ def check_shapes(latent: int, inter: int, block_n13: int, block_n2: int, block_k
 
 def resolve_tiles(latent: int, inter: int, *, block_n13: int | None = None, block_n2: int | None = None,
                   block_k: int | None = None, block_m: int | None = None, num_warps: int = 4,
-                  stages: int | None = None, pairs_per_expert: int = 16) -> dict:
+                  stages: int | None = None, maxnreg: int | None = None, pairs_per_expert: int = 16) -> dict:
     """The Gluon GEMMs' tiles with the defaults filled in and checked, for latent width Rl and expert width I:
     block_n13 / block_n2 weight rows per program (default 128), block_k K columns per copy (default 256 where both
     widths allow, else 128), block_m tokens per tile (default 8 when experts average <= 8 pairs
-    (`pairs_per_expert`), else 16), stages ring slots (default 2; 2, 4 or 8). Returns the keyword arguments of
-    `grouped_gemms`' tiles. ValueError (naming the argument) for anything the kernels cannot take."""
+    (`pairs_per_expert`), else 16), stages ring slots (default 2; 2, 4 or 8), maxnreg the kernels' register cap
+    per thread (default 128: 4 programs per SM instead of 3, no spills; H200 run 15; 255 = no cap in effect).
+    Returns the keyword arguments of `grouped_gemms`' tiles. ValueError (naming the argument) for anything the
+    kernels cannot take."""
     t = dict(block_n13=block_n13 or 128, block_n2=block_n2 or 128,
              block_k=block_k or (256 if latent % 256 == 0 and inter % 256 == 0 else 128),
              block_m=block_m or (8 if pairs_per_expert <= 8 else 16), num_warps=num_warps,
-             stages=2 if stages is None else stages)
+             stages=2 if stages is None else stages, maxnreg=128 if maxnreg is None else maxnreg)
     check_shapes(latent, inter, t["block_n13"], t["block_n2"], t["block_k"])
     if t["stages"] not in (2, 4, 8):
         raise ValueError(f"mxfp4_moe(impl='gluon'): num_stages={t['stages']} must be 2, 4 or 8")
+    if not 64 <= t["maxnreg"] <= 255:
+        raise ValueError(f"mxfp4_moe(impl='gluon'): maxnreg={t['maxnreg']} must be 64 .. 255 registers per thread")
     for bn in (t["block_n13"], t["block_n2"]):
         layouts(bn, num_warps, t["block_m"], t["block_k"] // BLOCK_K)
     return t
@@ -446,15 +492,16 @@ def grouped_gemms(x, tok, order, wts, offs, w13_packed, w13_scale, w2_packed, w2
     t = resolve_tiles(RL, I, **tiles)
     bn13, bn2, bm, nw, st, sub = (t["block_n13"], t["block_n2"], t["block_m"], t["num_warps"], t["stages"],
                                   t["block_k"] // BLOCK_K)
+    opts = dict(num_warps=nw, maxnreg=t["maxnreg"])
     permute_columns(x, out=xperm)
     w13 = w13_packed.view(torch.int16)
     w2 = w2_packed.view(torch.int16)
     moe_w13_kernel[(I // (bn13 // 2), E)](
         xperm, tok, offs, w13, w13_scale, h,
         xperm.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), h.stride(0),
-        I, RL, float(situ_beta), float(situ_linear_beta), BM=bm, BN=bn13, STAGES=st, **layouts(bn13, nw, bm, sub),
-        num_warps=nw)
+        I, RL, float(situ_beta), float(situ_linear_beta), BM=bm, BN=bn13, STAGES=st, NG=RL // 32,
+        **layouts(bn13, nw, bm, sub), **opts)
     moe_w2_kernel[(RL // bn2, E)](
         h, order, wts, offs, w2, w2_scale, ypair,
         h.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), ypair.stride(0),
-        I, RL, BM=bm, BN=bn2, STAGES=st, **layouts(bn2, nw, bm, sub), num_warps=nw)
+        I, RL, BM=bm, BN=bn2, STAGES=st, NG=I // 32, **layouts(bn2, nw, bm, sub), **opts)
