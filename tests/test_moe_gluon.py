@@ -23,14 +23,14 @@ gpu_only = pytest.mark.skipif(not HAS_CUDA or os.environ.get("TRITON_INTERPRET")
                               reason="Gluon kernels run on a CUDA GPU only (the Triton interpreter cannot run Gluon)")
 
 
-def _problem(E, RL, I, T, k, seed=3, hi_scale_expert=None):
+def _problem(E, RL, I, T, k, seed=3, hi_scale_expert=None, hi_group=1):
     g = torch.Generator().manual_seed(seed)
     w13p = torch.randint(0, 256, (E, 2 * I, RL // 2), dtype=torch.uint8, generator=g)
     w13s = torch.randint(118, 127, (E, 2 * I, RL // 32), dtype=torch.uint8, generator=g)
     w2p = torch.randint(0, 256, (E, RL, I // 2), dtype=torch.uint8, generator=g)
     w2s = torch.randint(116, 124, (E, RL, I // 32), dtype=torch.uint8, generator=g)
     if hi_scale_expert is not None:   # factors 2^4 .. 2^12 up: above 2^1, the two-multiply decode
-        w13s[hi_scale_expert, 3, 1] = 131
+        w13s[hi_scale_expert, 3, hi_group] = 131
         w2s[hi_scale_expert] += 12
     x = torch.randn(T, RL, generator=g).to(torch.bfloat16) * 0.1
     off = 2
@@ -52,6 +52,7 @@ def _problem(E, RL, I, T, k, seed=3, hi_scale_expert=None):
     (3, 256, 128, 20, 2, dict(block_m=8, block_n13=64, block_n2=64)),   # 13 pairs: two 8-token tiles
     (4, 512, 256, 50, 3, dict(block_k=256)),                         # ~37 pairs: three token tiles
     (6, 512, 512, 11, 4, dict(block_k=512, maxnreg=255)),            # no register cap in effect
+    (3, 1152, 1152, 12, 2, {}),      # 36 E8M0 groups per row: the scale scan's second, partial load (fold test below)
 ])
 def test_gluon_moe_matches_reference(E, RL, I, T, k, cfg):
     (x, ids, w, w13p, w13s, w2p, w2s), off = _problem(E, RL, I, T, k)
@@ -70,10 +71,12 @@ def test_gluon_moe_matches_reference(E, RL, I, T, k, cfg):
 
 @need_gluon
 @gpu_only
-def test_gluon_moe_factors_above_two():
-    """An expert whose factors exceed 2^1 takes the two-multiply decode (checked per program); it and the others
-    equal the reference."""
-    (x, ids, w, w13p, w13s, w2p, w2s), off = _problem(4, 256, 128, 12, 3, seed=9, hi_scale_expert=1)
+@pytest.mark.parametrize("RL,I,group", [(256, 128, 1), (1152, 1152, 35)])
+def test_gluon_moe_factors_above_two(RL, I, group):
+    """An expert whose factors exceed 2^1 takes the two-multiply decode (checked per program, by a scan of all the
+    program's E8M0 groups: at width 1152 the large factor of w13 sits in group 35, in the scan's second, partial
+    load); it and the others equal the reference."""
+    (x, ids, w, w13p, w13s, w2p, w2s), off = _problem(4, RL, I, 12, 3, seed=9, hi_scale_expert=1, hi_group=group)
     off = 0
     ids = ids % 4
     r = moe_ref.mxfp4_moe(x.float(), ids, w, w13p, w13s, w2p, w2s, expert_offset=off)
@@ -234,6 +237,9 @@ def test_resolve_tiles_defaults_and_launch_arguments(monkeypatch):
     the constexpr tiles and layouts, and the activations copied in the kernels' column order."""
     t = kg.resolve_tiles(3584, 3072, pairs_per_expert=9)
     assert t == dict(block_n13=128, block_n2=128, block_k=256, block_m=16, num_warps=4, stages=2, maxnreg=128)
+    assert kg.resolve_tiles(3584, 3072, block_n13=256)["maxnreg"] == 255       # 64 rows per warp: 128 would spill
+    assert kg.resolve_tiles(3584, 3072, block_k=512)["maxnreg"] == 255
+    assert kg.resolve_tiles(3584, 3072, block_n13=256, block_n2=256, num_warps=8)["maxnreg"] == 128
     assert kg.resolve_tiles(3584, 3200, pairs_per_expert=1)["block_k"] == 128     # 3200 % 256 != 0
     assert kg.resolve_tiles(3584, 3072, pairs_per_expert=1)["block_m"] == 8
     with pytest.raises(ValueError, match="num_stages=3 must be 2, 4 or 8"):
@@ -260,6 +266,7 @@ def test_resolve_tiles_defaults_and_launch_arguments(monkeypatch):
     (n13, g13, a13, k13), (n2, g2, a2, k2) = launches
     assert (n13, g13, n2, g2) == ("w13", (I // 64, 3), "w2", (RL // 128, 3))
     assert (k13["BM"], k13["BN"], k13["STAGES"], k13["SUB"], k13["NW"], k13["num_warps"]) == (8, 128, 2, 2, 8, 8)
+    assert (k13["NG"], k2["NG"], k13["maxnreg"], k2["maxnreg"]) == (RL // 32, I // 32, 128, 128)
     assert k13["LW"] == kg.layouts(128, 8, 8, 2)["LW"] and k2["BN"] == 128
     assert a13[0] is xperm and torch.equal(xperm, kg.permute_columns(x)) and a2[0] is h
     assert a13[3].dtype == torch.int16 and a13[3].shape == (3, 2 * I, RL // 4)

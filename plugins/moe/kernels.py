@@ -546,8 +546,9 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
     program whose scales are all <= 2^1, checked per program), 2 (`_dequant_asm2` always with two; the GPU default
     for 64-row tiles), 1 (`_dequant_asm`, runs 2-5), 0 plain Triton (the interpreter; the only choice off the GPU,
     ValueError otherwise). E8M0 0 (2^-127) decodes as 0 on the unfolded GPU paths.
-    maxnreg: register cap per thread for the two GEMM kernels (legacy: default none, run 6: 168 within noise of
-    none; gluon: default 128, run 15).
+    maxnreg: register cap per thread for the two GEMM kernels of either implementation (legacy: default none, run
+    6: 168 within noise of none; gluon: 64 .. 255, default 128 where the tiles fit, run 15; with impl None it does
+    not choose the implementation: ask for impl='legacy' explicitly).
     impl "dot_scaled": weights as the scaled-dot LHS (see _moe_w13_ds_kernel). On the H200 (runs 3 and 6,
     benchmarks/RESULTS.md) dot_scaled was slower (T=64: 2511 us vs 1055 us), so it is opt-in.
     num_experts: routed experts over all EP ranks (0 = E, no EP): the token-tile choice divides T*k by it;
@@ -646,7 +647,7 @@ def pick_impl(dev, T: int, k: int, num_experts: int, latent: int, inter: int, **
     bf16x2 multiply; not the interpreter) whose Triton has Gluon, for decode-sized batches of at least 64 (token,
     choice) pairs and at most 16 per expert on average over the `num_experts` routed experts of all ranks (the Gluon
     kernels take 8/16-token tiles), and widths and `tiles` (block_n13, block_n2, block_k, block_m, num_warps,
-    num_stages as given to `mxfp4_moe`; None = its default) the Gluon kernels accept; else "legacy". Below 64 pairs
+    num_stages, maxnreg as given to `mxfp4_moe`; None = its default) the Gluon kernels accept; else "legacy". Below 64 pairs
     (T=1, 2 at top-16) the eager H200 timings were host-bound and the Gluon path's were 1.3-2.4x the legacy path's
     (its launches cost more Python time), while its kernels took no longer on the GPU (ncu: 140 vs 151 us at T=1;
     benchmarks/RESULTS.md run 14)."""

@@ -280,7 +280,8 @@ def _situ(g, u, beta, lbeta):
 @gluon.jit
 def _scale_max(sp, rows, stride_s, NG: gl.constexpr, BN: gl.constexpr, NW: gl.constexpr):
     """Largest E8M0 exponent of weight rows `rows` [BN] (any 1-D layout) over all NG groups (a multiple of 4):
-    independent 4-byte loads of 32 groups per row at a time, one memory round trip."""
+    4-byte loads of 32 groups per row at a time, NG / 32 per row, all issued before the first is used (one memory
+    round trip of latency)."""
     LSC: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
     gg = gl.arange(0, 32, layout=gl.SliceLayout(0, LSC))
     r = gl.convert_layout(rows, gl.SliceLayout(1, LSC))
@@ -463,13 +464,18 @@ def resolve_tiles(latent: int, inter: int, *, block_n13: int | None = None, bloc
     block_n13 / block_n2 weight rows per program (default 128), block_k K columns per copy (default 256 where both
     widths allow, else 128), block_m tokens per tile (default 8 when experts average <= 8 pairs
     (`pairs_per_expert`), else 16), stages ring slots (default 2; 2, 4 or 8), maxnreg the kernels' register cap
-    per thread (default 128: 4 programs per SM instead of 3, no spills; H200 run 15; 255 = no cap in effect).
+    per thread (default 128 where it does not spill — at most 32 rows per warp and 256 columns per copy: 4 programs
+    per SM instead of 3, H200 run 15 —, else 255 = no cap in effect; offline sm_90: 256 rows on 4 warps or 512
+    columns spill 72-552 bytes under 128).
     Returns the keyword arguments of `grouped_gemms`' tiles. ValueError (naming the argument) for anything the
     kernels cannot take."""
     t = dict(block_n13=block_n13 or 128, block_n2=block_n2 or 128,
              block_k=block_k or (256 if latent % 256 == 0 and inter % 256 == 0 else 128),
              block_m=block_m or (8 if pairs_per_expert <= 8 else 16), num_warps=num_warps,
-             stages=2 if stages is None else stages, maxnreg=128 if maxnreg is None else maxnreg)
+             stages=2 if stages is None else stages, maxnreg=maxnreg)
+    if maxnreg is None:
+        fits = max(t["block_n13"], t["block_n2"]) <= 32 * num_warps and t["block_k"] <= 256
+        t["maxnreg"] = 128 if fits else 255
     check_shapes(latent, inter, t["block_n13"], t["block_n2"], t["block_k"])
     if t["stages"] not in (2, 4, 8):
         raise ValueError(f"mxfp4_moe(impl='gluon'): num_stages={t['stages']} must be 2, 4 or 8")
