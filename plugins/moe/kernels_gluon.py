@@ -312,6 +312,24 @@ def _pair_rows(m0, hi_off, BM: gl.constexpr, LXC: gl.constexpr):
 
 
 @gluon.jit
+def _start(w_ptr, s_ptr, e, stride_we, stride_se, wrows, stride_w, stride_s, K, a_ptr, arows, stride_a,
+           BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, NW: gl.constexpr,
+           NG: gl.constexpr, LXC: gl.constexpr, LWC: gl.constexpr):
+    """A program's start on expert e (packed words w_ptr int16 [E, *, K/4], E8M0 s_ptr uint8 [E, *, K/32]) for
+    weight rows wrows [BN] (SliceLayout(1, LW)) and the first token tile's activation rows arows (A bf16 [*, K]):
+    the ring (`_ring`) and its first copies (`_fill`), in flight while the program's NG = K/32 E8M0 groups are
+    scanned. Returns (sp: the expert's scales, wbuf, xbuf, wptr, aptr, nslots = K / (128 SUB), fold: every
+    factor <= 2^1, so one multiply per weight pair)."""
+    wp = w_ptr + e.to(gl.int64) * stride_we
+    sp = s_ptr + e.to(gl.int64) * stride_se
+    wbuf, xbuf, wptr = _ring(wp, wrows, stride_w, BM, BN, STAGES, SUB, LWC)
+    nslots = K // (128 * SUB)
+    aptr = _fill(wbuf, xbuf, wptr, a_ptr, arows, stride_a, nslots, STAGES, SUB, LXC)
+    fold = _scale_max(sp, wrows, stride_s, NG, BN, NW) <= 128
+    return sp, wbuf, xbuf, wptr, aptr, nslots, fold
+
+
+@gluon.jit
 def moe_w13_kernel(x_ptr, tok_ptr, offs_ptr, w_ptr, s_ptr, h_ptr,
                    stride_x, stride_we, stride_w, stride_se, stride_s, stride_h,
                    I, RL, beta, lbeta,
@@ -333,14 +351,9 @@ def moe_w13_kernel(x_ptr, tok_ptr, offs_ptr, w_ptr, s_ptr, h_ptr,
         # pair sits in one thread (rows g and g + 8 of an mma tile), so gate and up split without data movement
         c = gl.arange(0, BN, layout=gl.SliceLayout(1, LW))
         wrows = (pid_n * HN + (c // 16) * 8 + c % 8 + gl.where((c // 8) % 2 == 1, I, 0)).to(gl.int64)
-        wp = w_ptr + e.to(gl.int64) * stride_we
-        sp = s_ptr + e.to(gl.int64) * stride_se
-        wbuf, xbuf, wptr = _ring(wp, wrows, stride_w, BM, BN, STAGES, SUB, LWC)
-        nslots = RL // (128 * SUB)
-        # the first copies are in flight during the scale scan
-        aptr = _fill(wbuf, xbuf, wptr, x_ptr, _token_rows(tok_ptr, lo_off, hi_off, BM, LXC), stride_x, nslots,
-                     STAGES, SUB, LXC)
-        fold = _scale_max(sp, wrows, stride_s, NG, BN, NW) <= 128   # one multiply per weight pair
+        sp, wbuf, xbuf, wptr, aptr, nslots, fold = _start(
+            w_ptr, s_ptr, e, stride_we, stride_se, wrows, stride_w, stride_s, RL, x_ptr,
+            _token_rows(tok_ptr, lo_off, hi_off, BM, LXC), stride_x, BM, BN, STAGES, SUB, NW, NG, LXC, LWC)
         for m0 in range(lo_off, hi_off, BM):
             acc = _gemm_fold(fold, wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, BM, BN, STAGES, SUB, LXL,
                              LW, LS, MMA)
@@ -376,13 +389,9 @@ def moe_w2_kernel(h_ptr, pair_ptr, wts_ptr, offs_ptr, w_ptr, s_ptr, y_ptr,
     if hi_off > lo_off:
         c = gl.arange(0, BN, layout=gl.SliceLayout(1, LW))
         wrows = (pid_n * BN + c).to(gl.int64)
-        wp = w_ptr + e.to(gl.int64) * stride_we
-        sp = s_ptr + e.to(gl.int64) * stride_se
-        wbuf, xbuf, wptr = _ring(wp, wrows, stride_w, BM, BN, STAGES, SUB, LWC)
-        nslots = I // (128 * SUB)
-        aptr = _fill(wbuf, xbuf, wptr, h_ptr, _pair_rows(lo_off, hi_off, BM, LXC), stride_h, nslots, STAGES,
-                     SUB, LXC)
-        fold = _scale_max(sp, wrows, stride_s, NG, BN, NW) <= 128   # one multiply per weight pair
+        sp, wbuf, xbuf, wptr, aptr, nslots, fold = _start(
+            w_ptr, s_ptr, e, stride_we, stride_se, wrows, stride_w, stride_s, I, h_ptr,
+            _pair_rows(lo_off, hi_off, BM, LXC), stride_h, BM, BN, STAGES, SUB, NW, NG, LXC, LWC)
         for m0 in range(lo_off, hi_off, BM):
             acc = _gemm_fold(fold, wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, BM, BN, STAGES, SUB, LXL,
                              LW, LS, MMA)
