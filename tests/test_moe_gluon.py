@@ -53,8 +53,15 @@ def _problem(E, RL, I, T, k, seed=3, hi_scale_expert=None, hi_group=1):
     (4, 512, 256, 50, 3, dict(block_k=256)),                         # ~37 pairs: three token tiles
     (6, 512, 512, 11, 4, dict(block_k=512, maxnreg=255)),            # no register cap in effect
     (3, 1152, 1152, 12, 2, {}),      # 36 E8M0 groups per row: the scale scan's second, partial load (fold test below)
+    (8, 256, 256, 9, 4, dict(block_m=16)),       # 16-token tiles of <= 8 pairs: computed as 8-token tiles
+    (4, 512, 256, 50, 3, dict(block_m=16, SPLIT_M=False)),     # every tile computed as 16 tokens
 ])
-def test_gluon_moe_matches_reference(E, RL, I, T, k, cfg):
+def test_gluon_moe_matches_reference(E, RL, I, T, k, cfg, monkeypatch):
+    """Against the reference with poisoned margins; cfg: mxfp4_moe's tiles, and SPLIT_M (upper case: the module
+    default of kernels_gluon)."""
+    cfg = dict(cfg)
+    if "SPLIT_M" in cfg:
+        monkeypatch.setattr(kg, "SPLIT_M", cfg.pop("SPLIT_M"))
     (x, ids, w, w13p, w13s, w2p, w2s), off = _problem(E, RL, I, T, k)
     r = moe_ref.mxfp4_moe(x.float(), ids, w, w13p, w13s, w2p, w2s, expert_offset=off)
     G = Guarded()
@@ -148,7 +155,7 @@ def test_gluon_kernels_compile_for_sm90(kernel, sig, stages, sub, bm, nw, bn):
     copies are in flight during the scan), nothing for the operands. In a
     subprocess: a kernel run under TRITON_INTERPRET=1 earlier in this process leaves triton.language patched for
     the interpreter."""
-    const = {"BM": bm, "BN": bn, "STAGES": stages, "NG": 112}
+    const = {"BM": bm, "BN": bn, "STAGES": stages, "NG": 112, "SPLIT_M": bm == 16}
     code = f"""
 import triton
 from triton.backends.compiler import GPUTarget
@@ -236,7 +243,8 @@ def test_resolve_tiles_defaults_and_launch_arguments(monkeypatch):
     with them (kernels replaced by recorders: the launch itself needs a GPU): grids (I / (BN/2), E) and (Rl / BN, E),
     the constexpr tiles and layouts, and the activations copied in the kernels' column order."""
     t = kg.resolve_tiles(3584, 3072, pairs_per_expert=9)
-    assert t == dict(block_n13=128, block_n2=128, block_k=256, block_m=16, num_warps=4, stages=2, maxnreg=128)
+    assert t == dict(block_n13=128, block_n2=128, block_k=256, block_m=16, num_warps=4, stages=2, maxnreg=128,
+                     split_m=True)
     assert kg.resolve_tiles(3584, 3072, block_n13=256)["maxnreg"] == 255       # 64 rows per warp: 128 would spill
     assert kg.resolve_tiles(3584, 3072, block_k=512)["maxnreg"] == 255
     assert kg.resolve_tiles(3584, 3072, block_n13=256, block_n2=256, num_warps=8)["maxnreg"] == 128
@@ -267,6 +275,8 @@ def test_resolve_tiles_defaults_and_launch_arguments(monkeypatch):
     assert (n13, g13, n2, g2) == ("w13", (I // 64, 3), "w2", (RL // 128, 3))
     assert (k13["BM"], k13["BN"], k13["STAGES"], k13["SUB"], k13["NW"], k13["num_warps"]) == (8, 128, 2, 2, 8, 8)
     assert (k13["NG"], k2["NG"], k13["maxnreg"], k2["maxnreg"]) == (RL // 32, I // 32, 128, 128)
+    assert (k13["SPLIT_M"], k2["SPLIT_M"]) == (False, False)      # 8-token tiles: nothing to split
+    assert k13["LXL8"] == kg.layouts(128, 8, 16, 2)["LXL8"] == kg.layouts(128, 8, 8, 2)["LXL"]
     assert k13["LW"] == kg.layouts(128, 8, 8, 2)["LW"] and k2["BN"] == 128
     assert a13[0] is xperm and torch.equal(xperm, kg.permute_columns(x)) and a2[0] is h
     assert a13[3].dtype == torch.int16 and a13[3].shape == (3, 2 * I, RL // 4)

@@ -1,8 +1,9 @@
 """MXFP4 grouped GEMMs of `mxfp4_moe` in Gluon (Triton's explicit-layout dialect): GPU only, sm_90+ (the decode's
 mul.rn.bf16x2; the MMAs are mma.sync).
 The Triton interpreter cannot run Gluon, so the CPU runs plugins/moe/kernels.py's Triton kernels; CI compiles these
-for sm_90 offline (tests/test_moe_gluon.py). MODEL.md §7.2, §8.3. H200 (benchmarks/RESULTS.md runs 14, 15): T=64
-707-718 us = 64.5-65.5% of the copy bandwidth, 1.26-1.28x the Triton kernels; T=8 441 us, 1.48x.
+for sm_90 offline (tests/test_moe_gluon.py). MODEL.md §7.2, §8.3. H200 (benchmarks/RESULTS.md runs 14-16): T=64
+707-729 us = 63.5-65.5% of the copy bandwidth, 1.26-1.33x the Triton kernels of the same call; T=8 424-441 us,
+1.48-1.49x.
 
 Why a second form: in the Triton kernels the compiler picks the register layouts, so the packed bytes are unpacked
 and re-packed around the decode (~3.9 SASS instructions per weight; ncu: ALU-bound). Here each thread decodes its
@@ -20,7 +21,8 @@ MXFP4 bytes straight into the registers of its mma.sync operand, 8 codes per 32-
   a thread's B operands are 16-byte pieces of one row. The layout changes are reshapes / permutes / splits of
   registers only, asserted at compile time (`convert_layout(..., assert_trivial=True)`).
 * Swap AB: weights are the A operand (16 rows per MMA), tokens the B operand (8 per MMA: 8-token tiles when experts
-  average <= 8 pairs). Weight words and the activation tile stream through a cp.async ring in shared memory (the
+  average <= 8 pairs; with 16-token tiles, a tile of <= 8 pairs runs as an 8-token one: `SPLIT_M`). Weight words
+  and the activation tile stream through a cp.async ring in shared memory (the
   tile is copied once per CTA and read by every warp; `sub` 128-column steps per copy: 256 columns = 128 bytes of
   each weight row is the default). A program's first copies are in flight while it scans its E8M0 bytes for the
   fold decision (one round trip), and the next token tile's while it stores the current one; 128 registers per
@@ -36,6 +38,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 BLOCK_K = 128      # K columns per step (4 threads x 32)
+# `resolve_tiles`' split_m: a 16-token tile of <= 8 pairs computes as an 8-token tile (H200 run 16: T=64 4-6% faster
+# in the same call; tests switch it off to keep the 16-token path covered)
+SPLIT_M = True
 # cp.async global -> shared: `async_load` from Triton 3.7 on (3.9 keeps the old name only to raise), before that
 # `async_copy_global_to_shared` (Triton 3.6, the H200 image)
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
@@ -196,27 +201,25 @@ def _copy_slot(wbuf, xbuf, slot, wptr, aptr, n, SUB: gl.constexpr):
 
 
 @gluon.jit
-def _ring(wp, wrows, stride_w, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr,
-          LWC: gl.constexpr):
-    """The cp.async ring of one program: (wbuf, xbuf, wptr). wbuf int16 [STAGES, BN, 32 SUB] holds the weight words
-    of STAGES copies, xbuf bf16 [STAGES, BM, 128 SUB] the activation tiles (read by every warp; in every odd row the
+def _ring(BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr):
+    """The cp.async ring of one program: (wbuf, xbuf). wbuf int16 [STAGES, BN, 32 SUB] holds the weight words of
+    STAGES copies, xbuf bf16 [STAGES, BM, 128 SUB] the activation tiles (read by every warp; in every odd row the
     64-byte blocks are swapped pairwise, so the 16-byte reads of rows g and g + 1 by one quarter warp fall on
-    different banks); wptr the words of copy 0 of rows wrows (stride_w int16 apart) of the expert at wp."""
+    different banks)."""
     SH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     SX: gl.constexpr = gl.SwizzledSharedLayout(32, 1, 2, [1, 0])
-    jj = gl.arange(0, 32 * SUB, layout=gl.SliceLayout(0, LWC))
-    wptr = wp + gl.convert_layout(wrows, gl.SliceLayout(1, LWC))[:, None] * stride_w + jj[None, :]
     wbuf = gl.allocate_shared_memory(gl.int16, [STAGES, BN, 32 * SUB], SH)
     xbuf = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, 128 * SUB], SX)
-    return wbuf, xbuf, wptr
+    return wbuf, xbuf
 
 
 @gluon.jit
 def _fill(wbuf, xbuf, wptr, a_ptr, arows, stride_a, nslots, STAGES: gl.constexpr, SUB: gl.constexpr,
           LXC: gl.constexpr):
     """Start a token tile: the activation pointers aptr [BM, 128 SUB] of rows arows (SliceLayout(1, LXC)) of A
-    (bf16 [*, K], `permute_columns` order) and the ring's first STAGES - 1 copies (past the last copy: repeats of
-    it, L2 hits). Returns aptr."""
+    (bf16 [*, K], `permute_columns` order; padding rows repeat a real row: L2 hits) and the ring's first
+    STAGES - 1 copies (past the last copy: repeats of it, L2 hits). Returns aptr. (H200 run 16: copying only the
+    real rows, the rest zero-filled without a read, was 1-8% slower.)"""
     kk = gl.arange(0, 128 * SUB, layout=gl.SliceLayout(0, LXC))
     aptr = a_ptr + arows[:, None] * stride_a + kk[None, :]
     for s in gl.static_range(STAGES - 1):
@@ -229,10 +232,12 @@ def _gemm(wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots,
           BM: gl.constexpr, BN: gl.constexpr, FOLDED: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr,
           LXL: gl.constexpr, LW: gl.constexpr, LS: gl.constexpr, MMA: gl.constexpr):
     """fp32 [BN, BM] = W[wrows] · A[arows]ᵀ over K = nslots x 128 SUB columns, for a token tile `_fill` started
-    (wbuf, xbuf, wptr: `_ring`; W the int16 view of one expert's packed E2M1 rows; sp its E8M0 rows, wrows
-    SliceLayout(1, LW)). Each iteration starts the copy STAGES - 1 ahead, waits for its own, and runs the SUB
-    128-column steps of one slot; the E8M0 bytes of the next slot are loaded into registers. Returns with every
-    copy landed (the next `_fill` reuses the slots; cp.async copies are ordered only by waits)."""
+    (wbuf, xbuf, wptr: `_ring`; aptr: `_fill`; W the int16 view of one expert's packed E2M1 rows; sp its
+    E8M0 rows, wrows SliceLayout(1, LW)). BM (LXL: `layouts(.., BM, ..)`) may be less than the ring's rows: the
+    first BM rows of each activation tile are read (a 16-row tile with <= 8 pairs computes as an 8-token tile:
+    half the MMAs and activation reads). Each iteration starts the copy STAGES - 1 ahead, waits for its own, and
+    runs the SUB 128-column steps of one slot; the E8M0 bytes of the next slot are loaded into registers. Returns
+    with every copy landed (the next `_fill` reuses the slots; cp.async copies are ordered only by waits)."""
     LA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     LB: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
     srows = gl.convert_layout(wrows, gl.SliceLayout(1, LS), assert_trivial=True)
@@ -245,7 +250,10 @@ def _gemm(wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots,
         cur = i % STAGES
         for j in gl.static_range(SUB):
             sc = _scale_bits(_scale_part(sb, j, BN, SUB), BN, FOLDED, LW)
-            xv = xbuf.index(cur).slice(128 * j, 128, 1).load(LXL)
+            xs = xbuf.index(cur).slice(128 * j, 128, 1)
+            if BM < xbuf.shape[1]:
+                xs = xs.slice(0, BM, 0)
+            xv = xs.load(LXL)
             x00, x01, x10, x11, x20, x21, x30, x31 = _x_operands(xv, BM, LB)
             pw = wbuf.index(cur).slice(32 * j, 32, 1).load(LW)
             acc = _mma_step(acc, pw, sc, x00, x01, x10, x11, x20, x21, x30, x31, FOLDED, BN, LA)
@@ -261,11 +269,11 @@ def _gemm_fold(fold, wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots,
     """`_gemm` with one multiply per weight pair when `fold` (every factor of the program's rows <= 2^1: a uniform
     branch), else two."""
     if fold:
-        acc = _gemm(wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, BM, BN, True, STAGES, SUB, LXL, LW, LS,
-                    MMA)
-    else:
-        acc = _gemm(wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, BM, BN, False, STAGES, SUB, LXL, LW,
+        acc = _gemm(wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, BM, BN, True, STAGES, SUB, LXL, LW,
                     LS, MMA)
+    else:
+        acc = _gemm(wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, BM, BN, False, STAGES, SUB, LXL,
+                    LW, LS, MMA)
     return acc
 
 
@@ -312,21 +320,47 @@ def _pair_rows(m0, hi_off, BM: gl.constexpr, LXC: gl.constexpr):
 
 
 @gluon.jit
-def _start(w_ptr, s_ptr, e, stride_we, stride_se, wrows, stride_w, stride_s, K, a_ptr, arows, stride_a,
-           BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, NW: gl.constexpr,
-           NG: gl.constexpr, LXC: gl.constexpr, LWC: gl.constexpr):
+def _start(wbuf, xbuf, w_ptr, s_ptr, e, stride_we, stride_se, wrows, stride_w, stride_s, K, a_ptr, arows, stride_a,
+           BN: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, NW: gl.constexpr, NG: gl.constexpr,
+           LXC: gl.constexpr, LWC: gl.constexpr):
     """A program's start on expert e (packed words w_ptr int16 [E, *, K/4], E8M0 s_ptr uint8 [E, *, K/32]) for
     weight rows wrows [BN] (SliceLayout(1, LW)) and the first token tile's activation rows arows (A bf16 [*, K]):
-    the ring (`_ring`) and its first copies (`_fill`), in flight while the program's NG = K/32 E8M0 groups are
-    scanned. Returns (sp: the expert's scales, wbuf, xbuf, wptr, aptr, nslots = K / (128 SUB), fold: every
-    factor <= 2^1, so one multiply per weight pair)."""
+    the ring's (`_ring`) first copies (`_fill`), in flight while the program's NG = K/32 E8M0 groups are scanned.
+    Returns (sp: the expert's scales, wptr: the words of copy 0 of rows wrows, aptr, nslots = K / (128 SUB),
+    fold: every factor <= 2^1, so one multiply per weight pair)."""
     wp = w_ptr + e.to(gl.int64) * stride_we
     sp = s_ptr + e.to(gl.int64) * stride_se
-    wbuf, xbuf, wptr = _ring(wp, wrows, stride_w, BM, BN, STAGES, SUB, LWC)
+    jj = gl.arange(0, 32 * SUB, layout=gl.SliceLayout(0, LWC))
+    wptr = wp + gl.convert_layout(wrows, gl.SliceLayout(1, LWC))[:, None] * stride_w + jj[None, :]
     nslots = K // (128 * SUB)
     aptr = _fill(wbuf, xbuf, wptr, a_ptr, arows, stride_a, nslots, STAGES, SUB, LXC)
     fold = _scale_max(sp, wrows, stride_s, NG, BN, NW) <= 128
-    return sp, wbuf, xbuf, wptr, aptr, nslots, fold
+    return sp, wptr, aptr, nslots, fold
+
+
+@gluon.jit
+def _w13_tile(fold, wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, x_ptr, tok_ptr, stride_x, h_ptr,
+              stride_h, m0, hi_off, pid_n, beta, lbeta, BM: gl.constexpr, BMC: gl.constexpr, BN: gl.constexpr,
+              STAGES: gl.constexpr, SUB: gl.constexpr, LXC: gl.constexpr, LXL: gl.constexpr, LW: gl.constexpr,
+              LS: gl.constexpr, MMA: gl.constexpr):
+    """One token tile of moe_w13_kernel (pairs m0 .. m0 + BMC, BMC <= BM the ring's rows; LXL: `layouts(.., BMC,
+    ..)`): the GEMM, the next tile's first copies (issued before this tile's epilogue, so they overlap it), SiTU
+    and the store of h. Returns the next tile's aptr."""
+    HN: gl.constexpr = BN // 2
+    acc = _gemm_fold(fold, wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, BMC, BN, STAGES, SUB, LXL,
+                     LW, LS, MMA)
+    if m0 + BM < hi_off:
+        aptr = _fill(wbuf, xbuf, wptr, x_ptr, _token_rows(tok_ptr, m0 + BM, hi_off, BM, LXC), stride_x, nslots,
+                     STAGES, SUB, LXC)
+    g, u = acc.reshape([BN // 16, 2, 8, BMC]).permute([0, 2, 3, 1]).split()
+    hval = _situ(g.reshape([HN, BMC]), u.reshape([HN, BMC]), beta, lbeta)   # [HN, BMC]: h transposed
+    mo = m0 + gl.arange(0, BMC, layout=gl.SliceLayout(0, hval.type.layout))
+    n = pid_n * HN + gl.arange(0, HN, layout=gl.SliceLayout(1, hval.type.layout))
+    cc = n % 128    # = 32 t + 16 m + 8 r + 4 l + i  ->  stored at 32 i + 8 t + 4 m + 2 r + l
+    col = n - cc + 32 * (cc % 4) + 8 * (cc // 32) + 4 * ((cc // 16) % 2) + 2 * ((cc // 8) % 2) + (cc // 4) % 2
+    gl.store(h_ptr + mo[None, :].to(gl.int64) * stride_h + col[:, None], hval.to(gl.bfloat16),
+             mask=(mo < hi_off)[None, :])
+    return aptr
 
 
 @gluon.jit
@@ -334,41 +368,59 @@ def moe_w13_kernel(x_ptr, tok_ptr, offs_ptr, w_ptr, s_ptr, h_ptr,
                    stride_x, stride_we, stride_w, stride_se, stride_s, stride_h,
                    I, RL, beta, lbeta,
                    BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, NW: gl.constexpr,
-                   NG: gl.constexpr, LXC: gl.constexpr, LXL: gl.constexpr,
-                   LWC: gl.constexpr, LW: gl.constexpr, LS: gl.constexpr, MMA: gl.constexpr):
+                   NG: gl.constexpr, LXC: gl.constexpr, LXL: gl.constexpr, LXL8: gl.constexpr,
+                   LWC: gl.constexpr, LW: gl.constexpr, LS: gl.constexpr, MMA: gl.constexpr,
+                   SPLIT_M: gl.constexpr):
     """h [pairs, I] bf16 (columns in `permute_columns` order) = SiTU(x[tok] · W1ᵀ, x[tok] · W3ᵀ) for the pairs of
     expert program_id(1) (offs), columns program_id(0) * BN/2 .. + BN/2: the program's BN weight rows are BN/2
     gate rows n and the up rows I + n, interleaved per 8 rows. x bf16 [T, RL] in `permute_columns` order; w_ptr
     the int16 view of w13_packed [E, 2I, RL/2]; I % (BN/2) == 0, RL % (128 SUB) == 0. Layouts and SUB, NW:
-    `layouts(BN, num_warps, BM, SUB)`."""
-    HN: gl.constexpr = BN // 2
+    `layouts(BN, num_warps, BM, SUB)`. SPLIT_M (BM = 16): a tile of <= 8 pairs computes as an 8-token tile (LXL8:
+    half the MMAs and activation reads)."""
     pid_n = gl.program_id(0)
     e = gl.program_id(1)
     lo_off = gl.load(offs_ptr + e)
     hi_off = gl.load(offs_ptr + e + 1)
     if hi_off > lo_off:
-        # tile rows 16a + 8b + j: b = 0 gate row pid_n * HN + 8a + j, b = 1 the matching up row (I + ..): the
-        # pair sits in one thread (rows g and g + 8 of an mma tile), so gate and up split without data movement
+        wbuf, xbuf = _ring(BM, BN, STAGES, SUB)
+        HN: gl.constexpr = BN // 2
+        # tile rows 16a + 8b + j: b = 0 gate row pid_n * HN + 8a + j, b = 1 the matching up row (I + ..): the pair sits
+        # in one thread (rows g and g + 8 of an mma tile), so gate and up split without data movement
         c = gl.arange(0, BN, layout=gl.SliceLayout(1, LW))
         wrows = (pid_n * HN + (c // 16) * 8 + c % 8 + gl.where((c // 8) % 2 == 1, I, 0)).to(gl.int64)
-        sp, wbuf, xbuf, wptr, aptr, nslots, fold = _start(
-            w_ptr, s_ptr, e, stride_we, stride_se, wrows, stride_w, stride_s, RL, x_ptr,
-            _token_rows(tok_ptr, lo_off, hi_off, BM, LXC), stride_x, BM, BN, STAGES, SUB, NW, NG, LXC, LWC)
+        sp, wptr, aptr, nslots, fold = _start(
+            wbuf, xbuf, w_ptr, s_ptr, e, stride_we, stride_se, wrows, stride_w, stride_s, RL, x_ptr,
+            _token_rows(tok_ptr, lo_off, hi_off, BM, LXC), stride_x, BN, STAGES, SUB, NW, NG, LXC, LWC)
         for m0 in range(lo_off, hi_off, BM):
-            acc = _gemm_fold(fold, wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, BM, BN, STAGES, SUB, LXL,
-                             LW, LS, MMA)
-            if m0 + BM < hi_off:    # the next token tile's first copies overlap this tile's epilogue
-                aptr = _fill(wbuf, xbuf, wptr, x_ptr, _token_rows(tok_ptr, m0 + BM, hi_off, BM, LXC), stride_x,
-                             nslots, STAGES, SUB, LXC)
-            g, u = acc.reshape([BN // 16, 2, 8, BM]).permute([0, 2, 3, 1]).split()
-            hval = _situ(g.reshape([HN, BM]), u.reshape([HN, BM]), beta, lbeta)   # [HN, BM]: h transposed
-            mo = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, hval.type.layout))
-            n = pid_n * HN + gl.arange(0, HN, layout=gl.SliceLayout(1, hval.type.layout))
-            cc = n % 128    # = 32 t + 16 m + 8 r + 4 l + i  ->  stored at 32 i + 8 t + 4 m + 2 r + l
-            col = (n - cc + 32 * (cc % 4) + 8 * (cc // 32) + 4 * ((cc // 16) % 2) + 2 * ((cc // 8) % 2)
-                   + (cc // 4) % 2)
-            gl.store(h_ptr + mo[None, :].to(gl.int64) * stride_h + col[:, None], hval.to(gl.bfloat16),
-                     mask=(mo < hi_off)[None, :])
+            if SPLIT_M and hi_off - m0 <= 8:
+                aptr = _w13_tile(fold, wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, x_ptr, tok_ptr, stride_x,
+                                 h_ptr, stride_h, m0, hi_off, pid_n, beta, lbeta, BM, 8, BN, STAGES, SUB, LXC, LXL8, LW,
+                                 LS, MMA)
+            else:
+                aptr = _w13_tile(fold, wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, x_ptr, tok_ptr, stride_x,
+                                 h_ptr, stride_h, m0, hi_off, pid_n, beta, lbeta, BM, BM, BN, STAGES, SUB, LXC, LXL, LW,
+                                 LS, MMA)
+
+
+@gluon.jit
+def _w2_tile(fold, wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, h_ptr, stride_h, pair_ptr, wts_ptr,
+             y_ptr, stride_y, m0, hi_off, pid_n, BM: gl.constexpr, BMC: gl.constexpr, BN: gl.constexpr,
+             STAGES: gl.constexpr, SUB: gl.constexpr, LXC: gl.constexpr, LXL: gl.constexpr, LW: gl.constexpr,
+             LS: gl.constexpr, MMA: gl.constexpr):
+    """One token tile of moe_w2_kernel (pairs m0 .. m0 + BMC, as `_w13_tile`): the GEMM, the next tile's first
+    copies, the routing weights and the store of the pair rows. Returns the next tile's aptr."""
+    acc = _gemm_fold(fold, wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, BMC, BN, STAGES, SUB, LXL,
+                     LW, LS, MMA)
+    if m0 + BM < hi_off:
+        aptr = _fill(wbuf, xbuf, wptr, h_ptr, _pair_rows(m0 + BM, hi_off, BM, LXC), stride_h, nslots, STAGES, SUB,
+                     LXC)
+    mo = m0 + gl.arange(0, BMC, layout=gl.SliceLayout(0, MMA))
+    omask = mo < hi_off
+    pair = gl.load(pair_ptr + mo, mask=omask, other=0).to(gl.int64)
+    wt = gl.load(wts_ptr + pair, mask=omask, other=0.0)
+    no = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+    gl.store(y_ptr + pair[None, :] * stride_y + no[:, None], acc * wt[None, :], mask=omask[None, :])
+    return aptr
 
 
 @gluon.jit
@@ -376,34 +428,40 @@ def moe_w2_kernel(h_ptr, pair_ptr, wts_ptr, offs_ptr, w_ptr, s_ptr, y_ptr,
                   stride_h, stride_we, stride_w, stride_se, stride_s, stride_y,
                   I, RL,
                   BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, NW: gl.constexpr,
-                  NG: gl.constexpr, LXC: gl.constexpr, LXL: gl.constexpr,
-                  LWC: gl.constexpr, LW: gl.constexpr, LS: gl.constexpr, MMA: gl.constexpr):
+                  NG: gl.constexpr, LXC: gl.constexpr, LXL: gl.constexpr, LXL8: gl.constexpr,
+                  LWC: gl.constexpr, LW: gl.constexpr, LS: gl.constexpr, MMA: gl.constexpr,
+                  SPLIT_M: gl.constexpr):
     """y[pair, n] fp32 = w_pair · (h[m] · W2ᵀ) for the sorted pairs m of expert program_id(1), columns
     program_id(0) * BN ..; h bf16 [pairs, I] in `permute_columns` order (written by moe_w13_kernel); w_ptr the
     int16 view of w2_packed [E, RL, I/2]; RL % BN == 0, I % (128 SUB) == 0. Layouts and SUB, NW:
-    `layouts(BN, num_warps, BM, SUB)`."""
+    `layouts(BN, num_warps, BM, SUB)`; SPLIT_M as in moe_w13_kernel."""
     pid_n = gl.program_id(0)
     e = gl.program_id(1)
     lo_off = gl.load(offs_ptr + e)
     hi_off = gl.load(offs_ptr + e + 1)
     if hi_off > lo_off:
+        wbuf, xbuf = _ring(BM, BN, STAGES, SUB)
         c = gl.arange(0, BN, layout=gl.SliceLayout(1, LW))
         wrows = (pid_n * BN + c).to(gl.int64)
-        sp, wbuf, xbuf, wptr, aptr, nslots, fold = _start(
-            w_ptr, s_ptr, e, stride_we, stride_se, wrows, stride_w, stride_s, I, h_ptr,
-            _pair_rows(lo_off, hi_off, BM, LXC), stride_h, BM, BN, STAGES, SUB, NW, NG, LXC, LWC)
+        sp, wptr, aptr, nslots, fold = _start(
+            wbuf, xbuf, w_ptr, s_ptr, e, stride_we, stride_se, wrows, stride_w, stride_s, I, h_ptr,
+            _pair_rows(lo_off, hi_off, BM, LXC), stride_h, BN, STAGES, SUB, NW, NG, LXC, LWC)
         for m0 in range(lo_off, hi_off, BM):
-            acc = _gemm_fold(fold, wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, BM, BN, STAGES, SUB, LXL,
-                             LW, LS, MMA)
-            if m0 + BM < hi_off:
-                aptr = _fill(wbuf, xbuf, wptr, h_ptr, _pair_rows(m0 + BM, hi_off, BM, LXC), stride_h, nslots,
-                             STAGES, SUB, LXC)
-            mo = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
-            omask = mo < hi_off
-            pair = gl.load(pair_ptr + mo, mask=omask, other=0).to(gl.int64)
-            wt = gl.load(wts_ptr + pair, mask=omask, other=0.0)
-            no = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
-            gl.store(y_ptr + pair[None, :] * stride_y + no[:, None], acc * wt[None, :], mask=omask[None, :])
+            if SPLIT_M and hi_off - m0 <= 8:
+                aptr = _w2_tile(fold, wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, h_ptr, stride_h, pair_ptr,
+                                wts_ptr, y_ptr, stride_y, m0, hi_off, pid_n, BM, 8, BN, STAGES, SUB, LXC, LXL8, LW, LS,
+                                MMA)
+            else:
+                aptr = _w2_tile(fold, wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, h_ptr, stride_h, pair_ptr,
+                                wts_ptr, y_ptr, stride_y, m0, hi_off, pid_n, BM, BM, BN, STAGES, SUB, LXC, LXL, LW, LS,
+                                MMA)
+
+
+def _lxl(block_m: int, nb: int):
+    """LXL of `layouts` for block_m tokens and 2^nb warps."""
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [0, 32], [0, 64]] + [[8, 0]] * (block_m > 8),
+                                      lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=[[0, 0]] * nb, block_bases=[], shape=[block_m, 128])
 
 
 @functools.lru_cache(maxsize=None)
@@ -432,9 +490,8 @@ def layouts(block_n: int, num_warps: int, block_m: int = 16, sub: int = 1) -> di
         SUB=sub,
         LXC=gl.BlockedLayout([1, 8], [2, 16] if sub == 1 else [1, 32], [num_warps, 1], [1, 0]),
         LWC=lw if sub == 1 else gl.BlockedLayout([1, 8], [8 // sub, 4 * sub], [num_warps, 1], [1, 0]),
-        LXL=gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [0, 32], [0, 64]] + [[8, 0]] * (block_m > 8),
-                                       lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
-                                       warp_bases=[[0, 0]] * nb, block_bases=[], shape=[block_m, 128]),
+        LXL=_lxl(block_m, nb),
+        LXL8=_lxl(8, nb),
         LW=lw,
         LS=gl.DistributedLinearLayout(reg_bases=[[0, 4 << j] for j in range(sub.bit_length() - 1)] + [[8, 0]] + reps,
                                       lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
@@ -475,13 +532,15 @@ def resolve_tiles(latent: int, inter: int, *, block_n13: int | None = None, bloc
     (`pairs_per_expert`), else 16), stages ring slots (default 2; 2, 4 or 8), maxnreg the kernels' register cap
     per thread (default 128 where it does not spill — at most 32 rows per warp and 256 columns per copy: 4 programs
     per SM instead of 3, H200 run 15 —, else 255 = no cap in effect; offline sm_90: 256 rows on 4 warps or 512
-    columns spill 72-552 bytes under 128).
+    columns spill 72-552 bytes under 128); split_m = SPLIT_M (with 16-token tiles, a tile of <= 8 pairs — an
+    expert's last, or its only one — runs the 8-token MMAs and activation reads).
     Returns the keyword arguments of `grouped_gemms`' tiles. ValueError (naming the argument) for anything the
     kernels cannot take."""
     t = dict(block_n13=block_n13 or 128, block_n2=block_n2 or 128,
              block_k=block_k or (256 if latent % 256 == 0 and inter % 256 == 0 else 128),
              block_m=block_m or (8 if pairs_per_expert <= 8 else 16), num_warps=num_warps,
-             stages=2 if stages is None else stages, maxnreg=maxnreg)
+             stages=2 if stages is None else stages, maxnreg=maxnreg,
+             split_m=SPLIT_M)
     if maxnreg is None:
         fits = max(t["block_n13"], t["block_n2"]) <= 32 * num_warps and t["block_k"] <= 256
         t["maxnreg"] = 128 if fits else 255
@@ -507,7 +566,7 @@ def grouped_gemms(x, tok, order, wts, offs, w13_packed, w13_scale, w2_packed, w2
     t = resolve_tiles(RL, I, **tiles)
     bn13, bn2, bm, nw, st, sub = (t["block_n13"], t["block_n2"], t["block_m"], t["num_warps"], t["stages"],
                                   t["block_k"] // BLOCK_K)
-    opts = dict(num_warps=nw, maxnreg=t["maxnreg"])
+    opts = dict(num_warps=nw, maxnreg=t["maxnreg"], SPLIT_M=t["split_m"] and bm == 16)
     permute_columns(x, out=xperm)
     w13 = w13_packed.view(torch.int16)
     w2 = w2_packed.view(torch.int16)
