@@ -245,6 +245,9 @@ def test_resolve_tiles_defaults_and_launch_arguments(monkeypatch):
     t = kg.resolve_tiles(3584, 3072, pairs_per_expert=9)
     assert t == dict(block_n13=128, block_n2=128, block_k=256, block_m=16, num_warps=4, stages=2, maxnreg=128,
                      split_m=True)
+    assert kg.resolve_tiles(3584, 3072, **t) == t                               # the result is a valid argument set
+    assert not kg.resolve_tiles(3584, 3072, pairs_per_expert=9, split_m=False)["split_m"]
+    assert not kg.resolve_tiles(3584, 3072, pairs_per_expert=3)["split_m"]       # 8-token tiles: nothing to split
     assert kg.resolve_tiles(3584, 3072, block_n13=256)["maxnreg"] == 255       # 64 rows per warp: 128 would spill
     assert kg.resolve_tiles(3584, 3072, block_k=512)["maxnreg"] == 255
     assert kg.resolve_tiles(3584, 3072, block_n13=256, block_n2=256, num_warps=8)["maxnreg"] == 128
@@ -276,7 +279,12 @@ def test_resolve_tiles_defaults_and_launch_arguments(monkeypatch):
     assert (k13["BM"], k13["BN"], k13["STAGES"], k13["SUB"], k13["NW"], k13["num_warps"]) == (8, 128, 2, 2, 8, 8)
     assert (k13["NG"], k2["NG"], k13["maxnreg"], k2["maxnreg"]) == (RL // 32, I // 32, 128, 128)
     assert (k13["SPLIT_M"], k2["SPLIT_M"]) == (False, False)      # 8-token tiles: nothing to split
-    assert k13["LXL8"] == kg.layouts(128, 8, 16, 2)["LXL8"] == kg.layouts(128, 8, 8, 2)["LXL"]
     assert k13["LW"] == kg.layouts(128, 8, 8, 2)["LW"] and k2["BN"] == 128
     assert a13[0] is xperm and torch.equal(xperm, kg.permute_columns(x)) and a2[0] is h
     assert a13[3].dtype == torch.int16 and a13[3].shape == (3, 2 * I, RL // 4)
+    launches.clear()                # 16-token tiles: the split path is on, with the 8-row activation layout
+    kg.grouped_gemms(x, z, z, w.reshape(-1), torch.zeros(4, dtype=torch.int32), w13p, w13s, w2p, w2s, h, ypair,
+                     xperm, situ_beta=4.0, situ_linear_beta=25.0, pairs_per_expert=9)
+    (_, _, _, k13), (_, _, _, k2) = launches
+    assert (k13["BM"], k13["SPLIT_M"], k2["SPLIT_M"]) == (16, True, True)
+    assert k13["LXL8"] == kg.layouts(128, 4, 8, 2)["LXL"] != k13["LXL"]

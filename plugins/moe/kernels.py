@@ -536,8 +536,8 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
     [E, 2I, Rl/32] uint8 (E8M0); w2_packed [E, Rl, I/2], w2_scale [E, Rl, I/32] likewise.
     impl None (default): "gluon" on a CUDA device when the shapes allow it (:func:`pick_impl`), else "legacy".
     impl "gluon": plugins/moe/kernels_gluon.py, the explicit-layout GEMMs (MXFP4 bytes decoded straight into the
-    mma.sync operand registers, weights and activation tiles through a cp.async ring; H200 run 16: T=64 1.30x and
-    T=8 1.49x the legacy kernels): block_n13 / block_n2 weight rows per program (default 128), block_k the K
+    mma.sync operand registers, weights and activation tiles through a cp.async ring; H200 run 16: T=64 1.30-1.33x
+    and T=8 1.47-1.49x the legacy kernels): block_n13 / block_n2 weight rows per program (default 128), block_k the K
     columns per copy (128, 256 or 512; default 256 where both widths allow), num_stages the ring depth (2, 4 or 8;
     default 2), block_m 8 or 16 tokens (default: 8 when experts average <= 8 pairs), num_warps 4 or 8, maxnreg
     (default 128).

@@ -3,7 +3,7 @@ mul.rn.bf16x2; the MMAs are mma.sync).
 The Triton interpreter cannot run Gluon, so the CPU runs plugins/moe/kernels.py's Triton kernels; CI compiles these
 for sm_90 offline (tests/test_moe_gluon.py). MODEL.md §7.2, §8.3. H200 (benchmarks/RESULTS.md runs 14-16): T=64
 707-729 us = 63.5-65.5% of the copy bandwidth, 1.26-1.33x the Triton kernels of the same call; T=8 424-441 us,
-1.48-1.49x.
+1.47-1.49x.
 
 Why a second form: in the Triton kernels the compiler picks the register layouts, so the packed bytes are unpacked
 and re-packed around the decode (~3.9 SASS instructions per weight; ncu: ALU-bound). Here each thread decodes its
@@ -38,8 +38,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 BLOCK_K = 128      # K columns per step (4 threads x 32)
-# `resolve_tiles`' split_m: a 16-token tile of <= 8 pairs computes as an 8-token tile (H200 run 16: T=64 4-6% faster
-# in the same call; tests switch it off to keep the 16-token path covered)
+# `resolve_tiles`' default split_m: a 16-token tile of <= 8 pairs computes as an 8-token tile (H200 run 16: T=64 4-6%
+# faster in the same call); tests switch it off to cover 16-token tiles of <= 8 pairs computed at full width
 SPLIT_M = True
 # cp.async global -> shared: `async_load` from Triton 3.7 on (3.9 keeps the old name only to raise), before that
 # `async_copy_global_to_shared` (Triton 3.6, the H200 image)
@@ -217,9 +217,10 @@ def _ring(BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, SUB: gl.cons
 def _fill(wbuf, xbuf, wptr, a_ptr, arows, stride_a, nslots, STAGES: gl.constexpr, SUB: gl.constexpr,
           LXC: gl.constexpr):
     """Start a token tile: the activation pointers aptr [BM, 128 SUB] of rows arows (SliceLayout(1, LXC)) of A
-    (bf16 [*, K], `permute_columns` order; padding rows repeat a real row: L2 hits) and the ring's first
+    (bf16 [*, K], `permute_columns` order; padding rows read a real row of A — token 0 for x, the expert's last
+    pair for h —: L2 hits) and the ring's first
     STAGES - 1 copies (past the last copy: repeats of it, L2 hits). Returns aptr. (H200 run 16: copying only the
-    real rows, the rest zero-filled without a read, was 1-8% slower.)"""
+    real rows, the rest zero-filled without a read, gained nothing at T=64 and was 4-8% slower at T=8.)"""
     kk = gl.arange(0, 128 * SUB, layout=gl.SliceLayout(0, LXC))
     aptr = a_ptr + arows[:, None] * stride_a + kk[None, :]
     for s in gl.static_range(STAGES - 1):
@@ -232,7 +233,7 @@ def _gemm(wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots,
           BM: gl.constexpr, BN: gl.constexpr, FOLDED: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr,
           LXL: gl.constexpr, LW: gl.constexpr, LS: gl.constexpr, MMA: gl.constexpr):
     """fp32 [BN, BM] = W[wrows] · A[arows]ᵀ over K = nslots x 128 SUB columns, for a token tile `_fill` started
-    (wbuf, xbuf, wptr: `_ring`; aptr: `_fill`; W the int16 view of one expert's packed E2M1 rows; sp its
+    (wbuf, xbuf: `_ring`; wptr: `_start`; aptr: `_fill`; W the int16 view of one expert's packed E2M1 rows; sp its
     E8M0 rows, wrows SliceLayout(1, LW)). BM (LXL: `layouts(.., BM, ..)`) may be less than the ring's rows: the
     first BM rows of each activation tile are read (a 16-row tile with <= 8 pairs computes as an 8-token tile:
     half the MMAs and activation reads). Each iteration starts the copy STAGES - 1 ahead, waits for its own, and
@@ -473,7 +474,8 @@ def layouts(block_n: int, num_warps: int, block_m: int = 16, sub: int = 1) -> di
     (words 4t .. 4t+3). LS: a copy's scales [BN, 4 sub] (rows as LW, groups 4j + t). LWC / LXC: the cp.async
     copies of the weight words [BN, 32 sub] and of the activation tile [BM, 128 sub] (16 bytes per thread and
     copy). LXL: a step's activations read into registers: rows g (and g + 8), positions 32i + 8t + e, every warp
-    the same. ValueError for other warps / tokens / sub, or block_n not a multiple of 16 num_warps."""
+    the same; LXL8: the same for 8 rows (the split path of a 16-token tile). ValueError for other warps / tokens /
+    sub, or block_n not a multiple of 16 num_warps."""
     if num_warps not in (4, 8) or block_m not in (8, 16) or sub not in (1, 2, 4):
         raise ValueError(f"mxfp4_moe(impl='gluon'): num_warps={num_warps} must be 4 or 8, block_m={block_m} 8 or 16 "
                          f"and sub={sub} 1, 2 or 4")
@@ -525,22 +527,24 @@ def check_shapes(latent: int, inter: int, block_n13: int, block_n2: int, block_k
 
 def resolve_tiles(latent: int, inter: int, *, block_n13: int | None = None, block_n2: int | None = None,
                   block_k: int | None = None, block_m: int | None = None, num_warps: int = 4,
-                  stages: int | None = None, maxnreg: int | None = None, pairs_per_expert: int = 16) -> dict:
+                  stages: int | None = None, maxnreg: int | None = None, pairs_per_expert: int = 16,
+                  split_m: bool | None = None) -> dict:
     """The Gluon GEMMs' tiles with the defaults filled in and checked, for latent width Rl and expert width I:
     block_n13 / block_n2 weight rows per program (default 128), block_k K columns per copy (default 256 where both
     widths allow, else 128), block_m tokens per tile (default 8 when experts average <= 8 pairs
     (`pairs_per_expert`), else 16), stages ring slots (default 2; 2, 4 or 8), maxnreg the kernels' register cap
     per thread (default 128 where it does not spill — at most 32 rows per warp and 256 columns per copy: 4 programs
     per SM instead of 3, H200 run 15 —, else 255 = no cap in effect; offline sm_90: 256 rows on 4 warps or 512
-    columns spill 72-552 bytes under 128); split_m = SPLIT_M (with 16-token tiles, a tile of <= 8 pairs — an
-    expert's last, or its only one — runs the 8-token MMAs and activation reads).
+    columns spill 72-552 bytes under 128), split_m (default SPLIT_M; only with 16-token tiles, False otherwise: a
+    tile of <= 8 pairs — an expert's last, or its only one — runs the 8-token MMAs and activation reads).
     Returns the keyword arguments of `grouped_gemms`' tiles. ValueError (naming the argument) for anything the
     kernels cannot take."""
     t = dict(block_n13=block_n13 or 128, block_n2=block_n2 or 128,
              block_k=block_k or (256 if latent % 256 == 0 and inter % 256 == 0 else 128),
              block_m=block_m or (8 if pairs_per_expert <= 8 else 16), num_warps=num_warps,
              stages=2 if stages is None else stages, maxnreg=maxnreg,
-             split_m=SPLIT_M)
+             split_m=None)
+    t["split_m"] = (SPLIT_M if split_m is None else bool(split_m)) and t["block_m"] == 16
     if maxnreg is None:
         fits = max(t["block_n13"], t["block_n2"]) <= 32 * num_warps and t["block_k"] <= 256
         t["maxnreg"] = 128 if fits else 255
@@ -566,7 +570,7 @@ def grouped_gemms(x, tok, order, wts, offs, w13_packed, w13_scale, w2_packed, w2
     t = resolve_tiles(RL, I, **tiles)
     bn13, bn2, bm, nw, st, sub = (t["block_n13"], t["block_n2"], t["block_m"], t["num_warps"], t["stages"],
                                   t["block_k"] // BLOCK_K)
-    opts = dict(num_warps=nw, maxnreg=t["maxnreg"], SPLIT_M=t["split_m"] and bm == 16)
+    opts = dict(num_warps=nw, maxnreg=t["maxnreg"], SPLIT_M=t["split_m"])
     permute_columns(x, out=xperm)
     w13 = w13_packed.view(torch.int16)
     w2 = w2_packed.view(torch.int16)
