@@ -495,9 +495,11 @@ if "graph" in ONLY:
 # MoE variants timed against the default (impl None: the Gluon kernels for decode-sized batches of >= 64 pairs,
 # plugins/moe/kernels_gluon.py, else the legacy Triton kernels). legacy: dequant 1 = the runs 2-5 inline PTX, 2 =
 # run 6's with fewer integer ops, 3 = 2 with the re-bias folded into the scale where a program's scales allow (its
-# default); gluon: block_k = K columns per cp.async copy, num_stages = ring depth (run 14)
-MOE_VARIANTS = [dict(impl="legacy"), dict(impl="gluon"), dict(impl="gluon", block_k=128),
-                dict(impl="gluon", num_stages=4), dict(impl="legacy", dequant=2), dict(impl="dot_scaled")]
+# default); gluon: block_k = K columns per cp.async copy, num_stages = ring depth (run 14), split_m=False = every
+# 16-token tile computed at full width (run 16)
+MOE_VARIANTS = [dict(impl="legacy"), dict(impl="gluon"), dict(impl="gluon", split_m=False),
+                dict(impl="gluon", block_k=128), dict(impl="gluon", num_stages=4), dict(impl="legacy", dequant=2),
+                dict(impl="dot_scaled")]
 if MOE_VARIANTS_ARG is not None:
     MOE_VARIANTS = MOE_VARIANTS_ARG
 if "moe" in ONLY:

@@ -528,7 +528,7 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
               block_m: int | None = None, block_n13: int | None = None, block_n2: int | None = None,
               block_k: int | None = None,
               impl: str | None = None, num_warps: int = 4, num_stages: int | None = None,
-              dequant: int | None = None, maxnreg: int | None = None, out=None,
+              dequant: int | None = None, maxnreg: int | None = None, split_m: bool | None = None, out=None,
               workspace: torch.Tensor | None = None):
     """Mxfp4Moe (MODEL.md §7.2, §8.3): y [T, Rl] fp32 = sum over local choices of w * w2_e(SiTU(w1_e x, w3_e x)).
     x [T, Rl] bf16/fp32; topk_ids [T, k] int (global expert ids; ids outside expert_offset .. +E contribute 0);
@@ -549,6 +549,8 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
     maxnreg: register cap per thread for the two GEMM kernels of either implementation (legacy: default none, run
     6: 168 within noise of none; gluon: 64 .. 255, default 128 where the tiles fit, run 15; with impl None it does
     not choose the implementation: ask for impl='legacy' explicitly).
+    split_m (gluon only, ignored by the others): with 16-token tiles, a tile of <= 8 pairs runs as an 8-token tile
+    (default True: kernels_gluon.SPLIT_M; run 16: T=64 4-6% faster; False for A/B timing).
     impl "dot_scaled": weights as the scaled-dot LHS (see _moe_w13_ds_kernel). On the H200 (runs 3 and 6,
     benchmarks/RESULTS.md) dot_scaled was slower (T=64: 2511 us vs 1055 us), so it is opt-in.
     num_experts: routed experts over all EP ranks (0 = E, no EP): the token-tile choice divides T*k by it;
@@ -612,7 +614,7 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
                                     ws.empty((T, RL), torch.bfloat16), situ_beta=situ_beta,
                                     situ_linear_beta=situ_linear_beta, block_n13=block_n13, block_n2=block_n2,
                                     block_k=block_k_arg, block_m=block_m_arg, num_warps=num_warps,
-                                    stages=num_stages, maxnreg=maxnreg,
+                                    stages=num_stages, maxnreg=maxnreg, split_m=split_m,
                                     pairs_per_expert=triton.cdiv(T * k, n_global))
     else:
         on_gpu = dev.type == "cuda" and not _INTERPRET
