@@ -22,9 +22,11 @@ What it does, per ops variant (`--ops`, comma-separated; the model is built once
 4. `--check`: teacher-forced comparison with the CPU fp32 reference (TP=1, same weights): the first
    `--check-requests` sequences (prompt + generated tokens) go through one prefill of the model under test and
    of the reference; reports the per-position logits relative error (median, max), the argmax agreement, and the
-   agreement of the tokens the benchmark generated (decode path) with the reference's argmax. Pass: median
-   relative error <= --check-tol and agreement >= --check-agree (statistical on purpose: the synthetic models
-   amplify the kernels' bf16 rounding into routing flips, see docs/DESIGN.md "GPU runtime"). Feasible for
+   agreement of the tokens the benchmark generated (decode path) with the reference's argmax, and each request's
+   first greedy divergence from it. Pass: median relative error <= --check-tol, argmax agreement >=
+   --check-agree, and every divergence a near tie (the reference prefers its token by at most twice the logit
+   error measured there; the synthetic models have top-1 margins of a few 1e-3 and amplify the kernels' bf16
+   rounding into routing flips, see docs/DESIGN.md "GPU runtime"; `compare_logits`). Feasible for
    k3-tiny; for k3-slice the CPU reference needs ~25 GB of host memory and minutes.
 5. `--save-logits FILE` / `--compare-to FILE`: the same teacher-forced logits compared with another run's instead
    of the CPU reference (e.g. TP=2 over NCCL against TP=1 on one GPU; same pass rule as --check), plus the greedy
@@ -363,24 +365,42 @@ def teacher_forced_logits(executor, seqs: list[list[int]], k: int, block_size: i
 
 
 def compare_logits(a, test: torch.Tensor, ref: torch.Tensor, targets: list[list[int]]) -> dict:
-    """Metrics of `test` logits against `ref` logits (both [n * (k + 1), vocab]); `targets` are the tokens the
-    run under test generated at those positions ([n][k + 1]). Pass rule: see --check-tol / --check-agree."""
+    """Metrics of `test` logits against `ref` logits (both [n * (k + 1), vocab], request-major); `targets` are the
+    tokens the run under test generated at those positions ([n][k + 1]).
+
+    Greedy divergences: for each request the first position where the generated token differs from the
+    reference's argmax (later positions follow another prefix and are not compared). It is a near tie when the
+    reference prefers its argmax by at most twice the largest logit error measured at that position
+    (|test - ref|_inf): rounding of that size can flip it. Pass: median relative error <= --check-tol, argmax
+    agreement >= --check-agree, and every divergence a near tie."""
     n = len(targets)
     rel = ((test.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1).clamp_min(1e-30))
+    err = (test.double() - ref.double()).abs().amax(dim=-1)
     ref_arg = ref.argmax(-1)
     gen_flat = torch.tensor([t for tg in targets for t in tg])
+    gap = (ref.gather(1, ref_arg[:, None]) - ref.gather(1, gen_flat[:, None])).double().squeeze(1)
     top2 = ref.topk(2, dim=-1).values
+    per = ref.shape[0] // n
+    divergences = []
+    for i in range(n):
+        hit = (gen_flat[i * per:(i + 1) * per] != ref_arg[i * per:(i + 1) * per]).nonzero()
+        if len(hit):
+            p = i * per + int(hit[0])
+            divergences.append({"request": i, "position": int(hit[0]), "gap": float(gap[p]),
+                                "logit_error": float(err[p]), "near_tie": bool(gap[p] <= 2 * err[p])})
     res = {
         "requests": n, "steps": len(targets[0]) - 1, "positions": int(ref.shape[0]),
         "logits_relerr_median": float(rel.median()), "logits_relerr_max": float(rel.max()),
         "argmax_agreement": float((test.argmax(-1) == ref_arg).float().mean()),
         "decode_token_agreement": float((gen_flat == ref_arg).float().mean()),
         "ref_margin_min": float((top2[:, 0] - top2[:, 1]).min()),
+        "divergences": divergences,
+        "unexplained_divergences": sum(not d["near_tie"] for d in divergences),
         "tokens": [list(tg) for tg in targets], "ref_argmax": ref_arg.view(n, -1).tolist(),
         "tol": a.check_tol, "min_agreement": a.check_agree,
     }
     res["passed"] = bool(res["logits_relerr_median"] <= a.check_tol and res["argmax_agreement"] >= a.check_agree
-                         and res["decode_token_agreement"] >= a.check_agree)
+                         and res["unexplained_divergences"] == 0)
     return res
 
 
@@ -610,8 +630,9 @@ def bench_variant(a, v: str, model, ref_model, prompts, base: dict, rank: int, w
             if rank == 0 and not res["passed"]:
                 status = 1
                 log.error("compare failed (%s): median logits rel. err %.3g (tol %.3g), argmax agreement %.2f, "
-                          "requests with equal greedy tokens %d/%d", v, res["logits_relerr_median"], a.check_tol,
-                          res["argmax_agreement"], res["greedy"]["requests_equal"], res["greedy"]["requests"])
+                          "requests with equal greedy tokens %d/%d, divergences beyond a near tie %d", v,
+                          res["logits_relerr_median"], a.check_tol, res["argmax_agreement"],
+                          res["greedy"]["requests_equal"], res["greedy"]["requests"], res["unexplained_divergences"])
         if a.check:
             res = check_against_reference(a, executor, ref_model, prompts, tokens, rank)
             rec["check"] = res
@@ -621,8 +642,8 @@ def bench_variant(a, v: str, model, ref_model, prompts, base: dict, rank: int, w
             if rank == 0 and not res["passed"]:
                 status = 1
                 log.error("check failed (%s): median logits rel. err %.3g (tol %.3g), argmax agreement %.2f, "
-                          "decode-token agreement %.2f (min %.2f)", v, res["logits_relerr_median"], a.check_tol,
-                          res["argmax_agreement"], res["decode_token_agreement"], a.check_agree)
+                          "divergences beyond a near tie %d", v, res["logits_relerr_median"], a.check_tol,
+                          res["argmax_agreement"], res["unexplained_divergences"])
     finally:
         executor.close()                                    # graphs go before the process group
     rec["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")

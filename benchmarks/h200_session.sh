@@ -88,7 +88,8 @@ case "$1" in
     rc=0
     A=${TP_ARGS:---preset k3-slice --batch 16 --prompt-len 512 --steps 32 --ops kernels --profile-steps 8}
     rm -f /tmp/tp1.pt
-    timeout "${TP_TIMEOUT:-270}" python3 benchmarks/bench_decode.py --device cuda:0 $A --save-logits /tmp/tp1.pt \
+    A1=${A//--compare-tokens/}                # TP=1 saves what the others compare with
+    timeout "${TP_TIMEOUT:-270}" python3 benchmarks/bench_decode.py --device cuda:0 $A1 --save-logits /tmp/tp1.pt \
       --out "$OUT/decode_tp.jsonl" 2>&1 | tee "$OUT/tp1.log" | tail -5 || rc=1
     for ((n = 2; n <= G; n *= 2)); do
       timeout "${TP_TIMEOUT:-270}" python3 -m torch.distributed.run --standalone --nproc-per-node $n \

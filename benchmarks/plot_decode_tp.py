@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     fig, ax = plt.subplots(figsize=(1.6 * len(recs) + 2, 4.5))
     x = range(len(recs))
     ax.bar(x, gpu, label="GPU kernels other than NCCL")
-    ax.bar(x, nccl, bottom=gpu, label="NCCL kernels (incl. waiting for the other rank)")
+    ax.bar(x, nccl, bottom=gpu, label="NCCL kernels (incl. waiting for the other ranks)")
     ax.bar(x, idle, bottom=[g + n for g, n in zip(gpu, nccl)], label="GPU idle (host-bound)", color="lightgrey")
     ax.set_xticks(list(x))
     ax.set_xticklabels(labels, fontsize=8)
