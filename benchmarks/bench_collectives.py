@@ -9,15 +9,17 @@ A decode step of B tokens at TP=n (model.reference / runtime.executor) sums part
 and [B, routed_expert_hidden_size] fp32 (the routed latent experts: EP sums their outputs with an all-reduce,
 no all-to-all), and gathers the vocabulary-parallel logits with `Comm.all_gather_last` ([B, vocab / n] per rank).
 bench_decode.py times them inside the step, where they include waiting for the slowest rank; here every rank
-starts together (barrier), so the numbers are the collectives' own cost. `--dtypes bf16` adds the bf16 message
-(half the bytes) that a bf16 all-reduce would send.
+starts together (barrier), so the numbers are the collectives' own cost. The default `--dtypes fp32,bf16` also
+times the bf16 message (half the bytes) that a bf16 collective would send.
 
 Modes: `eager` = `--iters` calls back to back between two CUDA events (per call: the mean); `graph` (CUDA only)
 = the same calls captured in one CUDA graph and replayed (as `--cuda-graphs` decode runs them). Each is repeated
 `--repeats` times; the median is reported. Output: one JSON line per (op, dtype, mode) on rank 0: us (median per
 call), bytes (this rank's input), algbw_gbs = bytes / time, busbw_gbs = NCCL's bus bandwidth (all-reduce:
-2 (n-1)/n x bytes / time; all-gather: (n-1) x bytes / time). Each collective's result is checked once (rank-
-dependent values, exact sum / concatenation); a wrong result exits 1. Exit 2: bad arguments or world size 1.
+2 (n-1)/n x bytes / time; all-gather: (n-1) x bytes / time), correct (every rank's check). Each collective's result
+is checked once, eagerly (rank-dependent values, exact sum / concatenation); a wrong result on any rank exits 1.
+The timed calls reduce the same buffer over and over (its values grow; only the time is used). Exit 2: bad
+arguments or world size 1.
 """
 from __future__ import annotations
 
@@ -143,6 +145,9 @@ def main(argv=None) -> int:
         for dname in a.dtypes.split(","):
             dt = DTYPES[dname]
             good = check(op, shape, dt, device, rank, world)
+            flag = torch.tensor([1.0 if good else 0.0], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)               # correct only if every rank's result was
+            good = bool(flag.item() == 1.0)
             ok &= good
             x = torch.randn(shape, device=device).to(dt)
             if op == "all_reduce":

@@ -22,10 +22,10 @@ What it does, per ops variant (`--ops`, comma-separated; the model is built once
 4. `--check`: teacher-forced comparison with the CPU fp32 reference (TP=1, same weights): the first
    `--check-requests` sequences (prompt + generated tokens) go through one prefill of the model under test and
    of the reference; reports the per-position logits relative error (median, max), the argmax agreement, and the
-   agreement of the tokens the benchmark generated (decode path) with the reference's argmax, and each request's
-   first greedy divergence from it. Pass: median relative error <= --check-tol, argmax agreement >=
-   --check-agree, and every divergence a near tie (the reference prefers its token by at most twice the logit
-   error measured there; the synthetic models have top-1 margins of a few 1e-3 and amplify the kernels' bf16
+   agreement of the tokens the benchmark generated (decode path) with the reference's argmax, and every greedy
+   divergence from it. Pass: median relative error <= --check-tol, argmax agreement >= --check-agree, and every
+   divergence a near tie (the reference prefers its token by at most twice the error of that preference in the
+   logits under test; the synthetic models have top-1 margins of a few 1e-3 and amplify the kernels' bf16
    rounding into routing flips, see docs/DESIGN.md "GPU runtime"; `compare_logits`). Feasible for
    k3-tiny; for k3-slice the CPU reference needs ~25 GB of host memory and minutes.
 5. `--save-logits FILE` / `--compare-to FILE`: the same teacher-forced logits compared with another run's instead
@@ -78,6 +78,8 @@ def parse_args(argv=None):
                      "cuda:N or cpu")
     run.add_argument("--ops", default=None, help="comma-separated ops variants: torch (torch.library ops = Triton "
                      "kernels; default on CUDA), kernels (kernels in place, no pool copies), reference (fp32; CPU default)")
+    run.add_argument("--dense-dtype", default="float32", choices=["float32", "bfloat16"],
+                     help="dense weights and their GEMMs (default %(default)s; --check still compares with fp32)")
     run.add_argument("--tp", type=int, default=None, help="tensor parallelism (default: the torchrun world size)")
     run.add_argument("--ep", type=int, default=1, help="expert parallelism: 1 or tp (default %(default)s)")
     run.add_argument("--dist-backend", default=None, choices=["gloo", "nccl"],
@@ -142,9 +144,10 @@ def build_model(a, cfg, rank: int, tp: int, device: torch.device, keep_full):
     from model.reference import K3Model
     comm = Comm(rank, tp)
     if a.checkpoint is not None:
-        return K3Model.from_checkpoint(a.checkpoint, rank=rank, tp=tp, ep=a.ep, comm=comm, device=device)
+        return K3Model.from_checkpoint(a.checkpoint, rank=rank, tp=tp, ep=a.ep, comm=comm, device=device,
+                                       dense_dtype=a.dense_dtype)
     return K3Model.from_synthetic(cfg, seed=a.seed, rank=rank, tp=tp, ep=a.ep, comm=comm, device=device,
-                                  keep_full=keep_full)
+                                  keep_full=keep_full, dense_dtype=a.dense_dtype)
 
 
 def weights_label(a, device: torch.device) -> str:
@@ -364,30 +367,38 @@ def teacher_forced_logits(executor, seqs: list[list[int]], k: int, block_size: i
     return out.float().cpu()
 
 
-def compare_logits(a, test: torch.Tensor, ref: torch.Tensor, targets: list[list[int]]) -> dict:
-    """Metrics of `test` logits against `ref` logits (both [n * (k + 1), vocab], request-major); `targets` are the
-    tokens the run under test generated at those positions ([n][k + 1]).
+def compare_logits(a, test: torch.Tensor, ref: torch.Tensor, targets: list[list[int]],
+                   expected: list[list[int]] | None = None) -> dict:
+    """Metrics of `test` logits against `ref` logits (both [n * (k + 1), vocab], request-major: request i's
+    positions 0..k are rows i * (k + 1) ..); `targets` are the tokens the run under test generated at those
+    positions ([n][k + 1]).
 
-    Greedy divergences: for each request the first position where the generated token differs from the
-    reference's argmax (later positions follow another prefix and are not compared). It is a near tie when the
-    reference prefers its argmax by at most twice the largest logit error measured at that position
-    (|test - ref|_inf): rounding of that size can flip it. Pass: median relative error <= --check-tol, argmax
-    agreement >= --check-agree, and every divergence a near tie."""
+    Greedy divergences: the run under test generated g where the reference has a: with `expected` None (--check:
+    both sides were teacher-forced with the run's own tokens) a = the reference's argmax, at every position; with
+    `expected` ([n][k + 1], --compare-to: the saved run's generated tokens, which were teacher-forced) a = the
+    saved token, up to and including the first position where the two runs' tokens differ (later positions follow
+    another prefix). A divergence is a near tie when the reference prefers a over g by at most twice the error of
+    that preference in the test's logits: ref[a] - ref[g] <= 2 |(test[a] - test[g]) - (ref[a] - ref[g])| (the
+    logits under test prefer g, or prefer a by a margin that is off by more than half the reference's). Pass:
+    median relative error <= --check-tol, argmax agreement >= --check-agree, every divergence a near tie."""
     n = len(targets)
+    per = ref.shape[0] // n
     rel = ((test.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1).clamp_min(1e-30))
-    err = (test.double() - ref.double()).abs().amax(dim=-1)
     ref_arg = ref.argmax(-1)
     gen_flat = torch.tensor([t for tg in targets for t in tg])
-    gap = (ref.gather(1, ref_arg[:, None]) - ref.gather(1, gen_flat[:, None])).double().squeeze(1)
     top2 = ref.topk(2, dim=-1).values
-    per = ref.shape[0] // n
     divergences = []
     for i in range(n):
-        hit = (gen_flat[i * per:(i + 1) * per] != ref_arg[i * per:(i + 1) * per]).nonzero()
-        if len(hit):
-            p = i * per + int(hit[0])
-            divergences.append({"request": i, "position": int(hit[0]), "gap": float(gap[p]),
-                                "logit_error": float(err[p]), "near_tie": bool(gap[p] <= 2 * err[p])})
+        for j in range(per):
+            p, g = i * per + j, targets[i][j]
+            want = int(ref_arg[p]) if expected is None else expected[i][j]
+            if g != want:
+                d_ref = float(ref[p, want] - ref[p, g])
+                d_err = abs(float(test[p, want] - test[p, g]) - d_ref)
+                divergences.append({"request": i, "position": j, "token": g, "expected": want, "gap": d_ref,
+                                    "gap_error": d_err, "near_tie": d_ref <= 2 * d_err})
+            if expected is not None and g != expected[i][j]:
+                break                                   # the prefixes differ from here on
     res = {
         "requests": n, "steps": len(targets[0]) - 1, "positions": int(ref.shape[0]),
         "logits_relerr_median": float(rel.median()), "logits_relerr_max": float(rel.max()),
@@ -490,11 +501,15 @@ def compare_run(saved: dict, a, executor, tokens) -> dict | None:
     elsewhere); "passed" follows --check-tol / --check-agree and, with --compare-tokens, needs every request's
     greedy tokens equal."""
     seqs, k = saved["seqs"], saved["k"]
+    if any(len(tokens[f"r{i}"]) < k + 1 for i in range(len(seqs))):   # every rank has the same tokens: all raise
+        raise ValueError(f"--compare-to: this run generated fewer than the saved run's {k + 1} tokens per request; "
+                         "use the same --warmup / --steps / --profile-steps as the saved run")
     test = teacher_forced_logits(executor, seqs, k, a.block_size)
     if executor.comm.rank != 0:
         return None
     targets = [tokens[f"r{i}"][:k + 1] for i in range(len(seqs))]
-    res = compare_logits(a, test, saved["logits"], targets)
+    res = compare_logits(a, test, saved["logits"], targets, [saved["tokens"][f"r{i}"][:k + 1]
+                                                             for i in range(len(seqs))])
     res["against"] = saved["meta"]
     res["greedy"] = _generated_equal(tokens, saved["tokens"])
     if a.compare_tokens:
@@ -574,7 +589,7 @@ def main(argv=None) -> int:
         "bench": "decode", "model": str(a.checkpoint) if a.checkpoint else cfg.name,
         "weights": weights_label(a, device),
         "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
-        "torch": torch.__version__, "tp": tp, "ep": a.ep, "world": world,
+        "torch": torch.__version__, "tp": tp, "ep": a.ep, "world": world, "dense_dtype": a.dense_dtype,
         "dist_backend": (torch.distributed.get_backend() if world > 1 else None),
         "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
         "batch": a.batch, "prompt_len": a.prompt_len, "steps": a.steps, "warmup": a.warmup,

@@ -106,16 +106,37 @@ class Comm:
         self._pending.clear()
 
 
+DENSE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def dense_dtype(name: "str | torch.dtype | None") -> torch.dtype | None:
+    """The dtype of the dense weights for a `dense_dtype` argument: None (keep fp32), "float32", "bfloat16" (or
+    "fp32" / "bf16", or the torch dtypes). Raises ValueError naming the field for anything else."""
+    if name is None or isinstance(name, torch.dtype) and name in DENSE_DTYPES.values():
+        return name
+    alias = {"fp32": "float32", "bf16": "bfloat16"}.get(str(name), str(name))
+    if alias not in DENSE_DTYPES:
+        raise ValueError(f"dense_dtype = {name!r}: choose 'float32' (the reference precision) or 'bfloat16' "
+                         "(half the weight bytes; bf16 GEMMs)")
+    return DENSE_DTYPES[alias]
+
+
 class Linear:
-    """Replicated y = x @ W.T with W [out, in] kept in fp32 (bf16 checkpoint weights are upcast losslessly)."""
+    """Replicated y = x @ W.T with W [out, in] in fp32 (bf16 checkpoint weights are upcast losslessly), or in the
+    dtype `cast` set (bf16: x is rounded to bf16, the GEMM accumulates in fp32, y is rounded to bf16). y is
+    returned in the accumulation dtype (fp32)."""
 
     split = "rep"
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight.to(acc())
 
+    def cast(self, dtype: torch.dtype) -> None:
+        """Keep W in `dtype` from now on (K3Model's dense_dtype)."""
+        self.weight = self.weight.to(dtype)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return x.to(acc()) @ self.weight.t()
+        return (x.to(self.weight.dtype) @ self.weight.t()).to(acc())
 
 
 class ColumnLinear(Linear):
@@ -130,7 +151,7 @@ class RowLinear(Linear):
     split = "row"
 
     def __call__(self, x: torch.Tensor, comm: Comm | None = None) -> torch.Tensor:  # type: ignore[override]
-        y = x.to(acc()) @ self.weight.t()
+        y = (x.to(self.weight.dtype) @ self.weight.t()).to(acc())
         return comm.all_reduce(y) if comm is not None else y
 
 

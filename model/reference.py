@@ -20,6 +20,7 @@ from plugins.common import acc
 
 from model.config import K3Config
 from model.layers import ColumnLinear, Comm, Linear, RowLinear, attn_res, rms_norm
+from model.layers import dense_dtype as dense_dtype_of
 from plugins.kda import reference as kda_ref
 from plugins.mla import reference as mla_ref
 from plugins.moe import reference as moe_ref
@@ -280,6 +281,11 @@ class DecoderLayer:
         self.attn = KDAAttention(cfg, w) if cfg.layer_kind(l) == "kda" else MLAAttention(cfg, w)
         self.mlp = LatentMoE(cfg, w) if cfg.is_moe(l) else DenseMLP(cfg, w, "mlp.")
 
+    def linears(self) -> list[Linear]:
+        """Every dense projection of this layer (attention, MLP or latent MoE projections, shared experts)."""
+        mods = [self.attn, self.mlp, getattr(self.mlp, "shared", None)]
+        return [v for m in mods if m is not None for v in vars(m).values() if isinstance(v, Linear)]
+
     def __call__(self, P: torch.Tensor, bank: torch.Tensor, batch: Batch, pools: dict, comm: Comm, ops=ReferenceOps):
         """P [T, d] running block sum, bank [T, nb, d] committed rows -> (P, bank [T, nb(+1), d], pools)."""
         eps = self.cfg.rms_norm_eps
@@ -299,21 +305,36 @@ class K3Model:
     dicts; see `from_checkpoint`. Vocabulary is split across TP ranks (masked lookup + all-reduce,
     all-gathered logits).
 
-    The model runs on the device its weights are on (`device`): dense weights are held in fp32 there, MXFP4
-    experts stay packed uint8. `forward` moves ids and batch metadata to that device; pools must already be there
-    (`allocate_pools(..., device=model.device)`). `ops` picks the five custom ops: `ReferenceOps` (fp32, any
+    The model runs on the device its weights are on (`device`): dense weights are held in fp32 there (or in
+    `dense_dtype`: "bfloat16" halves their bytes and runs the projections, embedding and lm_head as bf16 GEMMs with
+    fp32 accumulation; everything else stays fp32), MXFP4 experts stay packed uint8. `forward` moves ids and batch
+    metadata to that device; pools must already be there (`allocate_pools(..., device=model.device)`). `ops` picks the five custom ops: `ReferenceOps` (fp32, any
     device), `plugins.torch_ops.TorchOps` (torch.library ops; Triton kernels on CUDA) or
     `plugins.torch_ops.KernelOps` (the CUDA kernels called directly, pools updated in place)."""
 
-    def __init__(self, cfg: K3Config, model_weights: dict, layer_weights, comm: Comm | None = None, ops=ReferenceOps):
+    def __init__(self, cfg: K3Config, model_weights: dict, layer_weights, comm: Comm | None = None, ops=ReferenceOps,
+                 dense_dtype: "str | torch.dtype | None" = None):
         self.cfg, self.comm, self.ops = cfg, comm or Comm(), ops
-        self.embed_w = model_weights["embed_tokens.weight"].to(acc())
+        wdt = dense_dtype_of(dense_dtype) or acc()
+        self.embed_w = model_weights["embed_tokens.weight"].to(wdt)
         self.vocab_start = self.comm.rank * self.embed_w.shape[0]
-        self.lm_head = model_weights["lm_head.weight"].to(acc())
+        self.lm_head = model_weights["lm_head.weight"].to(wdt)
         self.norm_w = model_weights["norm.weight"].to(acc())
         self.out_res_w = (model_weights["output_attn_res_norm.weight"].to(acc()),
                           model_weights["output_attn_res_proj.weight"].to(acc()))
-        self.layers = [DecoderLayer(cfg, l, layer_weights(l)) for l in range(cfg.num_hidden_layers)]
+        self.layers = []
+        for l in range(cfg.num_hidden_layers):          # cast layer by layer: one layer in fp32 at a time
+            layer = DecoderLayer(cfg, l, layer_weights(l))
+            if wdt != acc():
+                for lin in layer.linears():
+                    lin.cast(wdt)
+            self.layers.append(layer)
+
+    @property
+    def dense_dtype(self) -> torch.dtype:
+        """The dtype of the dense weights: projections, embedding and lm_head (fp32 unless `dense_dtype` was
+        given); norms, AttnRes, KDA conv/gates, the router, MLA's kv_b and everything the ops compute stay fp32."""
+        return self.lm_head.dtype
 
     @property
     def device(self) -> torch.device:
@@ -322,30 +343,35 @@ class K3Model:
 
     @classmethod
     def from_checkpoint(cls, path, rank: int = 0, tp: int = 1, ep: int = 1, comm: Comm | None = None,
-                        ops=ReferenceOps, device: "str | torch.device" = "cpu") -> "K3Model":
+                        ops=ReferenceOps, device: "str | torch.device" = "cpu",
+                        dense_dtype: "str | torch.dtype | None" = None) -> "K3Model":
         """Load (and shard for rank/tp/ep, §10) a checkpoint directory onto `device` (one layer's stored tensors
-        at a time pass through host memory). Raises CheckpointError on a bad checkpoint."""
+        at a time pass through host memory); dense weights in `dense_dtype` (default fp32; see `dense_dtype`).
+        Raises CheckpointError on a bad checkpoint, ValueError for a bad dense_dtype."""
+        dense_dtype_of(dense_dtype)                        # a bad name fails before any loading
         from model.checkpoint import Checkpoint
         from model.sharding import shard_layer, shard_model
         ck = Checkpoint(path)
         cfg = ck.config
         return cls(cfg, _to_device(shard_model(cfg, ck.model_weights(), rank, tp), device),
                    lambda l: _to_device(shard_layer(cfg, l, ck.layer_weights(l), rank, tp, ep), device),
-                   comm or Comm(rank, tp), ops)
+                   comm or Comm(rank, tp), ops, dense_dtype)
 
     @classmethod
     def from_synthetic(cls, cfg: K3Config, seed: int = 0, rank: int = 0, tp: int = 1, ep: int = 1,
                        comm: Comm | None = None, ops=ReferenceOps, device: "str | torch.device" = "cpu",
-                       keep_full: "dict | None" = None) -> "K3Model":
+                       keep_full: "dict | None" = None, dense_dtype: "str | torch.dtype | None" = None) -> "K3Model":
         """The model with `model.synthetic` weights drawn directly on `device` (no checkpoint on disk; see
         `model.synthetic.SyntheticSource` for the recipe and why CUDA draws differ from the CPU checkpoint of the
         same seed), sharded for rank/tp/ep. Every rank draws the full tensors from the same seeds, so the shards
         agree; an EP rank draws only its own experts. `keep_full`: a dict that receives CPU copies of the unsharded
         weights ({"model": {...}, "layers": {l: {...}}}) to build a TP=1 reference from the same values (small
-        configs only). Raises ValueError when tp/ep cannot shard cfg."""
+        configs only). `dense_dtype` as in `from_checkpoint`. Raises ValueError when tp/ep cannot shard cfg or for a
+        bad dense_dtype."""
         from model.sharding import check_parallel, shard_layer, shard_model
         from model.synthetic import synthetic_layer_weights, synthetic_model_weights
         check_parallel(cfg, tp, ep)
+        dense_dtype_of(dense_dtype)
         per = cfg.num_experts // ep
         mine = range(rank * per, (rank + 1) * per) if ep > 1 and keep_full is None else None
 
@@ -361,20 +387,21 @@ class K3Model:
                 keep_full.setdefault("layers", {})[l] = {k: v.cpu() for k, v in w.items()}
             return shard_layer(cfg, l, w, rank, tp, ep)
 
-        return cls(cfg, model_w(), layer_w, comm or Comm(rank, tp), ops)
+        return cls(cfg, model_w(), layer_w, comm or Comm(rank, tp), ops, dense_dtype)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] int -> P [T, d] fp32 (no scaling, §3)."""
         V = self.embed_w.shape[0]
         local = ids.long() - self.vocab_start
         ok = (local >= 0) & (local < V)
-        e = self.embed_w[local.clamp(0, V - 1)] * ok[:, None]
+        e = self.embed_w[local.clamp(0, V - 1)].to(acc()) * ok[:, None]
         return self.comm.all_reduce(e)
 
     def head(self, P: torch.Tensor, bank: torch.Tensor) -> torch.Tensor:
         """Output AttnRes, final norm and lm_head: [T, d], [T, nb, d] -> logits [T, vocab] fp32."""
         h = attn_res(torch.cat([bank, P[:, None]], 1), *self.out_res_w, self.cfg.rms_norm_eps)
-        return self.comm.all_gather_last(rms_norm(h, self.norm_w, self.cfg.rms_norm_eps) @ self.lm_head.t())
+        h = rms_norm(h, self.norm_w, self.cfg.rms_norm_eps)
+        return self.comm.all_gather_last((h.to(self.lm_head.dtype) @ self.lm_head.t()).to(acc()))
 
     def forward(self, ids: torch.Tensor, batch: Batch, pools: dict, logits_index: torch.Tensor | None = None):
         """ids [T] packed tokens -> (logits [T or len(logits_index), vocab] fp32 on `device`, new pools).

@@ -189,7 +189,9 @@ class LLM:
     on that GPU, logits sampled there (runtime.distributed.resolve_device); the tensorrt backend takes "cuda[:N]"
     and onnxruntime only "cpu". ops (torch backend): "reference" | "torch" | "kernels" (runtime.executor.
     TorchExecutor; default "reference" on the CPU, "torch" = the Triton kernels on CUDA, which need a block_size
-    multiple of 16). profile_comm: count and time the TP collectives (`llm.executor.comm.stats()`).
+    multiple of 16). dense_dtype (torch backend): "float32" (default; the reference precision) or "bfloat16" (dense
+    weights and their GEMMs in bf16: half the bytes of the step's largest reads; K3Model). profile_comm: count and
+    time the TP collectives (`llm.executor.comm.stats()`).
     cuda_graphs (torch backend, CUDA, ops "kernels"): decode steps replay CUDA graphs captured at start-up, one per
     batch bucket up to max_batch (runtime/graphs.py; capture takes a few warm-up steps per bucket).
     max_batch: requests running at once (KDA slots = max_batch + 1); max_num_tokens: tokens per scheduler step;
@@ -206,13 +208,17 @@ class LLM:
                  max_context: int | None = None, *, block_size: int = 16, num_blocks: int | None = None,
                  memory_budget: int | None = None, decode_pad_multiple: int | None = None,
                  tp: int | None = None, ep: int = 1, device: "str | torch.device | None" = None,
-                 ops: str | None = None, profile_comm: bool = False, cuda_graphs: bool = False):
+                 ops: str | None = None, profile_comm: bool = False, cuda_graphs: bool = False,
+                 dense_dtype: str | None = None):
         from runtime.distributed import parse_device
         self.paths = resolve_model_dir(path)
         self.backend = backend
         dev = parse_device(device)                          # ValueError for a malformed string, before any loading
         if backend != "torch" and ops is not None:
             raise ValueError(f"ops = {ops!r}: only the torch backend takes ops (backend is {backend!r})")
+        if backend != "torch" and dense_dtype is not None:
+            raise ValueError(f"dense_dtype = {dense_dtype!r}: only the torch backend takes dense_dtype (backend is "
+                             f"{backend!r}; exports and engines fix their own precision)")
         if backend == "onnxruntime" and dev.type != "cpu":
             raise ValueError(f"device = {str(device)!r}: the onnxruntime backend runs on the CPU provider; "
                              "use backend 'torch' with device 'cuda' for the GPU")
@@ -221,7 +227,7 @@ class LLM:
         import torch.distributed as dist
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.tp, self.ep, self.rank = tp or world, ep, rank
-        self.executor = self._make_executor(backend, device, ops, profile_comm)
+        self.executor = self._make_executor(backend, device, ops, profile_comm, dense_dtype)
         cfg = self.cfg = self.executor.cfg
         max_context = max_context or cfg.max_position_embeddings
         self.executor.check_block_size(block_size)
@@ -265,7 +271,7 @@ class LLM:
         """What resolve_model_dir found, for error messages: "checkpoint=DIR, onnx=none, ..."."""
         return ", ".join(f"{k}={v if v is not None else 'none'}" for k, v in self.paths.items())
 
-    def _make_executor(self, backend: str, device=None, ops=None, profile_comm: bool = False):
+    def _make_executor(self, backend: str, device=None, ops=None, profile_comm: bool = False, dense_dtype=None):
         p = self.paths
         if backend == "torch":
             if p["checkpoint"] is None:
@@ -273,7 +279,7 @@ class LLM:
                                         f"found none ({self._found()})")
             from runtime.executor import TorchExecutor
             return TorchExecutor(p["checkpoint"], tp=self.tp, ep=self.ep, rank=self.rank, device=device, ops=ops,
-                                 profile_comm=profile_comm)
+                                 profile_comm=profile_comm, dense_dtype=dense_dtype)
         if backend == "onnxruntime":
             if p["onnx"] is None:
                 raise FileNotFoundError(f"backend 'onnxruntime' needs an ONNX export directory with index.json; found none ({self._found()})")

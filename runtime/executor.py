@@ -105,19 +105,24 @@ class TorchExecutor(Executor):
     kernels on CUDA; the CUDA default), "kernels" (the CUDA kernels called directly, pools updated in place:
     no per-call pool copy), or an ops class. On CUDA the dense weights are fp32 on the GPU (MXFP4 experts stay
     packed uint8) and the kernels use bf16/TF32 internally where their tests say so; the pools must be on
-    `self.device` (HybridCache(..., device=executor.device)).
+    `self.device` (HybridCache(..., device=executor.device)). dense_dtype: "bfloat16" keeps the dense weights
+    (projections, embedding, lm_head) in bf16 and runs those GEMMs in bf16 (K3Model; default fp32).
 
     With tp > 1 this process is TP rank `rank` of an initialized torch.distributed group of tp processes (gloo on
     CPU, NCCL on GPU; see runtime/distributed.py): it loads its shard and the model's RowLinear / latent
     reductions all-reduce over the group. Every rank runs the same scheduler on the same requests (SPMD) and gets
     the same all-gathered logits. profile_comm: count and time the collectives (model.layers.Comm.stats()).
-    Raises ValueError for a bad device or ops name or when the group does not match tp, RuntimeError when CUDA is
-    asked for and absent, CheckpointError for a bad checkpoint."""
+    Raises ValueError for a bad device, ops name or dense_dtype, or when the group does not match tp, RuntimeError
+    when CUDA is asked for and absent, CheckpointError for a bad checkpoint."""
 
     def __init__(self, model: "K3Model | str | Path", tp: int = 1, ep: int = 1, rank: int = 0, *,
-                 device: "str | torch.device | None" = None, ops=None, profile_comm: bool = False):
+                 device: "str | torch.device | None" = None, ops=None, profile_comm: bool = False,
+                 dense_dtype: "str | torch.dtype | None" = None):
         from runtime.distributed import resolve_device
         if isinstance(model, K3Model):
+            if dense_dtype is not None:
+                raise ValueError("dense_dtype: give it when loading (K3Model.from_checkpoint / from_synthetic "
+                                 "dense_dtype=...); this model is already built")
             self.model = model
             if device is not None and resolve_device(device) != model.device:
                 raise ValueError(f"device = {str(device)!r}: the model passed in lives on {model.device}")
@@ -136,7 +141,7 @@ class TorchExecutor(Executor):
                 check_group(tp, rank)
                 comm = Comm(rank, tp)
             self.model = K3Model.from_checkpoint(model, rank=rank, tp=tp, ep=ep, comm=comm, ops=ops_cls,
-                                                 device=self.device)
+                                                 device=self.device, dense_dtype=dense_dtype)
         if profile_comm:
             self.model.comm.profile = True
         self.cfg, self.tp, self.rank = self.model.cfg, self.model.comm.size, self.model.comm.rank

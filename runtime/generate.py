@@ -48,6 +48,9 @@ def _main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="replay the decode step from CUDA graphs (torch backend, CUDA, --ops kernels; size them with "
                          "--max-context)")
+    ap.add_argument("--dense-dtype", default=None, choices=["float32", "bfloat16"],
+                    help="dense weights and their GEMMs of the torch backend (default float32, the reference "
+                         "precision; bfloat16 halves their bytes)")
     ap.add_argument("--dist-backend", default=None, choices=["gloo", "nccl"],
                     help="torch.distributed backend under torchrun (default: nccl with a CUDA device, else gloo; "
                          "gloo with --device cuda:0 runs several ranks on one GPU, for tests)")
@@ -66,7 +69,7 @@ def _main(argv: list[str] | None = None) -> int:
             ap.error(f"--ep {a.ep}: expert parallelism needs one process per rank: run under "
                      f"torchrun --standalone --nproc-per-node {a.ep} -m runtime.generate ...")
         llm = LLM(a.model, backend=a.backend, max_batch=1, max_context=a.max_context, ep=a.ep, device=a.device,
-                  ops=a.ops, cuda_graphs=a.cuda_graphs)
+                  ops=a.ops, cuda_graphs=a.cuda_graphs, dense_dtype=a.dense_dtype)
         if a.prompt is not None:
             if llm.tokenizer is None:
                 ap.error(f"--prompt: no tokenizer (tiktoken.model) in {a.model}; use --prompt-ids")

@@ -247,7 +247,7 @@ class TritonPythonModel:
         for key in ("max_batch", "max_num_tokens", "max_context"):
             if params.get(key):
                 kwargs[key] = int(params[key])
-        for key in ("device", "ops"):                     # torch backend on a GPU (python -m serve.repository --device)
+        for key in ("device", "ops", "dense_dtype"):      # torch backend on a GPU (python -m serve.repository --device)
             if params.get(key):
                 kwargs[key] = params[key]
         if params.get("cuda_graphs", "").lower() == "true":

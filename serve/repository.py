@@ -173,17 +173,18 @@ def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backe
                      max_context: Optional[int] = None, instance_count: int = 1,
                      project_root: str | pathlib.Path = PROJECT_ROOT, overwrite: bool = False,
                      device: Optional[str] = None, ops: Optional[str] = None,
-                     cuda_graphs: bool = False) -> pathlib.Path:
+                     cuda_graphs: bool = False, dense_dtype: Optional[str] = None) -> pathlib.Path:
     """Write ``out/<name>/config.pbtxt`` and ``out/<name>/1/model.py``; return the config's path.
     ``device`` / ``ops`` (torch backend: "cuda", "cuda:N", "cpu" / "torch", "kernels", "reference") become
     parameters the model passes to ``LLM(device=..., ops=...)``; omitted = the runtime's defaults (CPU).
     ``cuda_graphs`` becomes ``LLM(cuda_graphs=True)`` (decode steps replayed from CUDA graphs; CUDA, ops "kernels").
+    ``dense_dtype`` ("float32" / "bfloat16") becomes ``LLM(dense_dtype=...)`` (torch backend).
 
     Raises:
         RepositoryError: ``engines`` is not a directory, the backend is unknown, a limit is < 1, ``device`` is
-            malformed (or not "cpu" for onnxruntime), ``ops`` / ``cuda_graphs`` are given for a backend other than
-            torch, ``cuda_graphs`` lacks a CUDA ``device`` and ``ops="kernels"``, or ``out/<name>`` exists and
-            ``overwrite`` is false.
+            malformed (or not "cpu" for onnxruntime), ``ops`` / ``cuda_graphs`` / ``dense_dtype`` are given for a
+            backend other than torch, ``dense_dtype`` is not "float32" or "bfloat16", ``cuda_graphs`` lacks a CUDA
+            ``device`` and ``ops="kernels"``, or ``out/<name>`` exists and ``overwrite`` is false.
     """
     engines = pathlib.Path(engines).resolve()
     out = pathlib.Path(out).resolve()
@@ -208,8 +209,11 @@ def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backe
     if resolved == "onnxruntime" and device is not None and str(device).strip().lower() != "cpu":
         raise RepositoryError(f"--device {device}: the onnxruntime backend runs on the CPU provider; serve a "
                               "checkpoint with the torch backend for the GPU")
-    if (ops is not None or cuda_graphs) and resolved != "torch":
-        raise RepositoryError(f"--ops / --cuda-graphs apply to the torch backend; {engines} is served by the "
+    if dense_dtype not in (None, "float32", "bfloat16"):
+        raise RepositoryError(f"--dense-dtype {dense_dtype}: choose float32 or bfloat16")
+    if (ops is not None or cuda_graphs or dense_dtype is not None) and resolved != "torch":
+        raise RepositoryError(f"--ops / --cuda-graphs / --dense-dtype apply to the torch backend; {engines} is "
+                              f"served by the "
                               f"{resolved} backend")
     model_dir = out / name
     if model_dir.exists():
@@ -228,6 +232,7 @@ def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backe
         "device": device,
         "ops": ops,
         "cuda_graphs": "true" if cuda_graphs else None,
+        "dense_dtype": dense_dtype,
     }
     text = render_config(name, params, instance_count)
     validate_config(text, name, where=str(model_dir / "config.pbtxt"))
@@ -276,6 +281,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="LLM(ops=...) of the torch backend (default: reference on the CPU, torch on CUDA)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="LLM(cuda_graphs=True): decode steps replay CUDA graphs (torch backend, CUDA, --ops kernels)")
+    p.add_argument("--dense-dtype", choices=["float32", "bfloat16"], default=None,
+                   help="LLM(dense_dtype=...) of the torch backend: dense weights and GEMMs (default float32)")
     p.add_argument("--force", action="store_true", help="replace an existing OUT/<name>")
     args = p.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
@@ -283,7 +290,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         path = write_repository(args.engines, args.out, args.backend, name=args.name, max_batch=args.max_batch,
                                 max_num_tokens=args.max_num_tokens, max_context=args.max_context,
                                 instance_count=args.instances, overwrite=args.force, device=args.device,
-                                ops=args.ops, cuda_graphs=args.cuda_graphs)
+                                ops=args.ops, cuda_graphs=args.cuda_graphs, dense_dtype=args.dense_dtype)
     except RepositoryError as e:
         LOGGER.error("%s", e)
         return 2

@@ -332,11 +332,16 @@ def test_repository_writer_config_validates(tmp_path):
     assert repo_mod.validate_repository(tmp_path / "repo") == [cfg_path]
     assert "cuda_graphs" not in params and "device" not in params
     gpu_cfg = repo_mod.write_repository(engines, tmp_path / "repo2", "torch", device="cuda", ops="kernels",
-                                        cuda_graphs=True)
+                                        cuda_graphs=True, dense_dtype="bfloat16")
     cfg = model_config_pb2.ModelConfig()
     text_format.Parse(gpu_cfg.read_text(), cfg)
     params = {k: v.string_value for k, v in cfg.parameters.items()}
     assert (params["device"], params["ops"], params["cuda_graphs"]) == ("cuda", "kernels", "true")
+    assert params["dense_dtype"] == "bfloat16"
+    with pytest.raises(repo_mod.RepositoryError, match="--dense-dtype float16: choose float32 or bfloat16"):
+        repo_mod.write_repository(engines, tmp_path / "repo7", "torch", dense_dtype="float16")
+    with pytest.raises(repo_mod.RepositoryError, match="--dense-dtype apply to the torch backend"):
+        repo_mod.write_repository(engines, tmp_path / "repo8", "onnxruntime", dense_dtype="bfloat16")
     with pytest.raises(repo_mod.RepositoryError, match="cuda_graphs needs --device cuda"):
         repo_mod.write_repository(engines, tmp_path / "repo3", "torch", device="cpu", ops="kernels", cuda_graphs=True)
     with pytest.raises(repo_mod.RepositoryError, match="--device: device = 'gpu'"):
