@@ -22,11 +22,11 @@ What it does, per ops variant (`--ops`, comma-separated; the model is built once
 4. `--check`: teacher-forced comparison with the CPU fp32 reference (TP=1, same weights): the first
    `--check-requests` sequences (prompt + generated tokens) go through one prefill of the model under test and
    of the reference; reports the per-position logits relative error (median, max), the argmax agreement, and the
-   agreement of the tokens the benchmark generated (decode path) with the reference's argmax, and every greedy
-   divergence from it. Pass: median relative error <= --check-tol, argmax agreement >= --check-agree, and every
-   divergence a near tie (the reference prefers its token by at most twice the error of that preference in the
-   logits under test; the synthetic models have top-1 margins of a few 1e-3 and amplify the kernels' bf16
-   rounding into routing flips, see docs/DESIGN.md "GPU runtime"; `compare_logits`). Feasible for
+   agreement of the tokens the benchmark generated (decode path) with the reference's argmax. Pass: median
+   relative error <= --check-tol, argmax agreement >= --check-agree, and every generated token the argmax of the
+   model's own teacher-forced logits or a near tie in them (`compare_logits`: the logits are judged against the
+   reference, the decode path against the model itself; the synthetic models have top-1 margins of a few 1e-3 and
+   amplify the kernels' bf16 rounding into routing flips, see docs/DESIGN.md "GPU runtime"). Feasible for
    k3-tiny; for k3-slice the CPU reference needs ~25 GB of host memory and minutes.
 5. `--save-logits FILE` / `--compare-to FILE`: the same teacher-forced logits compared with another run's instead
    of the CPU reference (e.g. TP=2 over NCCL against TP=1 on one GPU; same pass rule as --check), plus the greedy
@@ -371,47 +371,51 @@ def compare_logits(a, test: torch.Tensor, ref: torch.Tensor, targets: list[list[
                    expected: list[list[int]] | None = None) -> dict:
     """Metrics of `test` logits against `ref` logits (both [n * (k + 1), vocab], request-major: request i's
     positions 0..k are rows i * (k + 1) ..); `targets` are the tokens the run under test generated at those
-    positions ([n][k + 1]).
+    positions ([n][k + 1]); `expected` (--compare-to) the saved run's generated tokens, which were teacher-forced
+    (None for --check: both sides were teacher-forced with the run's own tokens).
 
-    Greedy divergences: the run under test generated g where the reference has a: with `expected` None (--check:
-    both sides were teacher-forced with the run's own tokens) a = the reference's argmax, at every position; with
-    `expected` ([n][k + 1], --compare-to: the saved run's generated tokens, which were teacher-forced) a = the
-    saved token, up to and including the first position where the two runs' tokens differ (later positions follow
-    another prefix). A divergence is a near tie when the reference prefers a over g by at most twice the error of
-    that preference in the test's logits: ref[a] - ref[g] <= 2 |(test[a] - test[g]) - (ref[a] - ref[g])| (the
-    logits under test prefer g, or prefer a by a margin that is off by more than half the reference's). Pass:
-    median relative error <= --check-tol, argmax agreement >= --check-agree, every divergence a near tie."""
+    Two questions, kept apart. Are the logits close? Median relative error and argmax agreement (of the logits
+    under test with the reference's). Does the decode path follow the model's own logits? At every position whose
+    prefix the run under test shared with the teacher-forced sequence (--check: all; --compare-to: up to and
+    including the first position where the runs' tokens differ), the generated token g must be the argmax t of the
+    logits under test there, or a near tie in them: test[t] - test[g] <= 2 E, E = the run's logit error scale, the
+    median over positions of max |test - ref| (the rounding a decode step may differ by; one bad position cannot
+    raise it). Tokens that differ from the reference's are listed with the reference's preference ("gap").
+    Pass: median relative error <= --check-tol, argmax agreement >= --check-agree, no inconsistent decode token."""
     n = len(targets)
     per = ref.shape[0] // n
     rel = ((test.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1).clamp_min(1e-30))
-    ref_arg = ref.argmax(-1)
+    scale = float((test.double() - ref.double()).abs().amax(dim=-1).median())
+    ref_arg, own_arg = ref.argmax(-1), test.argmax(-1)
     gen_flat = torch.tensor([t for tg in targets for t in tg])
     top2 = ref.topk(2, dim=-1).values
-    divergences = []
+    divergences, inconsistent = [], 0
     for i in range(n):
         for j in range(per):
             p, g = i * per + j, targets[i][j]
             want = int(ref_arg[p]) if expected is None else expected[i][j]
-            if g != want:
-                d_ref = float(ref[p, want] - ref[p, g])
-                d_err = abs(float(test[p, want] - test[p, g]) - d_ref)
-                divergences.append({"request": i, "position": j, "token": g, "expected": want, "gap": d_ref,
-                                    "gap_error": d_err, "near_tie": d_ref <= 2 * d_err})
+            own_gap = float(test[p, own_arg[p]] - test[p, g])
+            consistent = own_gap <= 2 * scale
+            inconsistent += not consistent
+            if g != want or not consistent:
+                divergences.append({"request": i, "position": j, "token": g, "expected": want,
+                                    "gap": float(ref[p, want] - ref[p, g]), "own_argmax": int(own_arg[p]),
+                                    "own_gap": own_gap, "consistent": consistent})
             if expected is not None and g != expected[i][j]:
                 break                                   # the prefixes differ from here on
     res = {
         "requests": n, "steps": len(targets[0]) - 1, "positions": int(ref.shape[0]),
         "logits_relerr_median": float(rel.median()), "logits_relerr_max": float(rel.max()),
-        "argmax_agreement": float((test.argmax(-1) == ref_arg).float().mean()),
+        "logit_error_scale": scale,
+        "argmax_agreement": float((own_arg == ref_arg).float().mean()),
         "decode_token_agreement": float((gen_flat == ref_arg).float().mean()),
         "ref_margin_min": float((top2[:, 0] - top2[:, 1]).min()),
-        "divergences": divergences,
-        "unexplained_divergences": sum(not d["near_tie"] for d in divergences),
+        "divergences": divergences, "inconsistent_decode_tokens": inconsistent,
         "tokens": [list(tg) for tg in targets], "ref_argmax": ref_arg.view(n, -1).tolist(),
         "tol": a.check_tol, "min_agreement": a.check_agree,
     }
     res["passed"] = bool(res["logits_relerr_median"] <= a.check_tol and res["argmax_agreement"] >= a.check_agree
-                         and res["unexplained_divergences"] == 0)
+                         and inconsistent == 0)
     return res
 
 
@@ -439,7 +443,7 @@ def _generated_equal(mine: dict[str, list[int]], theirs: dict[str, list[int]]) -
             "first_divergence": first}
 
 
-_SAVED_META = ("model", "weights", "tp", "ep", "device", "batch", "prompt_len", "block_size")
+_SAVED_META = ("model", "weights", "tp", "ep", "device", "batch", "prompt_len", "block_size", "dense_dtype")
 
 
 def save_run(path: Path, a, rec: dict, executor, prompts, tokens) -> None:
@@ -645,9 +649,9 @@ def bench_variant(a, v: str, model, ref_model, prompts, base: dict, rank: int, w
             if rank == 0 and not res["passed"]:
                 status = 1
                 log.error("compare failed (%s): median logits rel. err %.3g (tol %.3g), argmax agreement %.2f, "
-                          "requests with equal greedy tokens %d/%d, divergences beyond a near tie %d", v,
+                          "requests with equal greedy tokens %d/%d, decode tokens off the model's own logits %d", v,
                           res["logits_relerr_median"], a.check_tol, res["argmax_agreement"],
-                          res["greedy"]["requests_equal"], res["greedy"]["requests"], res["unexplained_divergences"])
+                          res["greedy"]["requests_equal"], res["greedy"]["requests"], res["inconsistent_decode_tokens"])
         if a.check:
             res = check_against_reference(a, executor, ref_model, prompts, tokens, rank)
             rec["check"] = res
@@ -657,8 +661,8 @@ def bench_variant(a, v: str, model, ref_model, prompts, base: dict, rank: int, w
             if rank == 0 and not res["passed"]:
                 status = 1
                 log.error("check failed (%s): median logits rel. err %.3g (tol %.3g), argmax agreement %.2f, "
-                          "divergences beyond a near tie %d", v, res["logits_relerr_median"], a.check_tol,
-                          res["argmax_agreement"], res["unexplained_divergences"])
+                          "decode tokens off the model's own logits %d", v, res["logits_relerr_median"], a.check_tol,
+                          res["argmax_agreement"], res["inconsistent_decode_tokens"])
     finally:
         executor.close()                                    # graphs go before the process group
     rec["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")

@@ -121,10 +121,18 @@ def dense_dtype(name: "str | torch.dtype | None") -> torch.dtype | None:
     return DENSE_DTYPES[alias]
 
 
+def matmul_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T in the accumulation dtype: x [..., in], w [out, in] -> [..., out] in acc(). A bf16 w (dense_dtype)
+    multiplies bf16-rounded x in a bf16 GEMM (torch.matmul on bf16; its output rounded to bf16, then widened);
+    any other w multiplies in acc() as the reference always did."""
+    if w.dtype == torch.bfloat16:
+        return (x.to(torch.bfloat16) @ w.t()).to(acc())
+    return x.to(acc()) @ w.t()
+
+
 class Linear:
     """Replicated y = x @ W.T with W [out, in] in fp32 (bf16 checkpoint weights are upcast losslessly), or in the
-    dtype `cast` set (bf16: x is rounded to bf16, the GEMM accumulates in fp32, y is rounded to bf16). y is
-    returned in the accumulation dtype (fp32)."""
+    dtype `cast` set (bf16: `matmul_t`). y is returned in the accumulation dtype (fp32)."""
 
     split = "rep"
 
@@ -136,7 +144,7 @@ class Linear:
         self.weight = self.weight.to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return (x.to(self.weight.dtype) @ self.weight.t()).to(acc())
+        return matmul_t(x, self.weight)
 
 
 class ColumnLinear(Linear):
@@ -151,7 +159,7 @@ class RowLinear(Linear):
     split = "row"
 
     def __call__(self, x: torch.Tensor, comm: Comm | None = None) -> torch.Tensor:  # type: ignore[override]
-        y = (x.to(self.weight.dtype) @ self.weight.t()).to(acc())
+        y = matmul_t(x, self.weight)
         return comm.all_reduce(y) if comm is not None else y
 
 

@@ -19,7 +19,7 @@ import torch
 from plugins.common import acc
 
 from model.config import K3Config
-from model.layers import ColumnLinear, Comm, Linear, RowLinear, attn_res, rms_norm
+from model.layers import ColumnLinear, Comm, Linear, RowLinear, attn_res, matmul_t, rms_norm
 from model.layers import dense_dtype as dense_dtype_of
 from plugins.kda import reference as kda_ref
 from plugins.mla import reference as mla_ref
@@ -306,8 +306,8 @@ class K3Model:
     all-gathered logits).
 
     The model runs on the device its weights are on (`device`): dense weights are held in fp32 there (or in
-    `dense_dtype`: "bfloat16" halves their bytes and runs the projections, embedding and lm_head as bf16 GEMMs with
-    fp32 accumulation; everything else stays fp32), MXFP4 experts stay packed uint8. `forward` moves ids and batch
+    `dense_dtype`: "bfloat16" halves their bytes and runs the projections and lm_head as bf16 GEMMs, the
+    embedding a bf16 table; everything else stays fp32), MXFP4 experts stay packed uint8. `forward` moves ids and batch
     metadata to that device; pools must already be there (`allocate_pools(..., device=model.device)`). `ops` picks the five custom ops: `ReferenceOps` (fp32, any
     device), `plugins.torch_ops.TorchOps` (torch.library ops; Triton kernels on CUDA) or
     `plugins.torch_ops.KernelOps` (the CUDA kernels called directly, pools updated in place)."""
@@ -315,7 +315,8 @@ class K3Model:
     def __init__(self, cfg: K3Config, model_weights: dict, layer_weights, comm: Comm | None = None, ops=ReferenceOps,
                  dense_dtype: "str | torch.dtype | None" = None):
         self.cfg, self.comm, self.ops = cfg, comm or Comm(), ops
-        wdt = dense_dtype_of(dense_dtype) or acc()
+        bf16 = dense_dtype_of(dense_dtype) == torch.bfloat16      # "float32" keeps the accumulation dtype
+        wdt = torch.bfloat16 if bf16 else acc()
         self.embed_w = model_weights["embed_tokens.weight"].to(wdt)
         self.vocab_start = self.comm.rank * self.embed_w.shape[0]
         self.lm_head = model_weights["lm_head.weight"].to(wdt)
@@ -325,7 +326,7 @@ class K3Model:
         self.layers = []
         for l in range(cfg.num_hidden_layers):          # cast layer by layer: one layer in fp32 at a time
             layer = DecoderLayer(cfg, l, layer_weights(l))
-            if wdt != acc():
+            if bf16:
                 for lin in layer.linears():
                     lin.cast(wdt)
             self.layers.append(layer)
@@ -400,8 +401,7 @@ class K3Model:
     def head(self, P: torch.Tensor, bank: torch.Tensor) -> torch.Tensor:
         """Output AttnRes, final norm and lm_head: [T, d], [T, nb, d] -> logits [T, vocab] fp32."""
         h = attn_res(torch.cat([bank, P[:, None]], 1), *self.out_res_w, self.cfg.rms_norm_eps)
-        h = rms_norm(h, self.norm_w, self.cfg.rms_norm_eps)
-        return self.comm.all_gather_last((h.to(self.lm_head.dtype) @ self.lm_head.t()).to(acc()))
+        return self.comm.all_gather_last(matmul_t(rms_norm(h, self.norm_w, self.cfg.rms_norm_eps), self.lm_head))
 
     def forward(self, ids: torch.Tensor, batch: Batch, pools: dict, logits_index: torch.Tensor | None = None):
         """ids [T] packed tokens -> (logits [T or len(logits_index), vocab] fp32 on `device`, new pools).

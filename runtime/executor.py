@@ -120,9 +120,11 @@ class TorchExecutor(Executor):
                  dense_dtype: "str | torch.dtype | None" = None):
         from runtime.distributed import resolve_device
         if isinstance(model, K3Model):
-            if dense_dtype is not None:
-                raise ValueError("dense_dtype: give it when loading (K3Model.from_checkpoint / from_synthetic "
-                                 "dense_dtype=...); this model is already built")
+            from model.layers import dense_dtype as dense_dtype_of
+            if dense_dtype is not None and (dense_dtype_of(dense_dtype) or torch.float32) != model.dense_dtype:
+                raise ValueError(f"dense_dtype = {dense_dtype!r}: the model passed in holds {model.dense_dtype} "
+                                 "dense weights; give dense_dtype when loading it (K3Model.from_checkpoint / "
+                                 "from_synthetic)")
             self.model = model
             if device is not None and resolve_device(device) != model.device:
                 raise ValueError(f"device = {str(device)!r}: the model passed in lives on {model.device}")

@@ -209,6 +209,7 @@ def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backe
     if resolved == "onnxruntime" and device is not None and str(device).strip().lower() != "cpu":
         raise RepositoryError(f"--device {device}: the onnxruntime backend runs on the CPU provider; serve a "
                               "checkpoint with the torch backend for the GPU")
+    dense_dtype = {"fp32": "float32", "bf16": "bfloat16"}.get(dense_dtype, dense_dtype)     # K3Model's aliases
     if dense_dtype not in (None, "float32", "bfloat16"):
         raise RepositoryError(f"--dense-dtype {dense_dtype}: choose float32 or bfloat16")
     if (ops is not None or cuda_graphs or dense_dtype is not None) and resolved != "torch":

@@ -255,6 +255,22 @@ def test_forward_rejects_bad_input(tiny_model, tiny_cfg):
         kda_ref.check_cu_seqlens(torch.tensor([0, 3, 3, 5]), 5)
 
 
+def _walk_linears(obj, seen=None) -> list:
+    """Every model.layers.Linear reachable from obj through attributes, lists and tuples."""
+    from model.layers import Linear
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, Linear):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [x for v in obj for x in _walk_linears(v, seen)]
+    if type(obj).__module__.startswith("model."):
+        return [x for v in vars(obj).values() for x in _walk_linears(v, seen)]
+    return []
+
+
 def test_bf16_dense_weights_close_to_fp32_and_decode_reproduces_prefill(tiny_ckpt, tiny_model, tiny_cfg):
     """K3Model(dense_dtype="bfloat16"): every projection, the embedding and the lm_head are held in bf16 (norms,
     router, conv and MLA kv_b stay fp32); logits are close to the fp32 model's but not equal (the bf16 GEMMs ran),
@@ -263,6 +279,7 @@ def test_bf16_dense_weights_close_to_fp32_and_decode_reproduces_prefill(tiny_ckp
     assert m.dense_dtype == torch.bfloat16 and m.embed_w.dtype == torch.bfloat16
     lins = [lin for layer in m.layers for lin in layer.linears()]
     assert len(lins) >= 9 * len(m.layers) and all(lin.weight.dtype == torch.bfloat16 for lin in lins)
+    assert {id(x) for x in _walk_linears(m)} == {id(x) for x in lins}     # linears() misses none
     mla = next(layer.attn for layer in m.layers if hasattr(layer.attn, "kv_b"))
     assert mla.kv_b.dtype == torch.float32 and m.norm_w.dtype == torch.float32
     assert all(lin.weight.dtype == torch.float32 for layer in tiny_model.layers for lin in layer.linears())
