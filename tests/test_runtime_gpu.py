@@ -893,16 +893,12 @@ def test_llm_bf16_dense_weights_and_their_errors(tiny_ckpt, tmp_path):
         LLM(tiny_ckpt, backend="onnxruntime", dense_dtype="bfloat16")
 
 
-def test_bench_decode_bf16_dense_cpu_single_and_tp2(tmp_path):
-    """bench_decode --dense-dtype bfloat16 on the CPU: --check against the fp32 reference passes (logits within the
-    tolerance, every greedy divergence a near tie; the argmax share is not required: k3-tiny's top-1 margins are
-    below bf16 rounding at some of the 6 positions) but is not exact (the bf16 GEMMs ran); TP=2 / EP=2 over gloo
-    with bf16 weights passes the compare with the saved bf16 TP=1 run (median relative error < 0.1) and records
-    both runs' dense dtype."""
+def _bench_cpu_tp1_then_tp2(tmp_path, *extra) -> tuple[dict, dict]:
+    """bench_decode on k3-tiny on the CPU with --check: TP=1 saved, then TP=2 / EP=2 under torchrun (gloo) compared
+    with it; both must exit 0. Returns their records."""
     out, saved = tmp_path / "b.jsonl", tmp_path / "tp1.pt"
     base = ["benchmarks/bench_decode.py", "--preset", "k3-tiny", "--device", "cpu", "--batch", "2", "--prompt-len",
-            "6", "--steps", "2", "--warmup", "1", "--check", "--check-steps", "2", "--dense-dtype", "bfloat16",
-            "--check-agree", "0", "--out", str(out)]          # 6 positions of a synthetic model: argmax share noisy
+            "6", "--steps", "2", "--warmup", "1", "--check", "--check-steps", "2", "--out", str(out), *extra]
     r = subprocess.run([sys.executable] + base + ["--save-logits", str(saved)], capture_output=True, text=True,
                        cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -911,6 +907,17 @@ def test_bench_decode_bf16_dense_cpu_single_and_tp2(tmp_path):
                        cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     one, two = [json.loads(x) for x in out.read_text().splitlines()]
+    return one, two
+
+
+def test_bench_decode_bf16_dense_cpu_single_and_tp2(tmp_path):
+    """bench_decode --dense-dtype bfloat16 on the CPU: --check against the fp32 reference passes (logits within the
+    tolerance, every greedy divergence a near tie; the argmax share is not required: k3-tiny's top-1 margins are
+    below bf16 rounding at some of the 6 positions) but is not exact (the bf16 GEMMs ran); TP=2 / EP=2 over gloo
+    with bf16 weights passes the compare with the saved bf16 TP=1 run (median relative error < 0.1) and records
+    both runs' dense dtype."""
+    # 6 positions of a synthetic model: the argmax share is noisy, so --check-agree 0
+    one, two = _bench_cpu_tp1_then_tp2(tmp_path, "--dense-dtype", "bfloat16", "--check-agree", "0")
     assert one["dense_dtype"] == two["dense_dtype"] == "bfloat16"
     assert one["check"]["passed"] and 1e-5 < one["check"]["logits_relerr_median"] < 0.1, one["check"]
     assert two["check"]["passed"] and two["compare"]["passed"], (two["check"], two["compare"])
@@ -920,18 +927,7 @@ def test_bench_decode_bf16_dense_cpu_single_and_tp2(tmp_path):
 def test_bench_decode_cpu_single_and_tp2(tmp_path):
     """The benchmark's plumbing on the CPU: JSON lines, --check against the reference, and under torchrun (gloo)
     the per-step collective counts and share."""
-    out = tmp_path / "b.jsonl"
-    base = ["benchmarks/bench_decode.py", "--preset", "k3-tiny", "--device", "cpu", "--batch", "2",
-            "--prompt-len", "6", "--steps", "2", "--warmup", "1", "--check", "--check-steps", "2", "--out", str(out)]
-    saved = tmp_path / "tp1.pt"
-    r = subprocess.run([sys.executable] + base + ["--save-logits", str(saved)], capture_output=True, text=True,
-                       cwd=ROOT, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"] + base
-                       + ["--tp", "2", "--ep", "2", "--compare-to", str(saved)], capture_output=True, text=True,
-                       cwd=ROOT, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
-    one, two = [json.loads(x) for x in out.read_text().splitlines()]
+    one, two = _bench_cpu_tp1_then_tp2(tmp_path)
     cmp = two["compare"]                                   # TP=2 against the saved TP=1 run: fp32 reference ops
     assert cmp["passed"] and cmp["logits_relerr_max"] < 1e-4 and cmp["against"]["tp"] == 1
     assert cmp["greedy"]["requests_equal"] == 2 and cmp["greedy"]["tokens_compared"] > 0
