@@ -8,11 +8,14 @@ A decode step of B tokens at TP=n (model.reference / runtime.executor) sums part
 `Comm.all_reduce` on [B, hidden_size] fp32 (embedding, every attention output, every dense MLP and shared expert)
 and [B, routed_expert_hidden_size] fp32 (the routed latent experts: EP sums their outputs with an all-reduce,
 no all-to-all), and gathers the vocabulary-parallel logits with `Comm.all_gather_last` ([B, vocab / n] per rank).
-bench_decode.py times them inside the step, where they include waiting for the slowest rank; here every rank
+A k3-slice step makes 11 + 4 such all-reduces and one all-gather (bench_decode.py's `collectives` counts them:
+the per-step total is the counts times these times). bench_decode.py times them inside the step, where they
+include waiting for the slowest rank; here every rank
 starts together (barrier), so the numbers are the collectives' own cost. The default `--dtypes fp32,bf16` also
 times the bf16 message (half the bytes) that a bf16 collective would send.
 
-Modes: `eager` = `--iters` calls back to back between two CUDA events (per call: the mean); `graph` (CUDA only)
+Modes: `eager` = `--iters` calls back to back between two CUDA events (wall clock on the CPU; per call: the
+mean); `graph` (CUDA only)
 = the same calls captured in one CUDA graph and replayed (as `--cuda-graphs` decode runs them). Each is repeated
 `--repeats` times; the median is reported. Output: one JSON line per (op, dtype, mode) on rank 0: us (median per
 call), bytes (this rank's input), algbw_gbs = bytes / time, busbw_gbs = NCCL's bus bandwidth (all-reduce:
@@ -51,8 +54,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=None, help="append JSON lines here (rank 0)")
     a = ap.parse_args(argv)
     bad = [d for d in a.dtypes.split(",") if d not in DTYPES]
-    if bad or a.batch < 1 or a.iters < 1 or a.repeats < 1:
-        ap.error(f"--dtypes {a.dtypes!r} (choose from {sorted(DTYPES)}), --batch/--iters/--repeats >= 1")
+    if bad:
+        ap.error(f"--dtypes {a.dtypes!r}: {bad} unknown; choose from {sorted(DTYPES)}")
+    for name in ("batch", "iters", "repeats"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name} {getattr(a, name)}: must be >= 1")
     return a
 
 
@@ -164,8 +170,8 @@ def main(argv=None) -> int:
                 bus = bus_bandwidth(op, nbytes, t, world)
                 recs.append({"bench": "collectives", "op": op, "message": what, "shape": list(shape), "dtype": dname,
                              "mode": mode, "tp": world, "backend": dist.get_backend(), "device": str(device),
-                             "us": round(t * 1e6, 2), "bytes": nbytes, "algbw_gbs": round(nbytes / t / 1e9, 2),
-                             "busbw_gbs": round(bus, 2), "correct": good})
+                             "us": round(t * 1e6, 2), "bytes": nbytes, "algbw_gbs": round(nbytes / t / 1e9, 4),
+                             "busbw_gbs": round(bus, 4), "correct": good})
                 if rank == 0:
                     log.info("%s %s %s %s: %.1f us", op, what, dname, mode, t * 1e6)
     if rank == 0:

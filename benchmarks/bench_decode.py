@@ -24,7 +24,8 @@ What it does, per ops variant (`--ops`, comma-separated; the model is built once
    of the reference; reports the per-position logits relative error (median, max), the argmax agreement, and the
    agreement of the tokens the benchmark generated (decode path) with the reference's argmax. Pass: median
    relative error <= --check-tol, argmax agreement >= --check-agree, and every generated token the argmax of the
-   model's own teacher-forced logits or a near tie in them (`compare_logits`: the logits are judged against the
+   model's own teacher-forced logits or within 2 E of it, E = the second-largest per-position logit error against
+   the reference (`compare_logits`: the logits are judged against the
    reference, the decode path against the model itself; the synthetic models have top-1 margins of a few 1e-3 and
    amplify the kernels' bf16 rounding into routing flips, see docs/DESIGN.md "GPU runtime"). Feasible for
    k3-tiny; for k3-slice the CPU reference needs ~25 GB of host memory and minutes.
@@ -65,6 +66,7 @@ log = logging.getLogger("bench_decode")
 
 def parse_args(argv=None):
     """The command line (see the module docstring); argparse exits with status 2 on a bad value."""
+    from model.layers import dense_dtype_name
     ap = argparse.ArgumentParser(prog="benchmarks/bench_decode.py", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n\n".join(__doc__.split("\n\n")[1:]))
@@ -78,8 +80,10 @@ def parse_args(argv=None):
                      "cuda:N or cpu")
     run.add_argument("--ops", default=None, help="comma-separated ops variants: torch (torch.library ops = Triton "
                      "kernels; default on CUDA), kernels (kernels in place, no pool copies), reference (fp32; CPU default)")
-    run.add_argument("--dense-dtype", default="float32", choices=["float32", "bfloat16"],
-                     help="dense weights and their GEMMs (default %(default)s; --check still compares with fp32)")
+    run.add_argument("--dense-dtype", default="float32", type=dense_dtype_name,
+                     choices=["float32", "bfloat16"],
+                     help="dense weights and their GEMMs: float32 (fp32) or bfloat16 (bf16) (default %(default)s; "
+                          "--check still compares with the fp32 reference)")
     run.add_argument("--tp", type=int, default=None, help="tensor parallelism (default: the torchrun world size)")
     run.add_argument("--ep", type=int, default=1, help="expert parallelism: 1 or tp (default %(default)s)")
     run.add_argument("--dist-backend", default=None, choices=["gloo", "nccl"],
@@ -99,7 +103,10 @@ def parse_args(argv=None):
     run.add_argument("--max-num-tokens", type=int, default=8192, help="prefill tokens per step (default %(default)s)")
     run.add_argument("--block-size", type=int, default=16, help="latent block size (multiple of 16 on CUDA)")
     chk = ap.add_argument_group("check")
-    chk.add_argument("--check", action="store_true", help="compare with the CPU fp32 reference (item 4 of the description below the options)")
+    chk.add_argument("--check", action="store_true",
+                     help="compare with the CPU fp32 reference (item 4 of the description below the options); pass: "
+                          "median logits rel. error <= --check-tol, argmax agreement >= --check-agree, every decode "
+                          "token within 2 E of the model's own argmax (E: the run's logit error scale)")
     chk.add_argument("--check-requests", type=int, default=2, help="sequences compared (default %(default)s)")
     chk.add_argument("--check-steps", type=int, default=4, help="generated tokens compared per sequence (default %(default)s)")
     chk.add_argument("--check-tol", type=float, default=0.15, help="max median logits relative error (default %(default)s)")
@@ -379,13 +386,16 @@ def compare_logits(a, test: torch.Tensor, ref: torch.Tensor, targets: list[list[
     prefix the run under test shared with the teacher-forced sequence (--check: all; --compare-to: up to and
     including the first position where the runs' tokens differ), the generated token g must be the argmax t of the
     logits under test there, or a near tie in them: test[t] - test[g] <= 2 E, E = the run's logit error scale, the
-    median over positions of max |test - ref| (the rounding a decode step may differ by; one bad position cannot
-    raise it). Tokens that differ from the reference's are listed with the reference's preference ("gap").
-    Pass: median relative error <= --check-tol, argmax agreement >= --check-agree, no inconsistent decode token."""
+    second-largest over positions of max |test - ref| (a decode step's GEMMs round differently from the prefill's,
+    by about as much as the logits under test differ from the reference's; one wild position cannot set E). Tokens
+    that differ from the reference's are listed with the reference's preference ("gap").
+    Pass: median relative error <= --check-tol, argmax agreement >= --check-agree, no inconsistent decode token
+    ("failed" lists the rules that did not hold)."""
     n = len(targets)
     per = ref.shape[0] // n
     rel = ((test.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1).clamp_min(1e-30))
-    scale = float((test.double() - ref.double()).abs().amax(dim=-1).median())
+    row_err = (test.double() - ref.double()).abs().amax(dim=-1).sort(descending=True).values
+    scale = float(row_err[min(1, len(row_err) - 1)])          # the second-largest: one wild position cannot set it
     ref_arg, own_arg = ref.argmax(-1), test.argmax(-1)
     gen_flat = torch.tensor([t for tg in targets for t in tg])
     top2 = ref.topk(2, dim=-1).values
@@ -414,8 +424,11 @@ def compare_logits(a, test: torch.Tensor, ref: torch.Tensor, targets: list[list[
         "tokens": [list(tg) for tg in targets], "ref_argmax": ref_arg.view(n, -1).tolist(),
         "tol": a.check_tol, "min_agreement": a.check_agree,
     }
-    res["passed"] = bool(res["logits_relerr_median"] <= a.check_tol and res["argmax_agreement"] >= a.check_agree
-                         and inconsistent == 0)
+    rules = (("logits_relerr_median > tol", res["logits_relerr_median"] <= a.check_tol),
+             ("argmax_agreement < min_agreement", res["argmax_agreement"] >= a.check_agree),
+             ("inconsistent_decode_tokens > 0", inconsistent == 0))
+    res["failed"] = [name for name, ok in rules if not ok]
+    res["passed"] = not res["failed"]
     return res
 
 
@@ -517,7 +530,9 @@ def compare_run(saved: dict, a, executor, tokens) -> dict | None:
     res["against"] = saved["meta"]
     res["greedy"] = _generated_equal(tokens, saved["tokens"])
     if a.compare_tokens:
-        res["passed"] = bool(res["passed"] and res["greedy"]["requests_equal"] == res["greedy"]["requests"])
+        if res["greedy"]["requests_equal"] != res["greedy"]["requests"]:
+            res["failed"].append("--compare-tokens: requests with unequal greedy tokens")
+        res["passed"] = not res["failed"]
     return res
 
 

@@ -109,12 +109,18 @@ class Comm:
 DENSE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def dense_dtype_name(name: str) -> str:
+    """The canonical dense_dtype name of an alias: "fp32" -> "float32", "bf16" -> "bfloat16" (else unchanged); the
+    argparse `type` of every --dense-dtype option."""
+    return {"fp32": "float32", "bf16": "bfloat16"}.get(name, name)
+
+
 def dense_dtype(name: "str | torch.dtype | None") -> torch.dtype | None:
     """The dtype of the dense weights for a `dense_dtype` argument: None (keep fp32), "float32", "bfloat16" (or
     "fp32" / "bf16", or the torch dtypes). Raises ValueError naming the field for anything else."""
     if name is None or isinstance(name, torch.dtype) and name in DENSE_DTYPES.values():
         return name
-    alias = {"fp32": "float32", "bf16": "bfloat16"}.get(str(name), str(name))
+    alias = dense_dtype_name(str(name))
     if alias not in DENSE_DTYPES:
         raise ValueError(f"dense_dtype = {name!r}: choose 'float32' (the reference precision) or 'bfloat16' "
                          "(half the weight bytes; bf16 GEMMs)")

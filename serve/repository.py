@@ -209,7 +209,9 @@ def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backe
     if resolved == "onnxruntime" and device is not None and str(device).strip().lower() != "cpu":
         raise RepositoryError(f"--device {device}: the onnxruntime backend runs on the CPU provider; serve a "
                               "checkpoint with the torch backend for the GPU")
-    dense_dtype = {"fp32": "float32", "bf16": "bfloat16"}.get(dense_dtype, dense_dtype)     # K3Model's aliases
+    if dense_dtype is not None:
+        from model.layers import dense_dtype_name
+        dense_dtype = dense_dtype_name(dense_dtype)                # K3Model's aliases fp32 / bf16
     if dense_dtype not in (None, "float32", "bfloat16"):
         raise RepositoryError(f"--dense-dtype {dense_dtype}: choose float32 or bfloat16")
     if (ops is not None or cuda_graphs or dense_dtype is not None) and resolved != "torch":
@@ -264,6 +266,7 @@ def validate_repository(repo: str | pathlib.Path) -> list[pathlib.Path]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """CLI entry point; returns the process exit code."""
+    from model.layers import dense_dtype_name
     p = argparse.ArgumentParser(
         prog="python -m serve.repository",
         description="Write a Triton model repository with the decoupled Python-backend model 'k3' "
@@ -283,6 +286,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--cuda-graphs", action="store_true",
                    help="LLM(cuda_graphs=True): decode steps replay CUDA graphs (torch backend, CUDA, --ops kernels)")
     p.add_argument("--dense-dtype", choices=["float32", "bfloat16"], default=None,
+                   type=dense_dtype_name,
                    help="LLM(dense_dtype=...) of the torch backend: dense weights and GEMMs (default float32)")
     p.add_argument("--force", action="store_true", help="replace an existing OUT/<name>")
     args = p.parse_args(argv)

@@ -338,6 +338,10 @@ def test_repository_writer_config_validates(tmp_path):
     params = {k: v.string_value for k, v in cfg.parameters.items()}
     assert (params["device"], params["ops"], params["cuda_graphs"]) == ("cuda", "kernels", "true")
     assert params["dense_dtype"] == "bfloat16"
+    assert repo_mod.main(["--engines", str(engines), "--out", str(tmp_path / "repo9"), "--backend", "torch",
+                          "--dense-dtype", "bf16"]) == 0                   # the CLI takes K3Model's alias
+    assert 'key: "dense_dtype"' in (tmp_path / "repo9" / "k3" / "config.pbtxt").read_text()
+    assert '"bfloat16"' in (tmp_path / "repo9" / "k3" / "config.pbtxt").read_text()
     with pytest.raises(repo_mod.RepositoryError, match="--dense-dtype float16: choose float32 or bfloat16"):
         repo_mod.write_repository(engines, tmp_path / "repo7", "torch", dense_dtype="float16")
     with pytest.raises(repo_mod.RepositoryError, match="--dense-dtype apply to the torch backend"):
