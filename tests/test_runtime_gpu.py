@@ -427,6 +427,28 @@ def test_cuda_graph_decode_equals_eager_on_gpu(micro_ckpt, micro_model):
 
 
 @cuda_only
+def test_bf16_dense_weights_on_gpu_graphs_equal_eager(micro_ckpt):
+    """dense_dtype="bfloat16" on the GPU with the kernels: bf16 cuBLAS GEMMs for the projections, the decode step
+    replayed from CUDA graphs gives the eager bf16 run's tokens; the weights take about half the fp32 bytes."""
+    from runtime.api import LLM, SamplingParams
+    prompts, params = [[5, 17, 301, 42], [9, 8, 7]], SamplingParams(max_tokens=5, ignore_eos=True)
+    kw = dict(device=DEV, ops="kernels", max_batch=2, max_num_tokens=64, max_context=64)
+    with LLM(micro_ckpt, **kw) as llm:
+        fp32 = sum(lin.weight.numel() * lin.weight.element_size() for layer in llm.executor.model.layers
+                   for lin in layer.linears())
+    with LLM(micro_ckpt, dense_dtype="bfloat16", **kw) as llm:
+        m = llm.executor.model
+        assert m.dense_dtype == torch.bfloat16 and m.device.type == "cuda"
+        assert sum(lin.weight.numel() * lin.weight.element_size() for layer in m.layers
+                   for lin in layer.linears()) * 2 == fp32
+        eager = [o.token_ids for o in llm.generate(prompts, params)]
+    with LLM(micro_ckpt, dense_dtype="bfloat16", cuda_graphs=True, **kw) as llm:
+        graphs = [o.token_ids for o in llm.generate(prompts, params)]
+        assert llm.executor.graphs.replays >= 4
+    assert graphs == eager
+
+
+@cuda_only
 def test_bench_decode_cuda_graphs_on_gpu(tmp_path):
     """bench_decode --cuda-graphs on k3-tiny: graphs captured, --check against the CPU reference passes, the
     kernel profile sees the replayed kernels."""
