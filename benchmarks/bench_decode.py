@@ -66,7 +66,7 @@ log = logging.getLogger("bench_decode")
 
 def parse_args(argv=None):
     """The command line (see the module docstring); argparse exits with status 2 on a bad value."""
-    from model.layers import dense_dtype_name
+    from model.layers import DENSE_DTYPES, dense_dtype_name
     ap = argparse.ArgumentParser(prog="benchmarks/bench_decode.py", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n\n".join(__doc__.split("\n\n")[1:]))
@@ -80,8 +80,7 @@ def parse_args(argv=None):
                      "cuda:N or cpu")
     run.add_argument("--ops", default=None, help="comma-separated ops variants: torch (torch.library ops = Triton "
                      "kernels; default on CUDA), kernels (kernels in place, no pool copies), reference (fp32; CPU default)")
-    run.add_argument("--dense-dtype", default="float32", type=dense_dtype_name,
-                     choices=["float32", "bfloat16"],
+    run.add_argument("--dense-dtype", default="float32", type=dense_dtype_name, choices=list(DENSE_DTYPES),
                      help="dense weights and their GEMMs: float32 (fp32) or bfloat16 (bf16) (default %(default)s; "
                           "--check still compares with the fp32 reference)")
     run.add_argument("--tp", type=int, default=None, help="tensor parallelism (default: the torchrun world size)")

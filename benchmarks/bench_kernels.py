@@ -560,7 +560,8 @@ if "moe" in ONLY:
                     try:
                         times[name].append(bench(fn_v, rep=50) * 1e3)
                     except Exception as e:     # e.g. out of memory: this variant drops out, the others go on
-                        res[name] = repr(e)[:200]; del fns[name], times[name]
+                        res[name] = repr(e)[:200]
+                        del fns[name], times[name]
             spreads = {name: [min(ts), max(ts)] for name, ts in times.items()}
             for name, ts in times.items():
                 res[name] = statistics.median(ts)

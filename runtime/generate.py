@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    from model.layers import dense_dtype_name
+    from model.layers import DENSE_DTYPES, dense_dtype_name
     ap = argparse.ArgumentParser(prog="python -m runtime.generate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="checkpoint, ONNX export, engine or build output directory")
     ap.add_argument("--backend", default="torch", choices=["torch", "onnxruntime", "tensorrt"],
@@ -49,8 +49,7 @@ def _main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="replay the decode step from CUDA graphs (torch backend, CUDA, --ops kernels; size them with "
                          "--max-context)")
-    ap.add_argument("--dense-dtype", default=None, choices=["float32", "bfloat16"],
-                    type=dense_dtype_name,
+    ap.add_argument("--dense-dtype", default=None, choices=list(DENSE_DTYPES), type=dense_dtype_name,
                     help="dense weights and their GEMMs of the torch backend (default float32, the reference "
                          "precision; bfloat16 halves their bytes)")
     ap.add_argument("--dist-backend", default=None, choices=["gloo", "nccl"],

@@ -210,14 +210,13 @@ def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backe
         raise RepositoryError(f"--device {device}: the onnxruntime backend runs on the CPU provider; serve a "
                               "checkpoint with the torch backend for the GPU")
     if dense_dtype is not None:
-        from model.layers import dense_dtype_name
+        from model.layers import DENSE_DTYPES, dense_dtype_name
         dense_dtype = dense_dtype_name(dense_dtype)                # K3Model's aliases fp32 / bf16
-    if dense_dtype not in (None, "float32", "bfloat16"):
-        raise RepositoryError(f"--dense-dtype {dense_dtype}: choose float32 or bfloat16")
+        if dense_dtype not in DENSE_DTYPES:
+            raise RepositoryError(f"--dense-dtype {dense_dtype}: choose {' or '.join(DENSE_DTYPES)}")
     if (ops is not None or cuda_graphs or dense_dtype is not None) and resolved != "torch":
         raise RepositoryError(f"--ops / --cuda-graphs / --dense-dtype apply to the torch backend; {engines} is "
-                              f"served by the "
-                              f"{resolved} backend")
+                              f"served by the {resolved} backend")
     model_dir = out / name
     if model_dir.exists():
         if not overwrite:
@@ -266,7 +265,7 @@ def validate_repository(repo: str | pathlib.Path) -> list[pathlib.Path]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """CLI entry point; returns the process exit code."""
-    from model.layers import dense_dtype_name
+    from model.layers import DENSE_DTYPES, dense_dtype_name
     p = argparse.ArgumentParser(
         prog="python -m serve.repository",
         description="Write a Triton model repository with the decoupled Python-backend model 'k3' "
@@ -285,8 +284,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="LLM(ops=...) of the torch backend (default: reference on the CPU, torch on CUDA)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="LLM(cuda_graphs=True): decode steps replay CUDA graphs (torch backend, CUDA, --ops kernels)")
-    p.add_argument("--dense-dtype", choices=["float32", "bfloat16"], default=None,
-                   type=dense_dtype_name,
+    p.add_argument("--dense-dtype", choices=list(DENSE_DTYPES), default=None, type=dense_dtype_name,
                    help="LLM(dense_dtype=...) of the torch backend: dense weights and GEMMs (default float32)")
     p.add_argument("--force", action="store_true", help="replace an existing OUT/<name>")
     args = p.parse_args(argv)
