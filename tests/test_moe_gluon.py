@@ -288,3 +288,83 @@ def test_resolve_tiles_defaults_and_launch_arguments(monkeypatch):
     (_, _, _, k13), (_, _, _, k2) = launches
     assert (k13["BM"], k13["SPLIT_M"], k2["SPLIT_M"]) == (16, True, True)
     assert k13["LXL8"] == kg.layouts(128, 4, 8, 2)["LXL"] != k13["LXL"]
+
+
+def _run_decode_ptx(asm: str, word: int, factor_bits: int) -> list[int]:
+    """Interpret the integer / bf16x2 PTX of a decode (kernels_gluon._dq_asm, moe_decode_floor.dq_asm14) on one
+    32-bit word: mov, and, shl, mul.lo.u32, prmt (mode 0x2301: bytes swapped within each half) and mul.rn.bf16x2
+    (products of exact powers of two and E2M1 values: exact in fp32, so rounding never enters). $4 = word,
+    $5 = factor bits; returns $0..$3."""
+    import re
+    import struct
+
+    def bf(b):
+        return struct.unpack("<f", struct.pack("<I", (b & 0xFFFF) << 16))[0]
+
+    def to_bf(x):
+        b = struct.unpack("<I", struct.pack("<f", x))[0]
+        assert b & 0xFFFF == 0, x                 # exactly a bf16
+        return b >> 16
+
+    reg = {"$4": word, "$5": factor_bits}
+    for ins in re.findall(r"^\s*([a-z][\w.]*)\s+([^;]*);", asm, re.M):
+        op, args = ins[0], [x.strip() for x in ins[1].split(",")]
+        if op.startswith("."):
+            continue
+        val = [reg[x] if x in reg else int(x, 0) for x in args[1:]]
+        if op == "mov.b32":
+            r = val[0]
+        elif op == "and.b32":
+            r = val[0] & val[1]
+        elif op == "shl.b32":
+            r = val[0] << val[1]
+        elif op == "mul.lo.u32":
+            r = val[0] * val[1]
+        elif op == "prmt.b32":
+            assert val[2] == 0x2301, hex(val[2])
+            r = ((val[0] & 0x00FF00FF) << 8) | ((val[0] >> 8) & 0x00FF00FF)
+        elif op == "mul.rn.bf16x2":
+            r = to_bf(bf(val[0]) * bf(val[1])) | to_bf(bf(val[0] >> 16) * bf(val[1] >> 16)) << 16
+        else:
+            raise AssertionError(f"unexpected PTX {op}")
+        reg[args[0]] = r & 0xFFFFFFFF
+    return [reg[f"${i}"] for i in range(4)]
+
+
+def test_decode_ptx_and_the_relaid_candidate_decode_e2m1():
+    """The shipped decode (checkpoint words: code j at bits 4j..4j+3) and benchmarks/moe_decode_floor.py's `dec14`
+    candidate (10 integer instructions per 8 weights instead of 13, on words re-laid by `relay_word`) both give
+    output i = (n_i, n_{i+4}) x the E8M0 factor, folded (2^(s-1) factor bits) and not (2^(s-127) after x 2^126);
+    and each of the floor script's variants really edits the kernels' source (or it would time the unchanged
+    kernels under another name)."""
+    import random
+    import struct
+    import sys
+    from pathlib import Path
+    from kernel_checks import REPO
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import moe_decode_floor as fl
+
+    e2m1 = [0, .5, 1, 1.5, 2, 3, 4, 6]
+
+    def val(c):
+        return (-1.0 if c & 8 else 1.0) * e2m1[c & 7]
+
+    def bf(b):
+        return struct.unpack("<f", struct.pack("<I", (b & 0xFFFF) << 16))[0]
+    rnd = random.Random(0)
+    src = Path(REPO / "plugins/moe/kernels_gluon.py").read_text()
+    ns = {}
+    exec(src[src.index("def _dq_asm("):src.index("_DQ = gl.constexpr")], ns)     # the shipped PTX builder
+    for folded in (True, False):
+        for trial in range(300):
+            codes = [rnd.randrange(16) for _ in range(8)] if trial else list(range(8))
+            s = rnd.randrange(100, 129) if folded else rnd.randrange(60, 200)
+            fbits = (s * 0x00800080 + (0x3F003F00 if folded else 0)) & 0xFFFFFFFF   # kernels_gluon._scale_bits
+            word = sum(c << 4 * j for j, c in enumerate(codes))
+            for asm, w in ((ns["_dq_asm"](folded), word), (fl.dq_asm14(folded), fl.relay_word(codes))):
+                out = _run_decode_ptx(asm, w, fbits)
+                for i in range(4):
+                    assert bf(out[i]) == val(codes[i]) * 2.0 ** (s - 127), (folded, codes, i)
+                    assert bf(out[i] >> 16) == val(codes[i + 4]) * 2.0 ** (s - 127), (folded, codes, i)
+    assert all(edit(src) != src for edit in fl._edits().values())
