@@ -15,8 +15,9 @@ E8M0 factors 2^-9 .. 2^-2) beside copies of plugins/moe/kernels_gluon.py whose d
 The replaced kernels compute wrong values (the checkpoint's words are not re-laid): timing only, no check. Each
 variant is one CUDA graph of 5 calls; rounds interleave the variants; median, min and max µs per call and % of the
 copy bandwidth measured in the same run (on the MXFP4 weight and scale bytes the routed experts touch). One JSON line
-per (T, variant) on stdout and appended to --out. Needs a CUDA GPU of compute capability >= 9.0 with Gluon
-(exit status 2 otherwise).
+per (T, variant) on stdout and appended to --out: us / min_us / max_us (µs per call), bytes (weights and scales
+touched), pct_copy, copy_GBps, speedup_vs_unchanged (the unchanged kernels' median / this one's). Needs a CUDA GPU
+of compute capability >= 9.0 with Gluon (exit status 2 otherwise, or when an edit no longer matches the kernels).
 
     PYTHONPATH=. python3 benchmarks/moe_decode_floor.py --tokens 64,8 --rounds 9 --out /tmp/moe_floor.jsonl
 """
@@ -31,6 +32,7 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 
 log = logging.getLogger("moe_decode_floor")
 
@@ -64,13 +66,10 @@ def relay_word(codes: list[int]) -> int:
 def dq_asm14(folded: bool) -> str:
     """PTX of the decode of a re-laid word (module docstring, ``dec14``; `relay_word`): $4 the word, $5 the factor
     bits as in kernels_gluon._dq_asm; $0..$3 the four bf16x2 operands (n_i, n_{i+4}) x the factor."""
-    rebias = "" if folded else "mul.rn.bf16x2 v, v, bias;"
+    from plugins.moe.kernels_gluon import _dq_finish
 
     def fin(out):
-        return f"""
-        and.b32 v, v, 0x81C081C0;
-        {rebias}
-        mul.rn.bf16x2 {out}, v, $5;"""
+        return _dq_finish(out, folded)
     return ("""
         {
         .reg .b32 v, w, bias;
@@ -87,16 +86,29 @@ def dq_asm14(folded: bool) -> str:
 
 
 def _edits() -> dict:
-    """variant name -> function rewriting the kernels_gluon source."""
+    """variant name -> [(text of plugins/moe/kernels_gluon.py, its replacement)]: each text must occur exactly once
+    (`edit_source`), so that no variant times the unchanged decode under its own name (the bench's factors all take
+    the folded decode, `_DQ_FOLDED`)."""
     plain, folded = "_DQ = gl.constexpr(_dq_asm(False))", "_DQ_FOLDED = gl.constexpr(_dq_asm(True))"
 
-    def both(a: str, b: str):
-        return lambda s: s.replace(plain, f"_DQ = gl.constexpr({a})").replace(folded, f"_DQ_FOLDED = gl.constexpr({b})")
+    def both(a: str, b: str) -> list:
+        return [(plain, f"_DQ = gl.constexpr({a})"), (folded, f"_DQ_FOLDED = gl.constexpr({b})")]
     return {
         "no_decode": both(repr(NO_DECODE), repr(NO_DECODE)),
-        "no_scale_mul": lambda s: s.replace("mul.rn.bf16x2 {out}, v, $5;", "mov.b32 {out}, v;"),
+        "no_scale_mul": [("mul.rn.bf16x2 {out}, v, $5;", "mov.b32 {out}, v;")],
         "dec14": both(repr(dq_asm14(False)), repr(dq_asm14(True))),
     }
+
+
+def edit_source(source: str, edits: list) -> str:
+    """`source` with each (text, replacement) of `edits` applied. ValueError naming the text when it does not occur
+    exactly once (the decode moved: update `_edits`)."""
+    for old, new in edits:
+        if source.count(old) != 1:
+            raise ValueError(f"{old!r} occurs {source.count(old)} times in plugins/moe/kernels_gluon.py (expected "
+                             "once): update moe_decode_floor._edits()")
+        source = source.replace(old, new)
+    return source
 
 
 def load_variant(name: str, source: str, tmpdir: Path):
@@ -109,6 +121,32 @@ def load_variant(name: str, source: str, tmpdir: Path):
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def capture_graphs(mods: dict, call, ws_bytes: int, out_shape: tuple, dev) -> tuple[dict, list]:
+    """One CUDA graph of 5 `call(out, workspace)` per module of `mods` ({name: a kernels_gluon module}), each
+    captured with that module as plugins.moe.kernels_gluon (`mxfp4_moe` imports it at every call; the unchanged
+    module is put back afterwards, also on errors). out: fp32 `out_shape`, workspace: uint8 [ws_bytes], one pair
+    per graph. Returns ({name: graph}, the tensors the graphs write into: keep them alive while replaying)."""
+    import plugins.moe as pm
+    unchanged = pm.kernels_gluon
+    graphs, keep = {}, []
+    try:
+        for name, mod in mods.items():
+            pm.kernels_gluon = sys.modules["plugins.moe.kernels_gluon"] = mod
+            out = torch.empty(out_shape, device=dev)
+            ws = torch.zeros(ws_bytes, dtype=torch.uint8, device=dev)
+            keep.append((out, ws))
+            call(out, ws)           # compiles this module's kernels outside the capture
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(5):
+                    call(out, ws)
+            graphs[name] = g
+    finally:
+        pm.kernels_gluon = sys.modules["plugins.moe.kernels_gluon"] = unchanged
+    return graphs, keep
 
 
 def copy_gbps(dev) -> float:
@@ -127,6 +165,8 @@ def copy_gbps(dev) -> float:
 
 
 def main(argv=None) -> int:
+    """The CLI (module docstring). Returns the exit status: 0, or 2 without a suitable GPU or when the kernels'
+    decode no longer matches a variant's edits."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--tokens", default="64,8", help="comma-separated token counts T (default 64,8)")
@@ -138,23 +178,24 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="append the JSON lines to this file")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
-        log.error("needs a CUDA GPU of compute capability >= 9.0 (the Gluon kernels' bf16x2 decode)")
-        return 2
     edits = _edits()
     names = [v for v in a.variants.split(",") if v]
     bad = [v for v in names if v not in edits]
     if bad:
         ap.error(f"--variants {','.join(bad)}: choose from {', '.join(edits)}")
-    import plugins.moe as pm
+    if a.rounds < 1:
+        ap.error(f"--rounds {a.rounds}: time at least one round")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        log.error("needs a CUDA GPU of compute capability >= 9.0 (the Gluon kernels' bf16x2 decode)")
+        return 2
     from plugins.moe import kernels as mk
     from plugins.moe import kernels_gluon as kg0
     source = Path(kg0.__file__).read_text()
     a.tmpdir.mkdir(parents=True, exist_ok=True)
-    edited = {v: edits[v](source) for v in names}
-    stale = [v for v, src in edited.items() if src == source]
-    if stale:       # the decode moved: an edit that matches nothing would time the unchanged kernels under its name
-        log.error("variants %s no longer match plugins/moe/kernels_gluon.py's decode; update _edits()", stale)
+    try:
+        edited = {v: edit_source(source, edits[v]) for v in names}
+    except ValueError as e:
+        log.error("%s", e)
         return 2
     mods = {"unchanged": kg0} | {v: load_variant(v, src, a.tmpdir) for v, src in edited.items()}
     dev = torch.device("cuda")
@@ -172,24 +213,9 @@ def main(argv=None) -> int:
         wts = torch.rand(T, K, device=dev)
         touched = torch.unique(ids).numel()
         nbytes = touched * (2 * I * (D // 2 + D // 32) + D * (I // 2 + I // 32))
-        graphs, keep = {}, []
-        for name, mod in mods.items():     # mxfp4_moe imports plugins.moe.kernels_gluon at each call
-            pm.kernels_gluon = sys.modules["plugins.moe.kernels_gluon"] = mod
-            ws = torch.zeros(mk.mxfp4_moe_workspace_bytes(T, K, E, I, D, device=dev), dtype=torch.uint8, device=dev)
-            out = torch.empty(T, D, device=dev)
-            keep.append((ws, out))         # a captured graph writes into these: they must outlive it
-
-            def call(ws=ws, out=out):
-                mk.mxfp4_moe(x, ids, wts, w13p, w13s, w2p, w2s, impl="gluon", out=out, workspace=ws)
-            call()
-            call()
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for _ in range(5):
-                    call()
-            graphs[name] = g
-        pm.kernels_gluon = sys.modules["plugins.moe.kernels_gluon"] = kg0
+        graphs, keep = capture_graphs(mods, lambda out, ws: mk.mxfp4_moe(
+            x, ids, wts, w13p, w13s, w2p, w2s, impl="gluon", out=out, workspace=ws),
+            mk.mxfp4_moe_workspace_bytes(T, K, E, I, D, device=dev), (T, D), dev)
         times = {n: [] for n in graphs}
         for r in range(a.rounds):
             for n, g in graphs.items():
@@ -205,8 +231,8 @@ def main(argv=None) -> int:
             med = statistics.median(ts)
             rec = dict(what="moe_decode_floor", T=T, variant=n, us=med, min_us=min(ts), max_us=max(ts),
                        rounds=a.rounds, bytes=nbytes, pct_copy=100 * nbytes / med / 1e3 / copy, copy_GBps=copy,
-                       ratio_to_unchanged=statistics.median(times["unchanged"]) / med,
-                       gpu=torch.cuda.get_device_name(), torch=torch.__version__)
+                       speedup_vs_unchanged=statistics.median(times["unchanged"]) / med,
+                       gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
             line = json.dumps(rec)
             print(line, flush=True)
             if a.out:

@@ -307,10 +307,14 @@ def _run_decode_ptx(asm: str, word: int, factor_bits: int) -> list[int]:
         return b >> 16
 
     reg = {"$4": word, "$5": factor_bits}
-    for ins in re.findall(r"^\s*([a-z][\w.]*)\s+([^;]*);", asm, re.M):
-        op, args = ins[0], [x.strip() for x in ins[1].split(",")]
-        if op.startswith("."):
+    body = asm.strip()
+    assert body.startswith("{") and body.endswith("}"), asm
+    for stmt in (x.strip() for x in body[1:-1].split(";")):
+        if not stmt or stmt.startswith(".reg"):
             continue
+        m = re.fullmatch(r"([a-z][\w.]*)\s+(.*)", stmt, re.S)
+        assert m, f"unparsed PTX statement {stmt!r}"
+        op, args = m.group(1), [x.strip() for x in m.group(2).split(",")]
         val = [reg[x] if x in reg else int(x, 0) for x in args[1:]]
         if op == "mov.b32":
             r = val[0]
@@ -331,18 +335,19 @@ def _run_decode_ptx(asm: str, word: int, factor_bits: int) -> list[int]:
     return [reg[f"${i}"] for i in range(4)]
 
 
-def test_decode_ptx_and_the_relaid_candidate_decode_e2m1():
+@need_gluon
+def test_decode_ptx_and_the_relaid_candidate_decode_e2m1(monkeypatch):
     """The shipped decode (checkpoint words: code j at bits 4j..4j+3) and benchmarks/moe_decode_floor.py's `dec14`
     candidate (10 integer instructions per 8 weights instead of 13, on words re-laid by `relay_word`) both give
     output i = (n_i, n_{i+4}) x the E8M0 factor, folded (2^(s-1) factor bits) and not (2^(s-127) after x 2^126);
     and each of the floor script's variants really edits the kernels' source (or it would time the unchanged
     kernels under another name)."""
+    import math
     import random
     import struct
-    import sys
     from pathlib import Path
     from kernel_checks import REPO
-    sys.path.insert(0, str(REPO / "benchmarks"))
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     import moe_decode_floor as fl
 
     e2m1 = [0, .5, 1, 1.5, 2, 3, 4, 6]
@@ -354,17 +359,19 @@ def test_decode_ptx_and_the_relaid_candidate_decode_e2m1():
         return struct.unpack("<f", struct.pack("<I", (b & 0xFFFF) << 16))[0]
     rnd = random.Random(0)
     src = Path(REPO / "plugins/moe/kernels_gluon.py").read_text()
-    ns = {}
-    exec(src[src.index("def _dq_asm("):src.index("_DQ = gl.constexpr")], ns)     # the shipped PTX builder
     for folded in (True, False):
         for trial in range(300):
             codes = [rnd.randrange(16) for _ in range(8)] if trial else list(range(8))
             s = rnd.randrange(100, 129) if folded else rnd.randrange(60, 200)
             fbits = (s * 0x00800080 + (0x3F003F00 if folded else 0)) & 0xFFFFFFFF   # kernels_gluon._scale_bits
             word = sum(c << 4 * j for j, c in enumerate(codes))
-            for asm, w in ((ns["_dq_asm"](folded), word), (fl.dq_asm14(folded), fl.relay_word(codes))):
+            for asm, w in ((kg._dq_asm(folded), word), (fl.dq_asm14(folded), fl.relay_word(codes))):
                 out = _run_decode_ptx(asm, w, fbits)
                 for i in range(4):
-                    assert bf(out[i]) == val(codes[i]) * 2.0 ** (s - 127), (folded, codes, i)
-                    assert bf(out[i] >> 16) == val(codes[i + 4]) * 2.0 ** (s - 127), (folded, codes, i)
-    assert all(edit(src) != src for edit in fl._edits().values())
+                    for got, c in ((bf(out[i]), codes[i]), (bf(out[i] >> 16), codes[i + 4])):
+                        want = val(c) * 2.0 ** (s - 127)
+                        assert got == want and math.copysign(1, got) == math.copysign(1, want), (folded, codes, i)
+    for name, edits in fl._edits().items():      # each edit applies exactly once; a moved decode is one clear error
+        assert fl.edit_source(src, edits) != src, name
+        with pytest.raises(ValueError, match="occurs 0 times.*update moe_decode_floor._edits"):
+            fl.edit_source(src.replace(edits[-1][0], "moved"), edits)

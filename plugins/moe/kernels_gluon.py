@@ -46,6 +46,16 @@ SPLIT_M = True
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 
+def _dq_finish(out: str, folded: bool) -> str:
+    """PTX that ends the decode of one bf16x2 pair placed in v (magnitude bits 8:6, sign 15 of each half, garbage
+    elsewhere): keep those bits, rebias by 2^126 unless `folded`, multiply by the factor $5 into `out`."""
+    rebias = "" if folded else "mul.rn.bf16x2 v, v, bias;"
+    return f"""
+        and.b32 v, v, 0x81C081C0;
+        {rebias}
+        mul.rn.bf16x2 {out}, v, $5;"""
+
+
 def _dq_asm(folded: bool) -> str:
     """PTX of `_decode`: $4 = one 32-bit word (codes n0..n7), $5 = the E8M0 factor as bf16x2 bits (folded:
     2^(s-1), else 2^(s-127)); $0..$3 = (n0, n4), (n1, n5), (n2, n6), (n3, n7) as bf16x2. Per pair: z = the two
@@ -55,15 +65,10 @@ def _dq_asm(folded: bool) -> str:
     the bytes of each half swapped (one prmt), like (n0, n4), (n1, n5). E8M0 edges on the unfolded path (taken
     only when a program's largest exponent exceeds 128): s = 0 (2^-127) decodes as 0, s = 255 (NaN in OCP MX) as
     inf / NaN; the legacy kernels do the same."""
-    rebias = "" if folded else "mul.rn.bf16x2 v, v, bias;"
-
     def pair(out, src, mask, mult):
         return f"""
         and.b32 v, {src}, {mask};
-        mul.lo.u32 v, v, {mult};
-        and.b32 v, v, 0x81C081C0;
-        {rebias}
-        mul.rn.bf16x2 {out}, v, $5;"""
+        mul.lo.u32 v, v, {mult};""" + _dq_finish(out, folded)
     return ("""
         {
         .reg .b32 v, w, bias;
