@@ -36,6 +36,9 @@ ap.add_argument("--moe-variants", default=None,
                      "BENCH_ARGS, which the shell splits on spaces)")
 ap.add_argument("--moe-tokens", default="64,1,8,256",
                 help="MoE: comma-separated token counts T (default: %(default)s)")
+ap.add_argument("--moe-experts", default="112",
+                help="MoE: comma-separated local expert counts (default %(default)s = K3 at TP=8 / EP=8; 64 = k3-slice "
+                     "at TP=1, 896 = K3 at TP=1: ~15 GB of MXFP4 weights plus ~60 GB for the bf16 peer)")
 args = ap.parse_args()
 ONLY = set(args.only.split(","))
 ROUNDS = args.rounds
@@ -53,6 +56,12 @@ except ValueError:
     MOE_TOKENS = []
 if not MOE_TOKENS or min(MOE_TOKENS) < 1:
     ap.error(f"--moe-tokens {args.moe_tokens!r}: expected comma-separated integers >= 1, e.g. 64,8")
+try:
+    MOE_EXPERTS = [int(e_) for e_ in args.moe_experts.split(",")]
+except ValueError:
+    MOE_EXPERTS = []
+if not MOE_EXPERTS or min(MOE_EXPERTS) < 16:
+    ap.error(f"--moe-experts {args.moe_experts!r}: expected comma-separated integers >= 16 (top-16), e.g. 112,64")
 MOE_VARIANTS_ARG = None
 if args.moe_variants is not None:
     try:
@@ -502,8 +511,11 @@ MOE_VARIANTS = [dict(impl="legacy"), dict(impl="gluon"), dict(impl="gluon", spli
                 dict(impl="dot_scaled")]
 if MOE_VARIANTS_ARG is not None:
     MOE_VARIANTS = MOE_VARIANTS_ARG
-if "moe" in ONLY:
-    E, D, I, KK = 112, 3584, 3072, 16
+def bench_moe(E: int) -> None:
+    """The MoE family for E local experts (112: K3 at TP=8 / EP=8; 64: k3-slice at TP=1; 896: K3 at TP=1) of
+    3584 -> 3072, top-16: ours (default and MOE_VARIANTS) and the bf16 peer at each of MOE_TOKENS, one JSON line
+    per T (an error record when the family fails, e.g. out of memory)."""
+    D, I, KK = 3584, 3072, 16
     try:
         w13p = torch.randint(0, 256, (E, 2 * I, D // 2), device=dev, dtype=torch.uint8)
         w13s = torch.randint(118, 126, (E, 2 * I, D // 32), device=dev, dtype=torch.uint8)
@@ -570,15 +582,20 @@ if "moe" in ONLY:
             us_default = res.get("{}") if isinstance(res.get("{}"), float) else float("nan")
             ms = us_default / 1e3
             peer = bench(grouped, rep=100)
-            out(what="mxfp4_moe", T=T, experts_touched=touched, correct=ok, err=err, us=ms * 1e3, variants=res,
-                spreads=spreads, rounds=ROUNDS, best=best[1] if best else None, us_best=best[0] if best else None,
+            out(what="mxfp4_moe", T=T, experts=E, experts_touched=touched, correct=ok, err=err, us=ms * 1e3,
+                variants=res, spreads=spreads, rounds=ROUNDS, best=best[1] if best else None,
+                us_best=best[0] if best else None,
                 peer="bf16 dequantized weights + torch._grouped_mm", peer_us=peer * 1e3,
                 ratio=peer / ms, bytes=mx_bytes, GBps=mx_bytes / ms / 1e6, pct_copy=100 * mx_bytes / ms / 1e6 / COPY,
                 peer_pct_copy=100 * bf_bytes / peer / 1e6 / COPY)
-        del w13, w2, w13p, w2p
     except Exception as e:
-        out(what="mxfp4_moe", error=repr(e)[:400])
+        out(what="mxfp4_moe", experts=E, error=repr(e)[:400])
     torch.cuda.empty_cache()
+
+
+if "moe" in ONLY:
+    for E_ in MOE_EXPERTS:
+        bench_moe(E_)
 
 # ------------------------------------------------------------------ KDA prefill
 def graphed(fn):

@@ -30,7 +30,7 @@ def rows_of(path: str, only: set | None, final: bool) -> list[tuple[str, float]]
         if final and r["what"] == "mxfp4_moe":
             us = r["variants"].get('{"impl": "legacy", "block_n13": 128, "block_n2": 128}', us)
         pct = 100 * r["bytes"] / us / 1e3 / copy
-        rows.append((r["what"] + " " + ",".join(f"{k}={r[k]}" for k in ("H", "B", "L", "T") if k in r), pct))
+        rows.append((r["what"] + " " + ",".join(f"{k}={r[k]}" for k in ("H", "B", "L", "T", "experts") if k in r), pct))
     return rows
 
 
