@@ -50,18 +50,21 @@ except ValueError:
     ap.error(f"--prefill-heads {args.prefill_heads!r}: expected comma-separated integers, e.g. 12,96")
 if ONLY - set(FAMILIES.split(",")):
     ap.error(f"--only: unknown {sorted(ONLY - set(FAMILIES.split(',')))}; choose from {FAMILIES}")
-try:
-    MOE_TOKENS = [int(t_) for t_ in args.moe_tokens.split(",")]
-except ValueError:
-    MOE_TOKENS = []
-if not MOE_TOKENS or min(MOE_TOKENS) < 1:
-    ap.error(f"--moe-tokens {args.moe_tokens!r}: expected comma-separated integers >= 1, e.g. 64,8")
-try:
-    MOE_EXPERTS = [int(e_) for e_ in args.moe_experts.split(",")]
-except ValueError:
-    MOE_EXPERTS = []
-if not MOE_EXPERTS or min(MOE_EXPERTS) < 16:
-    ap.error(f"--moe-experts {args.moe_experts!r}: expected comma-separated integers >= 16 (top-16), e.g. 112,64")
+
+
+def int_list(flag: str, text: str, least: int, example: str) -> list:
+    """The comma-separated integers of option `flag` (each >= least); an argparse error naming the option else."""
+    try:
+        vals = [int(v) for v in text.split(",")]
+    except ValueError:
+        vals = []
+    if not vals or min(vals) < least:
+        ap.error(f"{flag} {text!r}: expected comma-separated integers >= {least}, e.g. {example}")
+    return vals
+
+
+MOE_TOKENS = int_list("--moe-tokens", args.moe_tokens, 1, "64,8")
+MOE_EXPERTS = int_list("--moe-experts", args.moe_experts, 16, "112,64 (top-16 needs 16)")
 MOE_VARIANTS_ARG = None
 if args.moe_variants is not None:
     try:

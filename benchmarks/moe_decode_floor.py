@@ -32,7 +32,6 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
 
 log = logging.getLogger("moe_decode_floor")
 
@@ -232,7 +231,7 @@ def main(argv=None) -> int:
             rec = dict(what="moe_decode_floor", T=T, variant=n, us=med, min_us=min(ts), max_us=max(ts),
                        rounds=a.rounds, bytes=nbytes, pct_copy=100 * nbytes / med / 1e3 / copy, copy_GBps=copy,
                        speedup_vs_unchanged=statistics.median(times["unchanged"]) / med,
-                       gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+                       gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=mk.triton.__version__)
             line = json.dumps(rec)
             print(line, flush=True)
             if a.out:

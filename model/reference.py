@@ -109,14 +109,16 @@ def _to_device(w: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
 # ---- the custom ops the modules call ---------------------------------------------------------------
 
 class ReferenceOps:
-    """The five custom ops as their fp32 references. `plugins.torch_ops` offers the same names as
-    torch.library ops (for export, and GPU kernels when present); pass either as `K3Model(..., ops=)`."""
+    """The five custom ops and the MoE router (`route`, §7.2) as their fp32 references. `plugins.torch_ops` offers
+    the same names as torch.library ops (for export, and GPU kernels when present); pass either as
+    `K3Model(..., ops=)`."""
 
     kda_prefill = staticmethod(kda_ref.kda_prefill)
     kda_decode = staticmethod(kda_ref.kda_decode)
     mla_prefill = staticmethod(mla_ref.mla_prefill)
     mla_decode = staticmethod(mla_ref.mla_decode)
     mxfp4_moe = staticmethod(moe_ref.mxfp4_moe)
+    route = staticmethod(moe_ref.route)
 
 
 # ---- attention and feed-forward modules -----------------------------------------------------------
@@ -252,14 +254,15 @@ class LatentMoE:
         self.shared = DenseMLP(cfg, w, m + "shared_experts.") if cfg.num_shared_experts else None
         self.expert_offset, self.experts = stack_experts(w, cfg)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, ops=ReferenceOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, d] -> (expert ids [T, k] int, weights fp32 [T, k]) through `ops.route` (§7.2)."""
         c = self.cfg
-        return moe_ref.route(x, self.gate_w, self.bias, top_k=c.num_experts_per_token, num_expert_group=c.num_expert_group,
-                             topk_group=c.topk_group, renormalize=c.moe_renormalize, scaling=c.routed_scaling_factor)
+        return ops.route(x, self.gate_w, self.bias, top_k=c.num_experts_per_token, num_expert_group=c.num_expert_group,
+                         topk_group=c.topk_group, renormalize=c.moe_renormalize, scaling=c.routed_scaling_factor)
 
     def __call__(self, x, comm: Comm, ops=ReferenceOps):
         c = self.cfg
-        ids, wts = self.route(x)
+        ids, wts = self.route(x, ops)
         yl = ops.mxfp4_moe(self.down(x), ids.int(), wts, **self.experts, expert_offset=self.expert_offset,
                                situ_beta=c.situ_beta, situ_linear_beta=c.situ_linear_beta, num_experts=c.num_experts)
         y = self.shared.partial(x) if self.shared is not None else None

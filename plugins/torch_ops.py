@@ -6,7 +6,8 @@ Under `torch.export` / `torch.onnx.export(dynamo=True)` the ops stay opaque (fak
 `plugins.onnx_common.translation_table()` turns each into one `kimi` ONNX node.
 
 `KernelOps`: the same five methods calling the CUDA kernels directly, pools updated in place (the GPU runtime's
-no-copy option, `LLM(..., device="cuda", ops="kernels")`).
+no-copy option, `LLM(..., device="cuda", ops="kernels")`). Both also offer `route` (the MoE router, §7.2): its
+top-k as a Triton kernel on CUDA, the fp32 reference elsewhere.
 """
 from __future__ import annotations
 
@@ -51,6 +52,22 @@ class TorchOps:
         lb = 0.0 if situ_linear_beta is None else float(situ_linear_beta)
         return torch.ops.kimi.mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale,
                                         int(expert_offset), float(situ_beta), lb, int(num_experts))
+
+    @staticmethod
+    def route(x, gate_w, bias, *, top_k: int, num_expert_group: int = 1, topk_group: int = 1,
+              renormalize: bool = True, scaling: float = 1.0):
+        """The router (not a custom op: its torch form exports as standard ONNX ops): the Triton top-k kernel
+        on CUDA (`KernelOps.route`), the fp32 reference elsewhere (and while tracing for export)."""
+        if x.device.type == "cuda":
+            return KernelOps.route(x, gate_w, bias, top_k=top_k, num_expert_group=num_expert_group,
+                                   topk_group=topk_group, renormalize=renormalize, scaling=scaling)
+        return _moe_ref().route(x, gate_w, bias, top_k=top_k, num_expert_group=num_expert_group,
+                                topk_group=topk_group, renormalize=renormalize, scaling=scaling)
+
+
+def _moe_ref():
+    from plugins.moe import reference
+    return reference
 
 
 def _kernels(op: str):
@@ -103,3 +120,11 @@ class KernelOps:
         return _kernels("moe").mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale,
                                          expert_offset=int(expert_offset), situ_beta=float(situ_beta),
                                          situ_linear_beta=situ_linear_beta, num_experts=int(num_experts))
+
+    @staticmethod
+    def route(x, gate_w, bias, *, top_k: int, num_expert_group: int = 1, topk_group: int = 1,
+              renormalize: bool = True, scaling: float = 1.0):
+        """The router: the fp32 logits GEMM, then the Triton top-k kernel (plugins/moe/kernels.py `route`)."""
+        return _kernels("moe").route(x, gate_w, bias, top_k=int(top_k), num_expert_group=int(num_expert_group),
+                                     topk_group=int(topk_group), routed_scaling_factor=float(scaling),
+                                     renormalize=bool(renormalize), impl="triton")

@@ -50,8 +50,8 @@ def _main(argv: list[str] | None = None) -> int:
                     help="replay the decode step from CUDA graphs (torch backend, CUDA, --ops kernels; size them with "
                          "--max-context)")
     ap.add_argument("--dense-dtype", default=None, choices=list(DENSE_DTYPES), type=dense_dtype_name,
-                    help="dense weights and their GEMMs of the torch backend (default float32, the reference "
-                         "precision; bfloat16 halves their bytes)")
+                    help="dense weights and their GEMMs of the torch backend: float32 (fp32) or bfloat16 (bf16) "
+                         "(default float32, the reference precision; bfloat16 halves their bytes)")
     ap.add_argument("--dist-backend", default=None, choices=["gloo", "nccl"],
                     help="torch.distributed backend under torchrun (default: nccl with a CUDA device, else gloo; "
                          "gloo with --device cuda:0 runs several ranks on one GPU, for tests)")

@@ -285,7 +285,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--cuda-graphs", action="store_true",
                    help="LLM(cuda_graphs=True): decode steps replay CUDA graphs (torch backend, CUDA, --ops kernels)")
     p.add_argument("--dense-dtype", choices=list(DENSE_DTYPES), default=None, type=dense_dtype_name,
-                   help="LLM(dense_dtype=...) of the torch backend: dense weights and GEMMs (default float32)")
+                   help="LLM(dense_dtype=...) of the torch backend: dense weights and GEMMs, float32 (fp32) or "
+                        "bfloat16 (bf16) (default float32; bfloat16 to deploy)")
     p.add_argument("--force", action="store_true", help="replace an existing OUT/<name>")
     args = p.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")

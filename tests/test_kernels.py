@@ -618,22 +618,72 @@ def test_mxfp4_moe_scales_above_one(dequant):
     assert relerr(y[big], r[big]) < 1e-2 and relerr(y[~big], r[~big]) < 1e-2
 
 
-@pytest.mark.parametrize("groups,topk_group,scale", [(1, 1, 1.0), (4, 2, 2.5)])
-def test_router(groups, topk_group, scale):
-    """The GPU router equals the noaux_tc reference (ids as sets, weights per id), grouped top-k included."""
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(6, 32, generator=g)
-    gw = torch.randn(24, 32, generator=g)
-    bias = torch.randn(24, generator=g) * 0.1
-    ids, w = moe_k.route(x.to(DEV), gw.to(DEV), bias.to(DEV), top_k=4, num_expert_group=groups,
-                         topk_group=topk_group, routed_scaling_factor=scale)
-    rids, rw = moe_ref_mod.route(x, gw, bias, top_k=4, num_expert_group=groups, topk_group=topk_group,
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("E,top_k,groups,topk_group,scale", [
+    (24, 4, 1, 1, 1.0), (24, 4, 4, 2, 2.5),
+    (40, 3, 5, 2, 1.0),             # 8 experts per group, top_k and groups not powers of 2
+    (64, 6, 8, 3, 1.0),
+    (896, 16, 1, 1, 2.827),         # K3's router: 896 experts, top-16
+])
+def test_router(impl, E, top_k, groups, topk_group, scale):
+    """The router (`route`: fp32 logits GEMM, then the Triton top-k kernel or torch) equals the noaux_tc reference
+    (ids as sets, weights per id), grouped top-k included, best first; the kernel's inputs and outputs sit in
+    poisoned memory (`route_topk` with out=)."""
+    g = torch.Generator().manual_seed(E + groups)
+    T = 6
+    x = torch.randn(T, 32, generator=g)
+    gw = torch.randn(E, 32, generator=g)
+    bias = torch.randn(E, generator=g) * 0.1
+    rids, rw = moe_ref_mod.route(x, gw, bias, top_k=top_k, num_expert_group=groups, topk_group=topk_group,
                                  renormalize=True, scaling=scale)
+    G = Guarded()
+    z = G((x.float() @ gw.float().t()).to(DEV))
+    out = (G.empty(T, top_k, dtype=torch.int32), G.empty(T, top_k, dtype=torch.float32))
+    ids, w = moe_k.route_topk(z, G(bias.to(DEV)), top_k=top_k, num_expert_group=groups, topk_group=topk_group,
+                              routed_scaling_factor=scale, impl=impl, out=out)
+    G.check()
+    assert ids is out[0] and w is out[1]
+    ids2, w2 = moe_k.route(x.to(DEV), gw.to(DEV), bias.to(DEV), top_k=top_k, num_expert_group=groups,
+                           topk_group=topk_group, routed_scaling_factor=scale, impl=impl)
+    assert torch.equal(ids2.cpu(), ids.cpu()) and ids2.dtype == torch.int32
     ids, w = ids.cpu().long(), w.cpu()
-    for t in range(x.shape[0]):
+    for t in range(T):
         got = dict(zip(ids[t].tolist(), w[t].tolist()))
         want = dict(zip(rids[t].tolist(), rw[t].tolist()))
         assert got.keys() == want.keys()
         assert all(abs(got[e] - want[e]) < 1e-5 for e in want)
+    assert torch.equal(ids, rids)         # best first, as torch.topk (no exact ties in this data)
     if groups > 1:   # every token's experts come from at most topk_group groups
-        assert all(len(set((ids[t] // (24 // groups)).tolist())) <= topk_group for t in range(x.shape[0]))
+        assert all(len(set((ids[t] // (E // groups)).tolist())) <= topk_group for t in range(T))
+
+
+def test_router_kernel_compiles_for_sm90():
+    """The router's top-k kernel compiles for the H100/H200 (sm_90, ptxas included) without a GPU, at K3's shape
+    (1024-wide rows, top-16) and with the group stage (groups and top-k not powers of 2)."""
+    from kernel_checks import compile_in_subprocess
+    code = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from plugins.moe.kernels import _route_kernel as fn
+sig = {"z_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i32", "w_ptr": "*fp32", "E": "i32", "stride_z": "i32",
+       "scaling": "fp32"}
+for c in ({"EP": 1024, "K": 16, "KP": 16, "G": 1, "GP": 1, "TOPK_GROUP": 1, "RENORM": True},
+          {"EP": 64, "K": 3, "KP": 4, "G": 5, "GP": 8, "TOPK_GROUP": 2, "RENORM": False}):
+    names = fn.arg_names
+    src = ASTSource(fn=fn, signature={n: "constexpr" if n in c else sig[n] for n in names},
+                    constexprs={(names.index(k),): v for k, v in c.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    print(c["EP"], int("_route_kernel" in k.asm["ptx"]), len(k.asm["cubin"]) > 0)
+"""
+    assert compile_in_subprocess(code) == [["1024", "1", "True"], ["64", "1", "True"]]
+
+
+def test_router_errors_name_the_field():
+    z, bias = torch.zeros(2, 24, device=DEV), torch.zeros(24, device=DEV)
+    with pytest.raises(ValueError, match="impl='cuda' must be 'triton' or 'torch'"):
+        moe_k.route_topk(z, bias, top_k=4, impl="cuda")
+    with pytest.raises(ValueError, match="num_expert_group=5 must divide the 24 experts"):
+        moe_k.route_topk(z, bias, top_k=4, num_expert_group=5, topk_group=2)
+    with pytest.raises(ValueError, match="top_k=8 exceeds the experts that compete"):
+        moe_k.route_topk(z, bias, top_k=8, num_expert_group=6, topk_group=1)

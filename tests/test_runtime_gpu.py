@@ -94,6 +94,8 @@ class Emulated:
     def mxfp4_moe(self, x, *a, **k):
         return self.n(ReferenceOps.mxfp4_moe(self.r(x), *a, **k))
 
+    route = staticmethod(ReferenceOps.route)     # fp32 on the GPU too
+
 
 def _with_ops(model: K3Model, ops) -> K3Model:
     m = K3Model.__new__(K3Model)

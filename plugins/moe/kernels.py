@@ -9,8 +9,8 @@ mxfp4_moe: tokens' (token, expert) pairs are sorted by local expert (one Triton 
   kernel 2: per (expert, Rl-tile) h·W2ᵀ the same way, times the pair's routing weight, written per pair;
   combine: fp32 sum over the k choices (one Triton launch; deterministic; non-local choices contribute 0).
   Scratch (sort buffers, h, per-pair outputs) comes from `workspace=` when given (plugins/workspace.py).
-route: the fp32 router (sigmoid, + correction bias for selection only, optional group stage, top-k, renormalize,
-  scale) in torch.
+route: the fp32 router: the logits GEMM in torch (cuBLAS), then one Triton program per token (`_route_kernel`:
+  sigmoid, + correction bias for selection only, optional group stage, top-k, renormalize, scale).
 Hopper has no FP4 MMA: the MMAs are bf16 with fp32 accumulation.
 """
 from __future__ import annotations
@@ -684,22 +684,105 @@ def _has_gluon() -> bool:
     return True
 
 
+@triton.jit
+def _route_kernel(z_ptr, bias_ptr, ids_ptr, w_ptr, E, stride_z, scaling,
+                  EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                  TOPK_GROUP: tl.constexpr, RENORM: tl.constexpr):
+    """One token: router logits z [E] fp32 -> its top-K experts (ids int32 [K], best first) and weights fp32 [K].
+    EP, KP, GP: E, K, G rounded up to powers of 2. sigmoid; selection on score + correction bias; with G > 1 groups
+    (E / G experts each) only the TOPK_GROUP groups with the largest top-2 sums compete; weights = the unbiased
+    scores of the chosen, / their sum (RENORM; + 1e-20), x scaling. Ties go to the lower index (torch.topk's order on
+    exact ties is unspecified)."""
+    t = tl.program_id(0)
+    e = tl.arange(0, EP)
+    valid = e < E
+    z = tl.load(z_ptr + t * stride_z + e, mask=valid, other=0.0)
+    s = 1.0 / (1.0 + tl.exp(-z))
+    sel = tl.where(valid, s + tl.load(bias_ptr + e, mask=valid, other=0.0), float("-inf"))
+    if G > 1:
+        EG = E // G
+        grp = e // EG
+        gi = tl.arange(0, GP)
+        gscore = tl.full([GP], float("-inf"), tl.float32)
+        for g in tl.static_range(G):
+            in_g = valid & (grp == g)
+            v = tl.where(in_g, sel, float("-inf"))
+            first = tl.argmax(v, 0, tie_break_left=True)
+            m1 = tl.max(v, 0)
+            m2 = tl.max(tl.where(e == first, float("-inf"), v), 0)
+            gscore = tl.where(gi == g, m1 + m2, gscore)
+        keep = gi < 0
+        for j in tl.static_range(TOPK_GROUP):
+            best = tl.argmax(gscore, 0, tie_break_left=True)
+            keep = keep | (gi == best)
+            gscore = tl.where(gi == best, float("-inf"), gscore)
+        kept = tl.sum(tl.where((grp[:, None] == gi[None, :]) & keep[None, :], 1, 0), 1) > 0
+        sel = tl.where(kept, sel, float("-inf"))
+    kk = tl.arange(0, KP)
+    ids = tl.zeros([KP], tl.int32)
+    ws = tl.zeros([KP], tl.float32)
+    for j in tl.static_range(K):
+        best = tl.argmax(sel, 0, tie_break_left=True)
+        ids = tl.where(kk == j, best, ids)
+        ws = tl.where(kk == j, tl.sum(tl.where(e == best, s, 0.0), 0), ws)
+        sel = tl.where(e == best, float("-inf"), sel)
+    if RENORM:
+        ws = ws / (tl.sum(ws, 0) + 1e-20)
+    tl.store(ids_ptr + t * K + kk, ids, mask=kk < K)
+    tl.store(w_ptr + t * K + kk, ws * scaling, mask=kk < K)
+
+
 def route(x, gate_w, correction_bias, *, top_k: int = 16, num_expert_group: int = 1, topk_group: int = 1,
-          routed_scaling_factor: float = 1.0):
+          routed_scaling_factor: float = 1.0, renormalize: bool = True, impl: str | None = None, out=None):
     """fp32 router (MODEL.md §7.2, noaux_tc): x [T, d] any float dtype, gate_w [E, d], correction_bias [E] (used
-    for the selection only); sigmoid scores, optional group stage (num_expert_group groups ranked by their top-2
-    sum, topk_group kept), top-k, renormalized and scaled. Returns (topk_ids int32 [T, k], topk_w fp32 [T, k])."""
+    for the selection only): the fp32 logits x·gate_wᵀ in torch (cuBLAS on the GPU), then `route_topk`. Returns
+    (topk_ids int32 [T, k] best first, topk_w fp32 [T, k]); impl, out and errors as in `route_topk`."""
     z = x.float() @ gate_w.float().t()
-    s = torch.sigmoid(z)
+    return route_topk(z, correction_bias, top_k=top_k, num_expert_group=num_expert_group, topk_group=topk_group,
+                      routed_scaling_factor=routed_scaling_factor, renormalize=renormalize, impl=impl, out=out)
+
+
+def route_topk(z, correction_bias, *, top_k: int = 16, num_expert_group: int = 1, topk_group: int = 1,
+               routed_scaling_factor: float = 1.0, renormalize: bool = True, impl: str | None = None, out=None):
+    """The router after its GEMM: logits z fp32 [T, E] (rows contiguous), correction_bias [E] -> (topk_ids int32
+    [T, k] best first, topk_w fp32 [T, k]): sigmoid scores, selection on score + bias, optional group stage
+    (num_expert_group groups ranked by the sum of their top-2 biased scores, topk_group kept; only when
+    num_expert_group > topk_group), top-k, weights = the unbiased scores of the chosen, renormalized (sum + 1e-20)
+    and times routed_scaling_factor. impl "triton" (default on CUDA and under TRITON_INTERPRET=1): one
+    `_route_kernel` program per token; "torch": torch ops (the default on a CPU). out: optional (ids, weights) to
+    write (contiguous, shapes and dtypes as returned). ValueError for another impl, top_k above the experts
+    competing, or groups that do not divide E."""
+    impl = impl or ("triton" if z.device.type == "cuda" or _INTERPRET else "torch")
+    if impl not in ("triton", "torch"):
+        raise ValueError(f"route: impl={impl!r} must be 'triton' or 'torch'")
+    T, E = z.shape
+    grouped = num_expert_group > 1 and num_expert_group > topk_group
+    if grouped and E % num_expert_group:
+        raise ValueError(f"route: num_expert_group={num_expert_group} must divide the {E} experts")
+    if top_k > (E // num_expert_group * topk_group if grouped else E):
+        raise ValueError(f"route: top_k={top_k} exceeds the experts that compete ({E} experts, "
+                         f"{num_expert_group} groups, {topk_group} kept)")
+    ids, w = out if out is not None else (torch.empty(T, top_k, dtype=torch.int32, device=z.device),
+                                          torch.empty(T, top_k, dtype=torch.float32, device=z.device))
+    if impl == "triton":
+        if T:
+            G = num_expert_group if grouped else 1
+            _route_kernel[(T,)](z, correction_bias.float().contiguous(), ids, w, E, z.stride(0),
+                                float(routed_scaling_factor), EP=triton.next_power_of_2(E), K=top_k,
+                                KP=triton.next_power_of_2(top_k), G=G, GP=triton.next_power_of_2(G),
+                                TOPK_GROUP=topk_group if grouped else 1, RENORM=bool(renormalize), num_warps=4)
+        return ids, w
+    s = torch.sigmoid(z.float())
     sel = s + correction_bias.float()
-    if num_expert_group > 1 and num_expert_group > topk_group:
-        T, Etot = sel.shape
+    if grouped:
         grp = sel.view(T, num_expert_group, -1).topk(2, dim=-1).values.sum(-1)
         keep = grp.topk(topk_group, dim=-1).indices
         gmask = torch.zeros_like(grp, dtype=torch.bool).scatter_(1, keep, True)
-        sel = sel.masked_fill(~gmask[:, :, None].expand(T, num_expert_group, Etot // num_expert_group).reshape(T, Etot),
-                              float("-inf"))
+        sel = sel.masked_fill(~gmask.repeat_interleave(E // num_expert_group, dim=1), float("-inf"))
     idx = sel.topk(top_k, dim=-1).indices
-    w = s.gather(1, idx)
-    w = w / (w.sum(-1, keepdim=True) + 1e-20) * routed_scaling_factor
-    return idx.to(torch.int32), w
+    wt = s.gather(1, idx)
+    if renormalize:
+        wt = wt / (wt.sum(-1, keepdim=True) + 1e-20)
+    ids.copy_(idx)
+    w.copy_(wt * routed_scaling_factor)
+    return ids, w
