@@ -593,12 +593,12 @@ def bench_moe(E: int) -> None:
                 peer_pct_copy=100 * bf_bytes / peer / 1e6 / COPY)
     except Exception as e:
         out(what="mxfp4_moe", experts=E, error=repr(e)[:400])
-    torch.cuda.empty_cache()
 
 
 if "moe" in ONLY:
     for E_ in MOE_EXPERTS:
         bench_moe(E_)
+        torch.cuda.empty_cache()        # its weights (~75 GB at 896 experts) go back before the next count
 
 # ------------------------------------------------------------------ KDA prefill
 def graphed(fn):

@@ -679,6 +679,28 @@ for c in ({"EP": 1024, "K": 16, "KP": 16, "G": 1, "GP": 1, "TOPK_GROUP": 1, "REN
     assert compile_in_subprocess(code) == [["1024", "1", "True"], ["64", "1", "True"]]
 
 
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_router_edge_cases(impl):
+    """No renormalization; num_expert_group <= topk_group (no group stage, as the reference); no tokens; a NaN logit
+    row ranks its NaN experts first (torch.topk's order) and never picks a padding expert (ids < E)."""
+    g = torch.Generator().manual_seed(7)
+    x, gw, bias = torch.randn(5, 16, generator=g), torch.randn(40, 16, generator=g), torch.randn(40, generator=g) * .1
+    for groups, topk_group, renorm in ((1, 1, False), (4, 4, True), (4, 6, False)):
+        ids, w = moe_k.route(x.to(DEV), gw.to(DEV), bias.to(DEV), top_k=5, num_expert_group=groups,
+                             topk_group=topk_group, routed_scaling_factor=1.5, renormalize=renorm, impl=impl)
+        rids, rw = moe_ref_mod.route(x, gw, bias, top_k=5, num_expert_group=groups, topk_group=topk_group,
+                                     renormalize=renorm, scaling=1.5)
+        assert torch.equal(ids.cpu().long(), rids) and torch.allclose(w.cpu(), rw, atol=1e-6)
+    ids, w = moe_k.route_topk(torch.zeros(0, 40, device=DEV), bias.to(DEV), top_k=5, num_expert_group=4,
+                              topk_group=2, impl=impl)
+    assert ids.shape == (0, 5) and w.shape == (0, 5)
+    z = torch.randn(2, 40, generator=g)
+    z[1, [3, 17]] = float("nan")
+    ids, _ = moe_k.route_topk(z.to(DEV), bias.to(DEV), top_k=5, impl=impl)
+    ids = ids.cpu()
+    assert set(ids[1, :2].tolist()) == {3, 17} and int(ids.max()) < 40 and len(set(ids[1].tolist())) == 5
+
+
 def test_router_errors_name_the_field():
     z, bias = torch.zeros(2, 24, device=DEV), torch.zeros(24, device=DEV)
     with pytest.raises(ValueError, match="impl='cuda' must be 'triton' or 'torch'"):
@@ -687,3 +709,5 @@ def test_router_errors_name_the_field():
         moe_k.route_topk(z, bias, top_k=4, num_expert_group=5, topk_group=2)
     with pytest.raises(ValueError, match="top_k=8 exceeds the experts that compete"):
         moe_k.route_topk(z, bias, top_k=8, num_expert_group=6, topk_group=1)
+    with pytest.raises(ValueError, match="num_expert_group=24 must divide the 24 experts into groups of at least 2"):
+        moe_k.route_topk(z, bias, top_k=2, num_expert_group=24, topk_group=2)

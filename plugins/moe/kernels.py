@@ -698,7 +698,8 @@ def _route_kernel(z_ptr, bias_ptr, ids_ptr, w_ptr, E, stride_z, scaling,
     valid = e < E
     z = tl.load(z_ptr + t * stride_z + e, mask=valid, other=0.0)
     s = 1.0 / (1.0 + tl.exp(-z))
-    sel = tl.where(valid, s + tl.load(bias_ptr + e, mask=valid, other=0.0), float("-inf"))
+    sel = s + tl.load(bias_ptr + e, mask=valid, other=0.0)
+    sel = tl.where(valid, tl.where(sel != sel, float("inf"), sel), float("-inf"))     # NaN ranks first, as in topk
     if G > 1:
         EG = E // G
         grp = e // EG
@@ -755,10 +756,12 @@ def route_topk(z, correction_bias, *, top_k: int = 16, num_expert_group: int = 1
     impl = impl or ("triton" if z.device.type == "cuda" or _INTERPRET else "torch")
     if impl not in ("triton", "torch"):
         raise ValueError(f"route: impl={impl!r} must be 'triton' or 'torch'")
+    z = z.float().contiguous()
     T, E = z.shape
     grouped = num_expert_group > 1 and num_expert_group > topk_group
-    if grouped and E % num_expert_group:
-        raise ValueError(f"route: num_expert_group={num_expert_group} must divide the {E} experts")
+    if grouped and (E % num_expert_group or E // num_expert_group < 2):
+        raise ValueError(f"route: num_expert_group={num_expert_group} must divide the {E} experts into groups of "
+                         "at least 2 (a group's score is its top-2 sum)")
     if top_k > (E // num_expert_group * topk_group if grouped else E):
         raise ValueError(f"route: top_k={top_k} exceeds the experts that compete ({E} experts, "
                          f"{num_expert_group} groups, {topk_group} kept)")
@@ -772,10 +775,10 @@ def route_topk(z, correction_bias, *, top_k: int = 16, num_expert_group: int = 1
                                 KP=triton.next_power_of_2(top_k), G=G, GP=triton.next_power_of_2(G),
                                 TOPK_GROUP=topk_group if grouped else 1, RENORM=bool(renormalize), num_warps=4)
         return ids, w
-    s = torch.sigmoid(z.float())
+    s = torch.sigmoid(z)
     sel = s + correction_bias.float()
     if grouped:
-        grp = sel.view(T, num_expert_group, -1).topk(2, dim=-1).values.sum(-1)
+        grp = sel.view(T, num_expert_group, E // num_expert_group).topk(2, dim=-1).values.sum(-1)
         keep = grp.topk(topk_group, dim=-1).indices
         gmask = torch.zeros_like(grp, dtype=torch.bool).scatter_(1, keep, True)
         sel = sel.masked_fill(~gmask.repeat_interleave(E // num_expert_group, dim=1), float("-inf"))
