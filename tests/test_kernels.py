@@ -446,6 +446,33 @@ def test_mla_decode(H, R, DR, BS, dt):
     assert nan_equal(c.float(), rc)
 
 
+@pytest.mark.skipif(not HAS_CUDA, reason="8K-token contexts are too slow for the Triton interpreter; the CPU covers "
+                    "the split path with num_splits=3 in test_mla_decode")
+@pytest.mark.parametrize("H", [12, 96])
+def test_mla_decode_long_contexts_many_splits(H):
+    """Contexts up to 8191 tokens of a 128-block table (BS 64): the default split count (`_launch_cfg`, >= 256
+    tokens per split) gives many splits, each sequence's last split partial and an empty sequence; poisoned memory
+    around every tensor; equal to the fp32 oracle."""
+    R, DR, BS, MB, dt = 512, 64, 64, 128, torch.bfloat16
+    ctx = torch.tensor([0, 300, 4097, 8191], dtype=torch.int32)
+    B = 4
+    cache, bt, g = _mla_setup(B, H, R, DR, BS, MB, ctx, dt, seed=H + 1)
+    q = torch.randn(B, H, R + DR, generator=g).to(dt)
+    lat = torch.randn(B, R + DR, generator=g).to(dt)
+    scale = 192 ** -0.5
+    ro, rc = mla_ref.mla_decode(q.float(), lat.float(), cache.float(), bt, ctx, num_heads=H, kv_lora_rank=R,
+                                scale=scale)
+    nsplit = mla_k._launch_cfg(B, H, MB * BS, torch.device(DEV), 64)[2]
+    assert nsplit >= 8, nsplit
+    G = Guarded()
+    c = G(cache.to(DEV))
+    o, _ = mla_k.mla_decode(G(q.to(DEV)), G(lat.to(DEV)), c, G(bt.to(DEV)), G(ctx.to(DEV)), num_heads=H,
+                            kv_lora_rank=R, scale=scale, out=G.empty(B, H, R, dtype=dt))
+    G.check()
+    assert relerr(o, ro) < 1e-2
+    assert nan_equal(c.float(), rc)
+
+
 def mla_prefill_ref(q, latent, kv_b, cache, bt, cu, ctx, H, Dn, Dv, R, scale):
     cache = cache.clone().cpu().float()
     NB, BS, DL = cache.shape
