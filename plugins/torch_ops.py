@@ -56,8 +56,9 @@ class TorchOps:
     @staticmethod
     def route(x, gate_w, bias, *, top_k: int, num_expert_group: int = 1, topk_group: int = 1,
               renormalize: bool = True, scaling: float = 1.0):
-        """The router (not a custom op: its torch form exports as standard ONNX ops): the Triton top-k kernel
-        on CUDA (`KernelOps.route`), the fp32 reference elsewhere (and while tracing for export)."""
+        """The router, x [T, d], gate_w [E, d], bias [E] -> (ids [T, k] int, weights fp32 [T, k]) (not a custom
+        op: its torch form exports as standard ONNX ops): the Triton top-k kernel on CUDA (`KernelOps.route`), the
+        fp32 reference elsewhere (and while tracing for export)."""
         if x.device.type == "cuda":
             return KernelOps.route(x, gate_w, bias, top_k=top_k, num_expert_group=num_expert_group,
                                    topk_group=topk_group, renormalize=renormalize, scaling=scaling)
@@ -124,7 +125,8 @@ class KernelOps:
     @staticmethod
     def route(x, gate_w, bias, *, top_k: int, num_expert_group: int = 1, topk_group: int = 1,
               renormalize: bool = True, scaling: float = 1.0):
-        """The router: the fp32 logits GEMM, then the Triton top-k kernel (plugins/moe/kernels.py `route`)."""
+        """The router, x [T, d], gate_w [E, d], bias [E] -> (ids int32 [T, k], weights fp32 [T, k]): the fp32
+        logits GEMM, then the Triton top-k kernel (plugins/moe/kernels.py `route`; its ValueErrors)."""
         return _kernels("moe").route(x, gate_w, bias, top_k=int(top_k), num_expert_group=int(num_expert_group),
                                      topk_group=int(topk_group), routed_scaling_factor=float(scaling),
                                      renormalize=bool(renormalize), impl="triton")

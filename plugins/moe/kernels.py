@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from plugins.moe.reference import check_num_experts
+from plugins.moe.reference import check_num_experts, route_logits
 from plugins.workspace import Workspace, plan_bytes
 
 log = logging.getLogger(__name__)
@@ -750,9 +750,9 @@ def route_topk(z, correction_bias, *, top_k: int = 16, num_expert_group: int = 1
     (num_expert_group groups ranked by the sum of their top-2 biased scores, topk_group kept; only when
     num_expert_group > topk_group), top-k, weights = the unbiased scores of the chosen, renormalized (sum + 1e-20)
     and times routed_scaling_factor. impl "triton" (default on CUDA and under TRITON_INTERPRET=1): one
-    `_route_kernel` program per token; "torch": torch ops (the default on a CPU). out: optional (ids, weights) to
-    write (contiguous, shapes and dtypes as returned). ValueError for another impl, top_k above the experts
-    competing, or groups that do not divide E."""
+    `_route_kernel` program per token; "torch": the reference (`reference.route_logits`; the default on a CPU).
+    out: optional (ids, weights) to write (contiguous, shapes and dtypes as returned). ValueError for another impl,
+    top_k above the experts competing, or groups that do not divide E into groups of >= 2."""
     impl = impl or ("triton" if z.device.type == "cuda" or _INTERPRET else "torch")
     if impl not in ("triton", "torch"):
         raise ValueError(f"route: impl={impl!r} must be 'triton' or 'torch'")
@@ -775,17 +775,8 @@ def route_topk(z, correction_bias, *, top_k: int = 16, num_expert_group: int = 1
                                 KP=triton.next_power_of_2(top_k), G=G, GP=triton.next_power_of_2(G),
                                 TOPK_GROUP=topk_group if grouped else 1, RENORM=bool(renormalize), num_warps=4)
         return ids, w
-    s = torch.sigmoid(z)
-    sel = s + correction_bias.float()
-    if grouped:
-        grp = sel.view(T, num_expert_group, E // num_expert_group).topk(2, dim=-1).values.sum(-1)
-        keep = grp.topk(topk_group, dim=-1).indices
-        gmask = torch.zeros_like(grp, dtype=torch.bool).scatter_(1, keep, True)
-        sel = sel.masked_fill(~gmask.repeat_interleave(E // num_expert_group, dim=1), float("-inf"))
-    idx = sel.topk(top_k, dim=-1).indices
-    wt = s.gather(1, idx)
-    if renormalize:
-        wt = wt / (wt.sum(-1, keepdim=True) + 1e-20)
-    ids.copy_(idx)
-    w.copy_(wt * routed_scaling_factor)
+    rids, rw = route_logits(z, correction_bias, top_k=top_k, num_expert_group=num_expert_group,
+                            topk_group=topk_group, renormalize=renormalize, scaling=routed_scaling_factor)
+    ids.copy_(rids)
+    w.copy_(rw)
     return ids, w

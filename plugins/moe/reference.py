@@ -43,7 +43,15 @@ def route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, *, top_k: i
     topk_group groups with the largest top-2 sums and mask the rest with -inf; weights are the unbiased scores,
     renormalized (sum + 1e-20) and multiplied by `scaling`.
     """
-    s = torch.sigmoid(x.to(acc()) @ gate_w.to(acc()).t())
+    return route_logits(x.to(acc()) @ gate_w.to(acc()).t(), bias, top_k=top_k, num_expert_group=num_expert_group,
+                        topk_group=topk_group, renormalize=renormalize, scaling=scaling)
+
+
+def route_logits(z: torch.Tensor, bias: torch.Tensor, *, top_k: int, num_expert_group: int = 1, topk_group: int = 1,
+                 renormalize: bool = True, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route` after its GEMM: router logits z [T, E] (any float dtype, used in fp32), bias [E] -> (ids [T, k]
+    int64, weights [T, k] f32), best first."""
+    s = torch.sigmoid(z.to(acc()))
     sel = s + bias.to(acc())
     if num_expert_group > 1 and num_expert_group > topk_group:
         T, E = sel.shape
