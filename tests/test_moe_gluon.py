@@ -55,6 +55,10 @@ def _problem(E, RL, I, T, k, seed=3, hi_scale_expert=None, hi_group=1):
     (3, 1152, 1152, 12, 2, {}),      # 36 E8M0 groups per row: the scale scan's second, partial load (fold test below)
     (8, 256, 256, 9, 4, dict(block_m=16)),       # 16-token tiles of <= 8 pairs: computed as 8-token tiles
     (4, 512, 256, 50, 3, dict(block_m=16, SPLIT_M=False)),     # every tile computed as 16 tokens
+    (4, 512, 256, 50, 3, dict(block_m=32)),      # ~37 pairs: a 32-token tile, then one computed at 8 or 16 tokens
+    (3, 256, 128, 21, 2, dict(block_m=32, block_n13=64, block_n2=64)),  # ~14 pairs: 16- and 32-token widths
+    (6, 256, 256, 40, 4, dict(block_m=32, maxnreg=168)),      # ~27 pairs under a 168-register cap
+    (4, 512, 256, 50, 3, dict(block_m=32, SPLIT_M=False)),     # every tile computed as 32 tokens
 ])
 def test_gluon_moe_matches_reference(E, RL, I, T, k, cfg, monkeypatch):
     """Against the reference with poisoned margins; cfg: mxfp4_moe's tiles, and SPLIT_M (upper case: the module
@@ -138,9 +142,9 @@ def test_gluon_shape_errors_name_the_fix():
 
 @need_gluon
 @pytest.mark.parametrize("stages,sub,bm,nw,bn", [(2, 2, 16, 4, 128), (2, 2, 8, 4, 128), (4, 1, 16, 4, 256),
-                                                 (2, 4, 16, 8, 256)])
+                                                 (2, 4, 16, 8, 256), (2, 2, 32, 4, 128)])
 # the GPU default (2 slots, 256 columns, 128 rows, 16 or 8 tokens), 128 columns with 4 slots and 256 rows, 512 columns
-# with 8 warps
+# with 8 warps, 32-token tiles (resolve_tiles' register cap for each)
 @pytest.mark.parametrize("kernel,sig", [
     ("moe_w13_kernel", {"x_ptr": "*bf16", "tok_ptr": "*i32", "offs_ptr": "*i32", "w_ptr": "*i16", "s_ptr": "*u8",
                         "h_ptr": "*bf16", "beta": "fp32", "lbeta": "fp32"}),
@@ -155,7 +159,7 @@ def test_gluon_kernels_compile_for_sm90(kernel, sig, stages, sub, bm, nw, bn):
     copies are in flight during the scan), nothing for the operands. In a
     subprocess: a kernel run under TRITON_INTERPRET=1 earlier in this process leaves triton.language patched for
     the interpreter."""
-    const = {"BM": bm, "BN": bn, "STAGES": stages, "NG": 112, "SPLIT_M": bm == 16}
+    const = {"BM": bm, "BN": bn, "STAGES": stages, "NG": 112, "SPLIT_M": bm >= 16}
     code = f"""
 import triton
 from triton.backends.compiler import GPUTarget
@@ -170,7 +174,10 @@ attrs = {{(names.index(n),): [["tt.divisibility", 16]] for n in names
          if full[n].startswith("*") or n.startswith("stride")}}
 src = GluonASTSource(fn=fn, signature=full, constexprs={{(names.index(k),): v for k, v in const.items()}},
                      attrs=attrs)
-k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={{"num_warps": {nw}, "maxnreg": 128}})
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                   options={{"num_warps": {nw}, "maxnreg": kg.resolve_tiles(4096, 4096, block_n13={bn}, block_n2={bn},
+                                                                      block_k={128 * sub}, block_m={bm},
+                                                                      num_warps={nw})["maxnreg"]}})
 ptx = k.asm["ptx"]
 print(k.metadata.shared, int("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx),
       int("prmt.b32 w" in ptx and "mul.lo.u32 v, v, 0x1040" in ptx))
@@ -187,7 +194,7 @@ def moe_k():
 
 def test_default_impl_choice(monkeypatch):
     """`mxfp4_moe` without impl: the Gluon kernels on a CUDA device for decode-sized batches and the widths and tiles
-    they take, the legacy kernels otherwise (the CPU, the interpreter, < 64 or > 16 per expert (token, choice)
+    they take, the legacy kernels otherwise (the CPU, the interpreter, < 64 or > 32 per expert (token, choice)
     pairs, widths that are not multiples of 128, tiles only the legacy kernels take)."""
     mk = moe_k()
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
@@ -196,6 +203,8 @@ def test_default_impl_choice(monkeypatch):
     assert mk.pick_impl(cuda, 64, 16, 112, 3584, 3072) == gluon          # K3 at TP=8: 9 pairs per expert
     assert mk.pick_impl(cuda, 256, 16, 896, 3584, 3072) == gluon         # EP=8: ~5 pairs per expert
     assert mk.pick_impl(cuda, 256, 16, 112, 3584, 3072) == "legacy"      # 37 pairs: the 64-row token tiles
+    assert mk.pick_impl(cuda, 128, 16, 112, 3584, 3072) == gluon         # 18 pairs: 32-token tiles (run 19)
+    assert mk.pick_impl(cuda, 128, 16, 64, 3584, 3072) == gluon          # 32 pairs (k3-slice at TP=1)
     assert mk.pick_impl(cpu, 64, 16, 112, 3584, 3072) == "legacy"
     assert mk.pick_impl(cuda, 2, 16, 112, 3584, 3072) == "legacy"        # 32 pairs: host-bound when eager
     assert mk.pick_impl(cuda, 4, 16, 112, 3584, 3072) == gluon
@@ -250,7 +259,11 @@ def test_resolve_tiles_defaults_and_launch_arguments(monkeypatch):
     assert not kg.resolve_tiles(3584, 3072, pairs_per_expert=3)["split_m"]       # 8-token tiles: nothing to split
     assert kg.resolve_tiles(3584, 3072, block_n13=256)["maxnreg"] == 255       # 64 rows per warp: 128 would spill
     assert kg.resolve_tiles(3584, 3072, block_k=512)["maxnreg"] == 255
-    assert kg.resolve_tiles(3584, 3072, block_n13=256, block_n2=256, num_warps=8)["maxnreg"] == 128
+    assert kg.resolve_tiles(3584, 3072, block_n13=256, block_n2=256, num_warps=8, pairs_per_expert=9)["maxnreg"] == 128
+    t32 = kg.resolve_tiles(3584, 3072, pairs_per_expert=16)     # 32-token tiles from 13 pairs per expert (run 19)
+    assert (t32["block_m"], t32["maxnreg"], t32["split_m"]) == (32, 168, True)
+    assert kg.resolve_tiles(3584, 3072, pairs_per_expert=12)["block_m"] == 16
+    assert kg.resolve_tiles(3584, 3072, block_m=32, block_k=512)["maxnreg"] == 255
     assert kg.resolve_tiles(3584, 3200, pairs_per_expert=1)["block_k"] == 128     # 3200 % 256 != 0
     assert kg.resolve_tiles(3584, 3072, pairs_per_expert=1)["block_m"] == 8
     with pytest.raises(ValueError, match="num_stages=3 must be 2, 4 or 8"):
@@ -288,6 +301,13 @@ def test_resolve_tiles_defaults_and_launch_arguments(monkeypatch):
     (_, _, _, k13), (_, _, _, k2) = launches
     assert (k13["BM"], k13["SPLIT_M"], k2["SPLIT_M"]) == (16, True, True)
     assert k13["LXL8"] == kg.layouts(128, 4, 8, 2)["LXL"] != k13["LXL"]
+    launches.clear()                # 32-token tiles: split to 8 or 16 tokens, with those activation layouts
+    kg.grouped_gemms(x, z, z, w.reshape(-1), torch.zeros(4, dtype=torch.int32), w13p, w13s, w2p, w2s, h, ypair,
+                     xperm, situ_beta=4.0, situ_linear_beta=25.0, pairs_per_expert=20)
+    (_, _, _, k13), (_, _, _, k2) = launches
+    assert (k13["BM"], k13["SPLIT_M"], k2["SPLIT_M"], k13["maxnreg"]) == (32, True, True, 168)
+    assert k13["LXL16"] == kg.layouts(128, 4, 16, 2)["LXL"] != k13["LXL"]
+    assert k13["LXL8"] == kg.layouts(128, 4, 8, 2)["LXL"]
 
 
 def _run_decode_ptx(asm: str, word: int, factor_bits: int) -> list[int]:

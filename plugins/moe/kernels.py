@@ -539,23 +539,26 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
     mma.sync operand registers, weights and activation tiles through a cp.async ring; H200 run 16: T=64 1.30-1.33x
     and T=8 1.47-1.49x the legacy kernels): block_n13 / block_n2 weight rows per program (default 128), block_k the K
     columns per copy (128, 256 or 512; default 256 where both widths allow), num_stages the ring depth (2, 4 or 8;
-    default 2), block_m 8 or 16 tokens (default: 8 when experts average <= 8 pairs), num_warps 4 or 8, maxnreg
-    (default 128).
+    default 2), block_m 8, 16 or 32 tokens (default: 8 when experts average <= 8 pairs, 16 up to 12, else 32),
+    num_warps 4 or 8, maxnreg (default 128; 168 with 32-token tiles).
     impl "legacy": inline-PTX dequant to bf16 tiles in registers, x as the LHS (block_n 128);
     dequant: 3 (GPU default for 16/32-row token tiles: `_dequant_asm2` with one multiply per weight pair in every
     program whose scales are all <= 2^1, checked per program), 2 (`_dequant_asm2` always with two; the GPU default
     for 64-row tiles), 1 (`_dequant_asm`, runs 2-5), 0 plain Triton (the interpreter; the only choice off the GPU,
     ValueError otherwise). E8M0 0 (2^-127) decodes as 0 on the unfolded GPU paths.
     maxnreg: register cap per thread for the two GEMM kernels of either implementation (legacy: default none, run
-    6: 168 within noise of none; gluon: 64 .. 255, default 128 where the tiles fit, run 15; with impl None it does
+    6: 168 within noise of none; gluon: 64 .. 255, default 128 where the tiles fit, run 15, 168 with 32-token
+    tiles, run 19; with impl None it does
     not choose the implementation: ask for impl='legacy' explicitly).
-    split_m (gluon only, ignored by the others): with 16-token tiles, a tile of <= 8 pairs runs as an 8-token tile
-    (default True: kernels_gluon.SPLIT_M; run 16: T=64 4-6% faster; False for A/B timing).
+    split_m (gluon only, ignored by the others): with 16- or 32-token tiles, a tile of <= 8 pairs runs as an 8-token
+    tile, and with 32 one of <= 16 pairs as a 16-token tile (default True: kernels_gluon.SPLIT_M; run 16: T=64 4-6%
+    faster; False for A/B timing).
     impl "dot_scaled": weights as the scaled-dot LHS (see _moe_w13_ds_kernel). On the H200 (runs 3 and 6,
     benchmarks/RESULTS.md) dot_scaled was slower (T=64: 2511 us vs 1055 us), so it is opt-in.
     num_experts: routed experts over all EP ranks (0 = E, no EP): the token-tile choice divides T*k by it;
     ValueError when set below expert_offset + E (plugins.moe.reference.check_num_experts).
-    block_m: token tile (None = `_pick_block_m`: 16 for decode-sized batches, 64 when experts get > 16 pairs);
+    block_m: token tile (legacy: None = `_pick_block_m`: 16 for decode-sized batches, 64 when experts get > 16
+    pairs; gluon: None = `kernels_gluon.resolve_tiles`' choice);
     block_k: K tile (None = :func:`default_block_k`, a tile that divides both inner widths);
     out: optional [T, Rl] fp32 destination; workspace: optional uint8 scratch (size:
     :func:`mxfp4_moe_workspace_bytes`) holding the sort buffers, h and the per-pair outputs. Every launch has a
@@ -647,13 +650,14 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
 def pick_impl(dev, T: int, k: int, num_experts: int, latent: int, inter: int, **tiles) -> str:
     """`mxfp4_moe`'s default implementation: "gluon" on a CUDA device of compute capability >= 9.0 (its decode's
     bf16x2 multiply; not the interpreter) whose Triton has Gluon, for decode-sized batches of at least 64 (token,
-    choice) pairs and at most 16 per expert on average over the `num_experts` routed experts of all ranks (the Gluon
-    kernels take 8/16-token tiles), and widths and `tiles` (block_n13, block_n2, block_k, block_m, num_warps,
+    choice) pairs and at most 32 per expert on average over the `num_experts` routed experts of all ranks (the Gluon
+    kernels take 8/16/32-token tiles; H200 run 19, 112 experts: 18 pairs per expert 961.6 vs 1551.2 us for the legacy
+    kernels, 37 pairs 1694 vs 1571), and widths and `tiles` (block_n13, block_n2, block_k, block_m, num_warps,
     num_stages, maxnreg as given to `mxfp4_moe`; None = its default) the Gluon kernels accept; else "legacy". Below 64 pairs
     (T=1, 2 at top-16) the eager H200 timings were host-bound and the Gluon path's were 1.3-2.4x the legacy path's
     (its launches cost more Python time), while its kernels took no longer on the GPU (ncu: 140 vs 151 us at T=1;
     benchmarks/RESULTS.md run 14)."""
-    if dev.type != "cuda" or _INTERPRET or T * k < 64 or triton.cdiv(T * k, max(num_experts, 1)) > 16 \
+    if dev.type != "cuda" or _INTERPRET or T * k < 64 or triton.cdiv(T * k, max(num_experts, 1)) > 32 \
             or not _has_gluon():
         return "legacy"
     try:

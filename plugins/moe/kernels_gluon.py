@@ -21,7 +21,8 @@ MXFP4 bytes straight into the registers of its mma.sync operand, 8 codes per 32-
   a thread's B operands are 16-byte pieces of one row. The layout changes are reshapes / permutes / splits of
   registers only, asserted at compile time (`convert_layout(..., assert_trivial=True)`).
 * Swap AB: weights are the A operand (16 rows per MMA), tokens the B operand (8 per MMA: 8-token tiles when experts
-  average <= 8 pairs; with 16-token tiles, a tile of <= 8 pairs runs as an 8-token one: `SPLIT_M`). Weight words
+  average <= 8 pairs, 32-token tiles above 12 (H200 run 19); with 16- or 32-token tiles, a tile of <= 8 pairs runs
+  as an 8-token one and, with 32, one of <= 16 pairs as a 16-token one: `SPLIT_M`). Weight words
   and the activation tile stream through a cp.async ring in shared memory (the
   tile is copied once per CTA and read by every warp; `sub` 128-column steps per copy: 256 columns = 128 bytes of
   each weight row is the default). A program's first copies are in flight while it scans its E8M0 bytes for the
@@ -39,7 +40,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 BLOCK_K = 128      # K columns per step (4 threads x 32)
 # `resolve_tiles`' default split_m: a 16-token tile of <= 8 pairs computes as an 8-token tile (H200 run 16: T=64 4-6%
-# faster in the same call); tests switch it off to cover 16-token tiles of <= 8 pairs computed at full width
+# faster in the same call), a 32-token tile of <= 8 / <= 16 pairs as an 8- / 16-token one; tests switch it off to
+# cover partial tiles computed at full width
 SPLIT_M = True
 # cp.async global -> shared: `async_load` from Triton 3.7 on (3.9 keeps the old name only to raise), before that
 # `async_copy_global_to_shared` (Triton 3.6, the H200 image)
@@ -374,7 +376,7 @@ def moe_w13_kernel(x_ptr, tok_ptr, offs_ptr, w_ptr, s_ptr, h_ptr,
                    stride_x, stride_we, stride_w, stride_se, stride_s, stride_h,
                    I, RL, beta, lbeta,
                    BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, NW: gl.constexpr,
-                   NG: gl.constexpr, LXC: gl.constexpr, LXL: gl.constexpr, LXL8: gl.constexpr,
+                   NG: gl.constexpr, LXC: gl.constexpr, LXL: gl.constexpr, LXL8: gl.constexpr, LXL16: gl.constexpr,
                    LWC: gl.constexpr, LW: gl.constexpr, LS: gl.constexpr, MMA: gl.constexpr,
                    SPLIT_M: gl.constexpr):
     """h [pairs, I] bf16 (columns in `permute_columns` order) = SiTU(x[tok] · W1ᵀ, x[tok] · W3ᵀ) for the pairs of
@@ -402,6 +404,10 @@ def moe_w13_kernel(x_ptr, tok_ptr, offs_ptr, w_ptr, s_ptr, h_ptr,
                 aptr = _w13_tile(fold, wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, x_ptr, tok_ptr, stride_x,
                                  h_ptr, stride_h, m0, hi_off, pid_n, beta, lbeta, BM, 8, BN, STAGES, SUB, LXC, LXL8, LW,
                                  LS, MMA)
+            elif SPLIT_M and BM == 32 and hi_off - m0 <= 16:
+                aptr = _w13_tile(fold, wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, x_ptr, tok_ptr, stride_x,
+                                 h_ptr, stride_h, m0, hi_off, pid_n, beta, lbeta, BM, 16, BN, STAGES, SUB, LXC, LXL16,
+                                 LW, LS, MMA)
             else:
                 aptr = _w13_tile(fold, wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, x_ptr, tok_ptr, stride_x,
                                  h_ptr, stride_h, m0, hi_off, pid_n, beta, lbeta, BM, BM, BN, STAGES, SUB, LXC, LXL, LW,
@@ -434,7 +440,7 @@ def moe_w2_kernel(h_ptr, pair_ptr, wts_ptr, offs_ptr, w_ptr, s_ptr, y_ptr,
                   stride_h, stride_we, stride_w, stride_se, stride_s, stride_y,
                   I, RL,
                   BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, NW: gl.constexpr,
-                  NG: gl.constexpr, LXC: gl.constexpr, LXL: gl.constexpr, LXL8: gl.constexpr,
+                  NG: gl.constexpr, LXC: gl.constexpr, LXL: gl.constexpr, LXL8: gl.constexpr, LXL16: gl.constexpr,
                   LWC: gl.constexpr, LW: gl.constexpr, LS: gl.constexpr, MMA: gl.constexpr,
                   SPLIT_M: gl.constexpr):
     """y[pair, n] fp32 = w_pair · (h[m] · W2ᵀ) for the sorted pairs m of expert program_id(1), columns
@@ -457,6 +463,10 @@ def moe_w2_kernel(h_ptr, pair_ptr, wts_ptr, offs_ptr, w_ptr, s_ptr, y_ptr,
                 aptr = _w2_tile(fold, wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, h_ptr, stride_h, pair_ptr,
                                 wts_ptr, y_ptr, stride_y, m0, hi_off, pid_n, BM, 8, BN, STAGES, SUB, LXC, LXL8, LW, LS,
                                 MMA)
+            elif SPLIT_M and BM == 32 and hi_off - m0 <= 16:
+                aptr = _w2_tile(fold, wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, h_ptr, stride_h, pair_ptr,
+                                wts_ptr, y_ptr, stride_y, m0, hi_off, pid_n, BM, 16, BN, STAGES, SUB, LXC, LXL16, LW,
+                                LS, MMA)
             else:
                 aptr = _w2_tile(fold, wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, h_ptr, stride_h, pair_ptr,
                                 wts_ptr, y_ptr, stride_y, m0, hi_off, pid_n, BM, BM, BN, STAGES, SUB, LXC, LXL, LW, LS,
@@ -465,25 +475,26 @@ def moe_w2_kernel(h_ptr, pair_ptr, wts_ptr, offs_ptr, w_ptr, s_ptr, y_ptr,
 
 def _lxl(block_m: int, nb: int):
     """LXL of `layouts` for block_m tokens and 2^nb warps."""
-    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [0, 32], [0, 64]] + [[8, 0]] * (block_m > 8),
+    tokens = [[8, 0]] * (block_m > 8) + [[16, 0]] * (block_m > 16)
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [0, 32], [0, 64]] + tokens,
                                       lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
                                       warp_bases=[[0, 0]] * nb, block_bases=[], shape=[block_m, 128])
 
 
 @functools.lru_cache(maxsize=None)
 def layouts(block_n: int, num_warps: int, block_m: int = 16, sub: int = 1) -> dict:
-    """The kernels' constexpr arguments for BN = block_n weight rows, `num_warps` (4 or 8) warps, block_m (8 or 16)
+    """The kernels' constexpr arguments for BN = block_n weight rows, `num_warps` (4 or 8) warps, block_m (8, 16, 32)
     tokens and `sub` (1, 2, 4) 128-column steps per copy (g = lane // 4, t = lane % 4). MMA: the mma.sync
     accumulator [BN, BM], warps stacked along the weight rows: warp w, rows 16w + g and 16w + 8 + g (+ 16 num_warps
-    j), tokens 2t, 2t + 1 (+ 8). LW: weight words [BN, 32] int16 with the same rows, 16 bytes of a row per thread
-    (words 4t .. 4t+3). LS: a copy's scales [BN, 4 sub] (rows as LW, groups 4j + t). LWC / LXC: the cp.async
+    j), tokens 2t, 2t + 1 (+ 8, 16, 24). LW: weight words [BN, 32] int16 with the same rows, 16 bytes of a row per
+    thread (words 4t .. 4t+3). LS: a copy's scales [BN, 4 sub] (rows as LW, groups 4j + t). LWC / LXC: the cp.async
     copies of the weight words [BN, 32 sub] and of the activation tile [BM, 128 sub] (16 bytes per thread and
-    copy). LXL: a step's activations read into registers: rows g (and g + 8), positions 32i + 8t + e, every warp
-    the same; LXL8: the same for 8 rows (the split path of a 16-token tile). ValueError for other warps / tokens /
-    sub, or block_n not a multiple of 16 num_warps."""
-    if num_warps not in (4, 8) or block_m not in (8, 16) or sub not in (1, 2, 4):
-        raise ValueError(f"mxfp4_moe(impl='gluon'): num_warps={num_warps} must be 4 or 8, block_m={block_m} 8 or 16 "
-                         f"and sub={sub} 1, 2 or 4")
+    copy). LXL: a step's activations read into registers: rows g (and g + 8, ..), positions 32i + 8t + e, every warp
+    the same; LXL8 / LXL16: the same for 8 / 16 rows (the split paths of a 16- or 32-token tile). ValueError for
+    other warps / tokens / sub, or block_n not a multiple of 16 num_warps."""
+    if num_warps not in (4, 8) or block_m not in (8, 16, 32) or sub not in (1, 2, 4):
+        raise ValueError(f"mxfp4_moe(impl='gluon'): num_warps={num_warps} must be 4 or 8, block_m={block_m} 8, 16 "
+                         f"or 32 and sub={sub} 1, 2 or 4")
     nb = num_warps.bit_length() - 1
     rows = 16 * num_warps
     if block_n % rows:
@@ -499,6 +510,7 @@ def layouts(block_n: int, num_warps: int, block_m: int = 16, sub: int = 1) -> di
         LWC=lw if sub == 1 else gl.BlockedLayout([1, 8], [8 // sub, 4 * sub], [num_warps, 1], [1, 0]),
         LXL=_lxl(block_m, nb),
         LXL8=_lxl(8, nb),
+        LXL16=_lxl(16, nb),
         LW=lw,
         LS=gl.DistributedLinearLayout(reg_bases=[[0, 4 << j] for j in range(sub.bit_length() - 1)] + [[8, 0]] + reps,
                                       lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
@@ -536,23 +548,24 @@ def resolve_tiles(latent: int, inter: int, *, block_n13: int | None = None, bloc
                   split_m: bool | None = None) -> dict:
     """The Gluon GEMMs' tiles with the defaults filled in and checked, for latent width Rl and expert width I:
     block_n13 / block_n2 weight rows per program (default 128), block_k K columns per copy (default 256 where both
-    widths allow, else 128), block_m tokens per tile (default 8 when experts average <= 8 pairs
-    (`pairs_per_expert`), else 16), stages ring slots (default 2; 2, 4 or 8), maxnreg the kernels' register cap
-    per thread (default 128 where it does not spill — at most 32 rows per warp and 256 columns per copy: 4 programs
-    per SM instead of 3, H200 run 15 —, else 255 = no cap in effect; offline sm_90: 256 rows on 4 warps or 512
-    columns spill 72-552 bytes under 128), split_m (default SPLIT_M; only with 16-token tiles, False otherwise: a
-    tile of <= 8 pairs — an expert's last, or its only one — runs the 8-token MMAs and activation reads).
-    Returns the keyword arguments of `grouped_gemms`' tiles. ValueError (naming the argument) for anything the
-    kernels cannot take."""
+    widths allow, else 128), block_m tokens per tile (default from the mean pairs per expert `pairs_per_expert`:
+    8 up to 8, 16 up to 12, else 32 — H200 run 19: at 16 pairs per expert 32-token tiles were 1.12x faster, at 9 1.3x
+    slower), stages ring slots (default 2; 2, 4 or 8), maxnreg the kernels' register cap per thread (default where
+    the tiles fit — at most 32 rows per warp and 256 columns per copy —: 128 with 8/16-token tiles (4 programs per SM
+    instead of 3, H200 run 15), 168 with 32-token tiles (3 programs per SM; 128 spills 88 bytes, run 19); else 255 =
+    no cap in effect; offline sm_90: 256 rows on 4 warps or 512 columns spill 72-552 bytes under 128), split_m
+    (default SPLIT_M; only with 16- or 32-token tiles, False otherwise: a tile of <= 8 pairs — an expert's last, or
+    its only one — runs the 8-token MMAs and activation reads, and with 32-token tiles one of <= 16 pairs the
+    16-token ones). Returns the keyword arguments of `grouped_gemms`' tiles. ValueError (naming the argument) for
+    anything the kernels cannot take."""
     t = dict(block_n13=block_n13 or 128, block_n2=block_n2 or 128,
              block_k=block_k or (256 if latent % 256 == 0 and inter % 256 == 0 else 128),
-             block_m=block_m or (8 if pairs_per_expert <= 8 else 16), num_warps=num_warps,
-             stages=2 if stages is None else stages, maxnreg=maxnreg,
-             split_m=None)
-    t["split_m"] = (SPLIT_M if split_m is None else bool(split_m)) and t["block_m"] == 16
+             block_m=block_m or (8 if pairs_per_expert <= 8 else 16 if pairs_per_expert <= 12 else 32),
+             num_warps=num_warps, stages=2 if stages is None else stages, maxnreg=maxnreg, split_m=None)
+    t["split_m"] = (SPLIT_M if split_m is None else bool(split_m)) and t["block_m"] >= 16
     if maxnreg is None:
         fits = max(t["block_n13"], t["block_n2"]) <= 32 * num_warps and t["block_k"] <= 256
-        t["maxnreg"] = 128 if fits else 255
+        t["maxnreg"] = (128 if t["block_m"] <= 16 else 168) if fits else 255
     check_shapes(latent, inter, t["block_n13"], t["block_n2"], t["block_k"])
     if t["stages"] not in (2, 4, 8):
         raise ValueError(f"mxfp4_moe(impl='gluon'): num_stages={t['stages']} must be 2, 4 or 8")
