@@ -8,7 +8,7 @@ shape; plus the pytest junit results when given). A roofline PNG is written besi
 """
 import argparse, json, math, os, statistics, sys, time, xml.etree.ElementTree as ET
 
-FAMILIES = "kda_decode,layers,graph,mla,moe,kda_prefill,aot_prefill"
+FAMILIES = "kda_decode,layers,graph,mla,moe,router,kda_prefill,aot_prefill"
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--out", default="/tmp/k3deploy_bench/bench.jsonl",
                 help="JSON lines output; roofline.png goes beside it (default: %(default)s)")
@@ -19,7 +19,8 @@ ap.add_argument("--only", default=FAMILIES,
                 help=f"comma-separated families to run (default: all = {FAMILIES}); record names: kda_decode, "
                      "kda_decode_layers (one step of several layers in a CUDA graph, with the state-traffic floors), "
                      "cuda_graph_decode_step, "
-                     "mla_decode, mxfp4_moe, kda_prefill, aot_prefill (the --aot engines' KdaPrefill/MlaPrefill chains "
+                     "mla_decode, mxfp4_moe, moe_router (top-k after the logits GEMM), kda_prefill, aot_prefill (the "
+                     "--aot engines' KdaPrefill/MlaPrefill chains "
                      "vs the JIT ops)")
 ap.add_argument("--rounds", type=int, default=3,
                 help="KDA decode and MoE: interleaved timing rounds over all variants (and KDA decode's peer); each "
@@ -599,6 +600,29 @@ if "moe" in ONLY:
     for E_ in MOE_EXPERTS:
         bench_moe(E_)
         torch.cuda.empty_cache()        # its weights (~75 GB at 896 experts) go back before the next count
+
+# ------------------------------------------------------------------ MoE router (after its fp32 logits GEMM)
+# K3's router over all 896 routed experts, top-16 (MODEL.md §7.2): our Triton `_route_kernel` (one program per token)
+# against the torch reference path (`reference.route_logits`: sigmoid, add, topk, gather, renormalize), both eager
+# (host-bound at these sizes) and as one call in a CUDA graph (the decode step's setting).
+if "router" in ONLY:
+    for T in (1, 64, 256):
+        try:
+            z = torch.randn(T, 896, device=dev)
+            bias = 0.1 * torch.randn(896, device=dev)
+            kw = dict(top_k=16, routed_scaling_factor=2.827)
+            ids, w = moe_k.route_topk(z, bias, **kw)
+            rids, rw = moe_k.route_topk(z, bias, impl="torch", **kw)
+            ok = bool(torch.equal(ids, rids.to(ids.dtype))) and rel(w, rw) < 1e-6 and fam_ok.get("router", True)
+            ours = lambda: moe_k.route_topk(z, bias, out=(ids, w), **kw)     # noqa: E731
+            peer = lambda: moe_k.route_topk(z, bias, impl="torch", **kw)    # noqa: E731
+            us, peer_us = bench(ours) * 1e3, bench(peer) * 1e3
+            g_us, g_peer = graph_us_per_call([ours]), graph_us_per_call([peer])
+            out(what="moe_router", T=T, experts=896, top_k=16, correct=ok, us=us if ok else float("nan"),
+                peer="torch (reference.route_logits)", peer_us=peer_us, ratio=peer_us / us,
+                graph_us=g_us if ok else float("nan"), graph_peer_us=g_peer, graph_ratio=g_peer / g_us)
+        except Exception as e:
+            out(what="moe_router", T=T, error=repr(e)[:400])
 
 # ------------------------------------------------------------------ KDA prefill
 def graphed(fn):
