@@ -509,7 +509,7 @@ if "graph" in ONLY:
 # plugins/moe/kernels_gluon.py, else the legacy Triton kernels). legacy: dequant 1 = the runs 2-5 inline PTX, 2 =
 # run 6's with fewer integer ops, 3 = 2 with the re-bias folded into the scale where a program's scales allow (its
 # default); gluon: block_k = K columns per cp.async copy, num_stages = ring depth (run 14), split_m=False = every
-# 16-token tile computed at full width (run 16)
+# 16- or 32-token tile computed at full width (run 16)
 MOE_VARIANTS = [dict(impl="legacy"), dict(impl="gluon"), dict(impl="gluon", split_m=False),
                 dict(impl="gluon", block_k=128), dict(impl="gluon", num_stages=4), dict(impl="legacy", dequant=2),
                 dict(impl="dot_scaled")]
@@ -619,7 +619,7 @@ if "router" in ONLY:
             us, peer_us = bench(ours) * 1e3, bench(peer) * 1e3
             g_us, g_peer = graph_us_per_call([ours] * 16), graph_us_per_call([peer] * 16)   # 16 calls per graph
             out(what="moe_router", T=T, experts=896, top_k=16, correct=ok, us=us if ok else float("nan"),
-                peer="torch (reference.route_logits)", peer_us=peer_us, ratio=peer_us / us,
+                peer="torch (reference.route_logits, then copies into int32 ids / fp32 weights)", peer_us=peer_us, ratio=peer_us / us,
                 graph_us=g_us if ok else float("nan"), graph_peer_us=g_peer, graph_ratio=g_peer / g_us)
         except Exception as e:
             out(what="moe_router", T=T, error=repr(e)[:400])

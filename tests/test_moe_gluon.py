@@ -43,21 +43,21 @@ def _problem(E, RL, I, T, k, seed=3, hi_scale_expert=None, hi_group=1):
 @gpu_only
 @pytest.mark.parametrize("E,RL,I,T,k,cfg", [
     (8, 256, 256, 9, 4, {}),                                         # < 16 pairs per expert
-    (4, 512, 128, 30, 3, dict(block_n13=128, block_n2=128, num_stages=2)),   # ~22 pairs: two token tiles
+    (4, 512, 128, 30, 3, dict(block_n13=128, block_n2=128, num_stages=2)),   # 9-17 pairs: 16- and 32-token tiles
     (6, 256, 384, 13, 5, dict(num_warps=8)),
     (5, 384, 256, 7, 2, dict(block_n13=128, block_n2=128, num_warps=8)),
     (8, 256, 256, 5, 2, dict(block_m=8)),                            # 8-token tiles (T * k / E <= 8: default)
     (6, 512, 256, 11, 4, dict(block_k=256, num_stages=2)),           # 256 columns per copy
     (4, 256, 512, 30, 3, dict(block_k=256, num_warps=8)),
-    (3, 256, 128, 20, 2, dict(block_m=8, block_n13=64, block_n2=64)),   # 13 pairs: two 8-token tiles
-    (4, 512, 256, 50, 3, dict(block_k=256)),                         # ~37 pairs: three token tiles
+    (3, 256, 128, 20, 2, dict(block_m=8, block_n13=64, block_n2=64)),   # 5-8 pairs: 8-token tiles
+    (4, 512, 256, 50, 3, dict(block_k=256, block_m=16)),             # 19-26 pairs: two 16-token tiles
     (6, 512, 512, 11, 4, dict(block_k=512, maxnreg=255)),            # no register cap in effect
     (3, 1152, 1152, 12, 2, {}),      # 36 E8M0 groups per row: the scale scan's second, partial load (fold test below)
     (8, 256, 256, 9, 4, dict(block_m=16)),       # 16-token tiles of <= 8 pairs: computed as 8-token tiles
     (4, 512, 256, 50, 3, dict(block_m=16, SPLIT_M=False)),     # every tile computed as 16 tokens
-    (4, 512, 256, 50, 3, dict(block_m=32)),      # ~37 pairs: a 32-token tile, then one computed at 8 or 16 tokens
-    (3, 256, 128, 21, 2, dict(block_m=32, block_n13=64, block_n2=64)),  # ~14 pairs: 16- and 32-token widths
-    (6, 256, 256, 40, 4, dict(block_m=32, maxnreg=168)),      # ~27 pairs under a 168-register cap
+    (4, 512, 256, 50, 3, dict(block_m=32)),      # 19-26 pairs: one 32-token tile each
+    (3, 256, 128, 70, 3, dict(block_m=32, block_n13=64, block_n2=64)),  # 28-41 pairs: 32 + 8 / 16 tokens
+    (6, 256, 256, 40, 4, dict(block_m=32, maxnreg=168)),      # 14-22 pairs under a 168-register cap
     (4, 512, 256, 50, 3, dict(block_m=32, SPLIT_M=False)),     # every tile computed as 32 tokens
 ])
 def test_gluon_moe_matches_reference(E, RL, I, T, k, cfg, monkeypatch):
@@ -78,6 +78,43 @@ def test_gluon_moe_matches_reference(E, RL, I, T, k, cfg, monkeypatch):
     legacy = moe_k().mxfp4_moe(*(a.to(DEV) for a in (x, ids, w, w13p, w13s, w2p, w2s)), expert_offset=off,
                                impl="legacy")
     assert relerr(y, legacy) < 1e-2
+
+
+# pairs per local expert (one per token, each token's second choice on another EP rank): every token-tile width and
+# split the kernels take, at and around the 8 / 16 / 32 boundaries and over several tiles
+TILE_COUNTS = [0, 1, 7, 8, 9, 15, 16, 17, 24, 31, 32, 33, 40, 48, 49, 64, 65]
+
+
+@need_gluon
+@gpu_only
+@pytest.mark.parametrize("cfg", [dict(block_m=32), dict(block_m=32, split_m=False), dict(block_m=16),
+                                 dict(block_m=16, split_m=False), dict(block_m=8)])
+def test_gluon_moe_every_tile_width(cfg):
+    """Experts with 0 .. 65 pairs (TILE_COUNTS) under each token tile and split choice: every pair row equals the
+    reference (per row, so a pair computed twice or never cannot hide in a norm), with the workspace filled with
+    0xFF bytes (NaN in h and the pair outputs: a row never written shows) and poisoned margins around every tensor."""
+    E, RL, I = len(TILE_COUNTS), 256, 256
+    g = torch.Generator().manual_seed(5)
+    w13p = torch.randint(0, 256, (E, 2 * I, RL // 2), dtype=torch.uint8, generator=g)
+    w13s = torch.randint(118, 127, (E, 2 * I, RL // 32), dtype=torch.uint8, generator=g)
+    w2p = torch.randint(0, 256, (E, RL, I // 2), dtype=torch.uint8, generator=g)
+    w2s = torch.randint(116, 124, (E, RL, I // 32), dtype=torch.uint8, generator=g)
+    local = torch.repeat_interleave(torch.arange(E), torch.tensor(TILE_COUNTS))
+    T = local.numel()
+    local = local[torch.randperm(T, generator=g)]
+    ids = torch.stack([local, torch.full((T,), E)], 1).int()          # expert E: another rank's
+    x = torch.randn(T, RL, generator=g).to(torch.bfloat16) * 0.1
+    w = torch.rand(T, 2, generator=g)
+    r = moe_ref.mxfp4_moe(x.float(), ids, w, w13p, w13s, w2p, w2s, num_experts=E + 1)
+    G = Guarded()
+    nbytes = moe_k().mxfp4_moe_workspace_bytes(T, 2, E, I, RL, device=DEV)
+    y = moe_k().mxfp4_moe(*(G(a.to(DEV)) for a in (x, ids, w, w13p, w13s, w2p, w2s)), num_experts=E + 1,
+                          impl="gluon", out=G.empty(T, RL, dtype=torch.float32),
+                          workspace=G(torch.full((nbytes,), 255, dtype=torch.uint8, device=DEV)), **cfg)
+    G.check()
+    y = y.double().cpu()
+    assert torch.isfinite(y).all()
+    assert float(((y - r).norm(dim=1) / r.norm(dim=1)).max()) < 1e-2
 
 
 @need_gluon
@@ -205,6 +242,7 @@ def test_default_impl_choice(monkeypatch):
     assert mk.pick_impl(cuda, 256, 16, 112, 3584, 3072) == "legacy"      # 37 pairs: the 64-row token tiles
     assert mk.pick_impl(cuda, 128, 16, 112, 3584, 3072) == gluon         # 18 pairs: 32-token tiles (run 19)
     assert mk.pick_impl(cuda, 128, 16, 64, 3584, 3072) == gluon          # 32 pairs (k3-slice at TP=1)
+    assert mk.pick_impl(cuda, 128, 16, 64, 3584, 3072, num_stages=8) == "legacy"   # 32-token ring above sm_90's smem
     assert mk.pick_impl(cpu, 64, 16, 112, 3584, 3072) == "legacy"
     assert mk.pick_impl(cuda, 2, 16, 112, 3584, 3072) == "legacy"        # 32 pairs: host-bound when eager
     assert mk.pick_impl(cuda, 4, 16, 112, 3584, 3072) == gluon
@@ -264,6 +302,11 @@ def test_resolve_tiles_defaults_and_launch_arguments(monkeypatch):
     assert (t32["block_m"], t32["maxnreg"], t32["split_m"]) == (32, 168, True)
     assert kg.resolve_tiles(3584, 3072, pairs_per_expert=12)["block_m"] == 16
     assert kg.resolve_tiles(3584, 3072, block_m=32, block_k=512)["maxnreg"] == 255
+    assert kg.resolve_tiles(3584, 3072, block_m=32, block_n13=256, block_n2=256, num_warps=8)["maxnreg"] == 255
+    assert kg.ring_bytes(128, 32, 2, 2) == 65536
+    with pytest.raises(ValueError, match="needs 262144 bytes of shared memory"):      # sm_90: 232448 per CTA
+        kg.resolve_tiles(3584, 3072, block_m=32, stages=8)
+    kg.resolve_tiles(3584, 3072, block_m=16, stages=8)                                # 197632 bytes: fits
     assert kg.resolve_tiles(3584, 3200, pairs_per_expert=1)["block_k"] == 128     # 3200 % 256 != 0
     assert kg.resolve_tiles(3584, 3072, pairs_per_expert=1)["block_m"] == 8
     with pytest.raises(ValueError, match="num_stages=3 must be 2, 4 or 8"):

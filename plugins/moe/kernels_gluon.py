@@ -27,7 +27,7 @@ MXFP4 bytes straight into the registers of its mma.sync operand, 8 codes per 32-
   tile is copied once per CTA and read by every warp; `sub` 128-column steps per copy: 256 columns = 128 bytes of
   each weight row is the default). A program's first copies are in flight while it scans its E8M0 bytes for the
   fold decision (one round trip), and the next token tile's while it stores the current one; 128 registers per
-  thread (4 programs per SM, no spills).
+  thread with 8/16-token tiles (4 programs per SM, no spills), 168 with 32-token tiles (3 per SM).
 """
 from __future__ import annotations
 
@@ -243,9 +243,10 @@ def _gemm(wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots,
     (wbuf, xbuf: `_ring`; wptr: `_start`; aptr: `_fill`; W the int16 view of one expert's packed E2M1 rows; sp its
     E8M0 rows, wrows SliceLayout(1, LW)). BM (LXL: `layouts(.., BM, ..)`) may be less than the ring's rows: the
     first BM rows of each activation tile are read (a 16-row tile with <= 8 pairs computes as an 8-token tile:
-    half the MMAs and activation reads). Each iteration starts the copy STAGES - 1 ahead, waits for its own, and
-    runs the SUB 128-column steps of one slot; the E8M0 bytes of the next slot are loaded into registers. Returns
-    with every copy landed (the next `_fill` reuses the slots; cp.async copies are ordered only by waits)."""
+    half the MMAs and activation reads; a 32-row one with <= 8 / <= 16 pairs as an 8- / 16-token tile). Each
+    iteration starts the copy STAGES - 1 ahead, waits for its own, and runs the SUB 128-column steps of one slot;
+    the E8M0 bytes of the next slot are loaded into registers. Returns with every copy landed (the next `_fill`
+    reuses the slots; cp.async copies are ordered only by waits)."""
     LA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     LB: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
     srows = gl.convert_layout(wrows, gl.SliceLayout(1, LS), assert_trivial=True)
@@ -383,8 +384,8 @@ def moe_w13_kernel(x_ptr, tok_ptr, offs_ptr, w_ptr, s_ptr, h_ptr,
     expert program_id(1) (offs), columns program_id(0) * BN/2 .. + BN/2: the program's BN weight rows are BN/2
     gate rows n and the up rows I + n, interleaved per 8 rows. x bf16 [T, RL] in `permute_columns` order; w_ptr
     the int16 view of w13_packed [E, 2I, RL/2]; I % (BN/2) == 0, RL % (128 SUB) == 0. Layouts and SUB, NW:
-    `layouts(BN, num_warps, BM, SUB)`. SPLIT_M (BM = 16): a tile of <= 8 pairs computes as an 8-token tile (LXL8:
-    half the MMAs and activation reads)."""
+    `layouts(BN, num_warps, BM, SUB)`. SPLIT_M (BM = 16 or 32): a tile of <= 8 pairs computes as an 8-token tile
+    (LXL8: fewer MMAs and activation reads), with BM = 32 one of <= 16 pairs as a 16-token tile (LXL16)."""
     pid_n = gl.program_id(0)
     e = gl.program_id(1)
     lo_off = gl.load(offs_ptr + e)
@@ -542,6 +543,15 @@ def check_shapes(latent: int, inter: int, block_n13: int, block_n2: int, block_k
                          f"width of block_n2 = {block_n2}; use impl='legacy' for these shapes")
 
 
+SMEM_LIMIT = 232448   # shared memory one CTA may use on sm_90 (227 KB)
+
+
+def ring_bytes(block_n: int, block_m: int, stages: int, sub: int) -> int:
+    """Shared memory of `_ring`: stages x sub 128-column steps of block_n weight rows (64 bytes each) and block_m
+    activation rows (256 bytes each); the kernels add <= 2 KB for the scale scan."""
+    return stages * sub * (block_n * 64 + block_m * 256)
+
+
 def resolve_tiles(latent: int, inter: int, *, block_n13: int | None = None, block_n2: int | None = None,
                   block_k: int | None = None, block_m: int | None = None, num_warps: int = 4,
                   stages: int | None = None, maxnreg: int | None = None, pairs_per_expert: int = 16,
@@ -549,15 +559,16 @@ def resolve_tiles(latent: int, inter: int, *, block_n13: int | None = None, bloc
     """The Gluon GEMMs' tiles with the defaults filled in and checked, for latent width Rl and expert width I:
     block_n13 / block_n2 weight rows per program (default 128), block_k K columns per copy (default 256 where both
     widths allow, else 128), block_m tokens per tile (default from the mean pairs per expert `pairs_per_expert`:
-    8 up to 8, 16 up to 12, else 32 — H200 run 19: at 16 pairs per expert 32-token tiles were 1.12x faster, at 9 1.3x
-    slower), stages ring slots (default 2; 2, 4 or 8), maxnreg the kernels' register cap per thread (default where
-    the tiles fit — at most 32 rows per warp and 256 columns per copy —: 128 with 8/16-token tiles (4 programs per SM
-    instead of 3, H200 run 15), 168 with 32-token tiles (3 programs per SM; 128 spills 88 bytes, run 19); else 255 =
-    no cap in effect; offline sm_90: 256 rows on 4 warps or 512 columns spill 72-552 bytes under 128), split_m
-    (default SPLIT_M; only with 16- or 32-token tiles, False otherwise: a tile of <= 8 pairs — an expert's last, or
-    its only one — runs the 8-token MMAs and activation reads, and with 32-token tiles one of <= 16 pairs the
-    16-token ones). Returns the keyword arguments of `grouped_gemms`' tiles. ValueError (naming the argument) for
-    anything the kernels cannot take."""
+    8 up to 8, 16 up to 12, else 32 — H200 run 19: at 16 pairs per expert 32-token tiles were 1.12x faster, at 9
+    1.3x slower), stages ring slots (default 2; 2, 4 or 8), maxnreg the kernels' register cap per thread (default
+    where the tiles fit — at most 32 rows per warp and 256 columns per copy —: 128 with 8/16-token tiles (4 programs
+    per SM instead of 3, H200 run 15), 168 with 32-token tiles on 4 warps (3 programs per SM; 128 spills 88 bytes,
+    run 19; on 8 warps 168 spills 8); else 255 = no cap in effect; offline sm_90: 256 rows on 4 warps or 512
+    columns spill 72-552 bytes under 128), split_m (default SPLIT_M; only with 16- or 32-token tiles, False
+    otherwise: a tile of <= 8 pairs — an expert's last, or its only one — runs the 8-token MMAs and activation
+    reads, and with 32-token tiles one of <= 16 pairs the 16-token ones). Returns the keyword arguments of
+    `grouped_gemms`' tiles. ValueError (naming the argument) for anything the kernels cannot take, including a ring
+    above sm_90's shared memory (`ring_bytes`)."""
     t = dict(block_n13=block_n13 or 128, block_n2=block_n2 or 128,
              block_k=block_k or (256 if latent % 256 == 0 and inter % 256 == 0 else 128),
              block_m=block_m or (8 if pairs_per_expert <= 8 else 16 if pairs_per_expert <= 12 else 32),
@@ -565,12 +576,18 @@ def resolve_tiles(latent: int, inter: int, *, block_n13: int | None = None, bloc
     t["split_m"] = (SPLIT_M if split_m is None else bool(split_m)) and t["block_m"] >= 16
     if maxnreg is None:
         fits = max(t["block_n13"], t["block_n2"]) <= 32 * num_warps and t["block_k"] <= 256
-        t["maxnreg"] = (128 if t["block_m"] <= 16 else 168) if fits else 255
+        t["maxnreg"] = (128 if t["block_m"] <= 16 else 168 if num_warps == 4 else 255) if fits else 255
     check_shapes(latent, inter, t["block_n13"], t["block_n2"], t["block_k"])
     if t["stages"] not in (2, 4, 8):
         raise ValueError(f"mxfp4_moe(impl='gluon'): num_stages={t['stages']} must be 2, 4 or 8")
     if not 64 <= t["maxnreg"] <= 255:
         raise ValueError(f"mxfp4_moe(impl='gluon'): maxnreg={t['maxnreg']} must be 64 .. 255 registers per thread")
+    ring = ring_bytes(max(t["block_n13"], t["block_n2"]), t["block_m"], t["stages"], t["block_k"] // BLOCK_K)
+    if ring + 2048 > SMEM_LIMIT:
+        raise ValueError(f"mxfp4_moe(impl='gluon'): a ring of {t['stages']} slots of {t['block_k']} columns for "
+                         f"{max(t['block_n13'], t['block_n2'])} rows and {t['block_m']} tokens needs {ring} bytes of "
+                         f"shared memory (+ 2 KB), above sm_90's {SMEM_LIMIT}: use fewer num_stages, a smaller block_k "
+                         "or block_m")
     for bn in (t["block_n13"], t["block_n2"]):
         layouts(bn, num_warps, t["block_m"], t["block_k"] // BLOCK_K)
     return t
