@@ -271,9 +271,13 @@ def _mla_prefill_vs_reference(lens, ctxl, H, R, DR, Dn, Dv, BS, dt, tol, tol_sdp
     ctx = torch.tensor(ctxl, dtype=torch.int32)
     attrs = dict(num_heads=H, qk_nope_head_dim=Dn, v_head_dim=Dv, kv_lora_rank=R, scale=(Dn + DR) ** -0.5)
     ro, rc = mla_ref.mla_prefill(q.float(), lat.float(), kv_b.float(), cache.float(), bt, cu, ctx, **attrs)
-    c = cache.to(DEV)
-    o, c2 = mla_k.mla_prefill(q.to(DEV), lat.to(DEV), kv_b.to(DEV), c, bt.to(DEV), cu.to(DEV), ctx.to(DEV),
-                              graph_safe=True, **attrs, **kw)
+    G = Guarded()              # poisoned margins around every tensor of the graph-safe (Triton) path and its scratch
+    c = G(cache.to(DEV))
+    ws = G(torch.full((mla_k.mla_prefill_workspace_bytes(T, H, R, DR, dtype=dt),), 0xAB, dtype=torch.uint8,
+                      device=DEV))
+    o, c2 = mla_k.mla_prefill(*(G(a.to(DEV)) for a in (q, lat, kv_b)), c, *(G(a.to(DEV)) for a in (bt, cu, ctx)),
+                              graph_safe=True, workspace=ws, out=G.empty(T, H * Dv, dtype=dt), **attrs, **kw)
+    G.check()
     assert c2.data_ptr() == c.data_ptr()
     assert relerr(o, ro) < tol
     assert nan_equal(c.float(), rc.to(dt).float())
@@ -294,7 +298,7 @@ def test_mla_prefill_graph_safe_matches_reference(lens, ctxl):
 
 
 @gpu_only
-@pytest.mark.parametrize("H", [12, 96])
+@pytest.mark.parametrize("H", [12, 24, 48, 96])
 def test_mla_prefill_graph_safe_gpu_production_heads(H):
     _mla_prefill_vs_reference([37, 1, 90], [70, 0, 130], H=H, R=512, DR=64, Dn=128, Dv=128, BS=64,
                               dt=torch.bfloat16, tol=2e-2, tol_sdpa=3e-2)
