@@ -857,7 +857,8 @@ try:
     fig, ax = plt.subplots(figsize=(10, 5))
     labels = []
     for r in rows:
-        lab = r["what"] + " " + ",".join(f"{k}={r[k]}" for k in ("H", "B", "L", "T", "experts") if k in r)
+        keys = ("H", "B", "L", "T", "experts")
+        lab = r["what"] + " " + ",".join(f"{k}={r[k]}" for k in keys if k in r)
         labels.append(lab)
     ax.barh(range(len(rows)), [r["pct_copy"] for r in rows])
     ax.axvline(100, color="k", ls="--", lw=1); ax.axvline(85, color="g", ls=":", lw=1); ax.axvline(70, color="r", ls=":", lw=1)
