@@ -756,9 +756,15 @@ if "kda_prefill" in ONLY and HAVE_FLA:
                     breakdown[name] = repr(e)[:200]
             og, pg = breakdown.get("ours_cuda_graph"), breakdown.get("peer_cuda_graph")
             graph_ratio = pg / og if ok and isinstance(og, float) and isinstance(pg, float) else None
+            # compulsory HBM bytes: the op's activations in (qkv, f, b, g) and out (bf16 [T, P]), the fp32 state read
+            # and written once (prefill is compute-bound: the fraction of copy shows how far from the memory roof)
+            nbytes = sum(d[k_].numel() * d[k_].element_size() for k_ in ("qkv", "f", "b", "g")) + T * P * 2 \
+                + 2 * H * K * K * 4
             out(what="kda_prefill", H=H, T=T, correct=ok, err_one_vs_split_varlen=err,
-                conv_cfg=kda_k._CONV_CFG, out_cfg=kda_k._OUT_CFG, us=ms * 1e3, peer="fla chunk_kda (recurrence only, pre-gated)",
+                conv_cfg=kda_k._CONV_CFG, out_cfg=kda_k._OUT_CFG, us=ms * 1e3,
+                peer="fla chunk_kda (recurrence only, pre-gated)",
                 peer_us=peer * 1e3, ratio=peer / ms, ratio_cuda_graphs=graph_ratio, Mtok_per_s=T / ms / 1e3,
+                bytes=nbytes, GBps=nbytes / ms / 1e6, pct_copy=100 * nbytes / ms / 1e6 / COPY,
                 chunk_kda_us_by_flags=breakdown)
             del d, q, kk, v, gg
         except Exception as e:
