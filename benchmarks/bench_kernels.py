@@ -8,7 +8,7 @@ shape; plus the pytest junit results when given). A roofline PNG is written besi
 """
 import argparse, json, math, os, statistics, sys, time, xml.etree.ElementTree as ET
 
-FAMILIES = "kda_decode,layers,graph,mla,moe,router,kda_prefill,aot_prefill"
+FAMILIES = "kda_decode,layers,graph,mla,mla_prefill,moe,router,kda_prefill,aot_prefill"
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--out", default="/tmp/k3deploy_bench/bench.jsonl",
                 help="JSON lines output; roofline.png goes beside it (default: %(default)s)")
@@ -19,7 +19,8 @@ ap.add_argument("--only", default=FAMILIES,
                 help=f"comma-separated families to run (default: all = {FAMILIES}); record names: kda_decode, "
                      "kda_decode_layers (one step of several layers in a CUDA graph, with the state-traffic floors), "
                      "cuda_graph_decode_step, "
-                     "mla_decode, mxfp4_moe, moe_router (top-k after the logits GEMM), kda_prefill, aot_prefill (the "
+                     "mla_decode, mla_prefill (torch SDPA vs the graph-safe Triton path), mxfp4_moe, moe_router (top-k "
+                     "after the logits GEMM), kda_prefill, aot_prefill (the "
                      "--aot engines' KdaPrefill/MlaPrefill chains "
                      "vs the JIT ops)")
 ap.add_argument("--rounds", type=int, default=3,
@@ -503,6 +504,38 @@ if "graph" in ONLY:
             out(what="cuda_graph_decode_step", H=H, B=1, us=res)
         except Exception as e:
             out(what="cuda_graph_decode_step", H=H, error=repr(e)[:400])
+
+# ------------------------------------------------------------------ MLA prefill: SDPA vs the graph-safe Triton path
+# `mla_prefill` eager default (graph_safe=False: per sequence, up-projected K/V, torch SDPA; reads cu_seqlens on the
+# host) against its graph-safe path (absorbed Triton kernels, fixed grids, workspace: what CUDA graphs and the TensorRT
+# plugin run), one prompt of T tokens without prefix and one with a 4096-token prefix in the paged cache.
+if "mla_prefill" in ONLY:
+    for H, T, C in ((12, 4096, 0), (96, 4096, 0), (12, 2048, 4096), (96, 2048, 4096)):
+        try:
+            Dn = Dv = 128
+            BS = 64
+            MB = triton.cdiv(C + T, BS)
+            cache = torch.randn(MB + 1, BS, R + DR, device=dev).bfloat16()
+            bt = (torch.randperm(MB, device=dev) + 1).int().view(1, MB)
+            cu = torch.tensor([0, T], dtype=torch.int32, device=dev)
+            ctx = torch.tensor([C], dtype=torch.int32, device=dev)
+            q = torch.randn(T, H, Dn + DR, device=dev).bfloat16()
+            lat = torch.randn(T, R + DR, device=dev).bfloat16()
+            kv_b = (torch.randn(H * (Dn + Dv), R, device=dev) * R ** -0.5).bfloat16()
+            attrs = dict(num_heads=H, qk_nope_head_dim=Dn, v_head_dim=Dv, kv_lora_rank=R, scale=(Dn + DR) ** -0.5)
+            ws = torch.empty(mla_k.mla_prefill_workspace_bytes(T, H, R, DR), dtype=torch.uint8, device=dev)
+            sdpa = lambda: mla_k.mla_prefill(q, lat, kv_b, cache, bt, cu, ctx, graph_safe=False, **attrs)   # noqa: E731
+            tri = lambda: mla_k.mla_prefill(q, lat, kv_b, cache, bt, cu, ctx, graph_safe=True, workspace=ws,  # noqa: E731
+                                            **attrs)
+            err = rel(tri()[0].float(), sdpa()[0].float())
+            ok = fam_ok.get("mla_prefill", True) and err < 3e-2
+            us_sdpa, us_tri = bench(sdpa, rep=100) * 1e3, bench(tri, rep=100) * 1e3
+            out(what="mla_prefill", H=H, T=T, context=C, correct=ok, err_triton_vs_sdpa=err,
+                us=us_sdpa if ok else float("nan"), path="graph_safe=False (torch SDPA, the eager default)",
+                triton_us=us_tri if ok else float("nan"), sdpa_over_triton=us_sdpa / us_tri)
+            del cache, q, lat, kv_b, ws
+        except Exception as e:
+            out(what="mla_prefill", H=H, T=T, error=repr(e)[:400])
 
 # ------------------------------------------------------------------ MoE
 # MoE variants timed against the default (impl None: the Gluon kernels for decode-sized batches of >= 64 pairs,
