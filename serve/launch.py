@@ -275,6 +275,7 @@ class TritonServer:
         self.log_path: Optional[pathlib.Path] = None
         self._log_file = None
         self._proc: Optional[subprocess.Popen] = None
+        self._shm_prefix: Optional[str] = None
         self.returncode: Optional[int] = None
         self._final_log = ""
 
@@ -302,7 +303,7 @@ class TritonServer:
     def command(self, backends: pathlib.Path) -> list[str]:
         """The full ``tritonserver`` command line."""
         dist = find_distribution()
-        shm_prefix = f"k3serve_{os.getpid()}_{uuid.uuid4().hex[:8]}_"
+        shm_prefix = self._shm_prefix = f"k3serve_{os.getpid()}_{uuid.uuid4().hex[:8]}_"
         cmd = [
             str(dist.binary),
             f"--model-repository={self.repo}",
@@ -404,7 +405,9 @@ class TritonServer:
 
     def stop(self, timeout: Optional[float] = None) -> Optional[int]:
         """Stop the server: SIGTERM, wait up to ``timeout`` (default ``exit_timeout`` + 15 s), then SIGKILL
-        its process group. Removes a temporary workdir. Returns the server's exit code. Idempotent."""
+        its process group; then end whatever of that group outlived the server (the Python backend's stubs when
+        tritonserver exits on an error: they ignore SIGTERM) and remove the shared-memory regions of this
+        server's prefix. Removes a temporary workdir. Returns the server's exit code. Idempotent."""
         proc = self._proc
         if proc is not None:
             if proc.poll() is None:
@@ -414,13 +417,12 @@ class TritonServer:
                     proc.wait(timeout=self.exit_timeout + 15 if timeout is None else timeout)
                 except subprocess.TimeoutExpired:
                     LOGGER.warning("tritonserver (pid %d) ignored SIGTERM; killing its process group", proc.pid)
-                    try:
-                        os.killpg(proc.pid, signal.SIGKILL)  # own session: pgid == pid, only our children
-                    except ProcessLookupError:
-                        pass
+                    _signal_group(proc.pid, signal.SIGKILL)
                     proc.wait()
             self.returncode = proc.returncode
+            _end_group(proc.pid)
             self._proc = None
+            self._remove_shm()
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
@@ -433,6 +435,13 @@ class TritonServer:
             self.workdir = None
         return self.returncode
 
+    def _remove_shm(self) -> None:
+        """Unlink the shared-memory regions named with this server's prefix (left behind by killed stubs)."""
+        if self._shm_prefix:
+            for f in pathlib.Path("/dev/shm").glob(self._shm_prefix + "*"):
+                LOGGER.info("removing leftover shared memory %s", f)
+                f.unlink(missing_ok=True)
+
     def __enter__(self) -> "TritonServer":
         if not self.is_alive():
             self.start()
@@ -440,6 +449,29 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    """Send `sig` to process group `pgid`; False when the group has no process left."""
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _end_group(pgid: int, grace: float = 5.0) -> None:
+    """End the processes left in the server's process group (its own session: pgid == the server's pid, so only
+    its children): SIGTERM, up to `grace` seconds, then SIGKILL."""
+    if not _signal_group(pgid, signal.SIGTERM):
+        return
+    LOGGER.warning("processes of tritonserver's group %d outlived it; ending them", pgid)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if not _signal_group(pgid, 0):
+            return
+        time.sleep(0.1)
+    _signal_group(pgid, signal.SIGKILL)
 
 
 def _parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

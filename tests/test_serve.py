@@ -265,6 +265,37 @@ def test_launch_failure_reports_log_tail(tmp_path):
     assert not srv.is_alive()
 
 
+def _procs_with(text: str) -> list[int]:
+    """PIDs of live processes whose command line contains `text` (Linux /proc)."""
+    pids = []
+    for d in pathlib.Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and text.encode() in (d / "cmdline").read_bytes():
+                if "State:\tZ" not in (d / "status").read_text():
+                    pids.append(int(d.name))
+        except OSError:
+            pass
+    return pids
+
+
+def test_failed_start_leaves_no_stub_or_shared_memory(echo_repo):
+    """tritonserver exiting on an error (its HTTP port taken) after the Python backend started the model's stub: the
+    stub (which ignores SIGTERM) must not outlive the launch, nor its shared-memory region (a new-user trial found
+    both left behind, ~430 MB each)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        h = taken.getsockname()[1]
+        g = free_ports(1)[0]
+        srv = TritonServer(echo_repo, h, g, startup_timeout=WAIT_S, exit_timeout=5)
+        with pytest.raises(TritonLaunchError, match="exited with code"):
+            srv.start()
+    prefix = srv._shm_prefix
+    assert prefix and not srv.is_alive()
+    assert _procs_with(prefix) == []
+    assert list(pathlib.Path("/dev/shm").glob(prefix + "*")) == []
+
+
 def test_launcher_rejects_bad_arguments(tmp_path):
     with pytest.raises(TritonLaunchError, match="not a directory"):
         TritonServer(tmp_path / "nope", 1234, 1235)
