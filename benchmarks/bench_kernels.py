@@ -81,10 +81,10 @@ try:                                                  # after --help, which need
     import triton.language as tl                      # noqa: E402
     from triton.testing import do_bench               # noqa: E402
 except ImportError as e:
-    sys.exit(f"error: bench_kernels.py needs torch and Triton on a CUDA GPU ({e}); install the gpu extra: "
-             "pip install -e '.[gpu]'")
+    ap.exit(2, f"error: bench_kernels.py needs torch and Triton on a CUDA GPU ({e}); install the gpu extra: "
+               "pip install -e '.[gpu]'\n")
 if not torch.cuda.is_available():
-    sys.exit("error: bench_kernels.py needs a CUDA GPU (torch.cuda.is_available() is False here)")
+    ap.exit(2, "error: bench_kernels.py needs a CUDA GPU (torch.cuda.is_available() is False here)\n")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from plugins.kda import kernels as kda_k   # noqa: E402

@@ -84,6 +84,9 @@ def dq_asm14(folded: bool) -> str:
         """)
 
 
+VARIANTS = ("no_decode", "no_scale_mul", "dec14")     # the keys of `_edits()` (which needs Triton)
+
+
 def _edits() -> dict:
     """variant name -> [(text of plugins/moe/kernels_gluon.py, its replacement)]: each text must occur exactly once
     (`edit_source`), so that no variant times the unchanged decode under its own name (the bench's factors all take
@@ -166,8 +169,8 @@ def copy_gbps(dev) -> float:
 def main(argv=None) -> int:
     """The CLI (module docstring). Returns the exit status: 0, or 2 without a suitable GPU or when the kernels'
     decode no longer matches a variant's edits."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    head, rest = __doc__.split("\n\n", 1)
+    ap = argparse.ArgumentParser(description=head, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=rest)
     ap.add_argument("--tokens", default="64,8", help="comma-separated token counts T (default 64,8)")
     ap.add_argument("--rounds", type=int, default=9, help="interleaved timing rounds (default 9)")
     ap.add_argument("--variants", default="no_decode,no_scale_mul,dec14",
@@ -177,18 +180,22 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="append the JSON lines to this file")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    edits = _edits()
     names = [v for v in a.variants.split(",") if v]
-    bad = [v for v in names if v not in edits]
+    bad = [v for v in names if v not in VARIANTS]
     if bad:
-        ap.error(f"--variants {','.join(bad)}: choose from {', '.join(edits)}")
+        ap.error(f"--variants {','.join(bad)}: choose from {', '.join(VARIANTS)}")
     if a.rounds < 1:
         ap.error(f"--rounds {a.rounds}: time at least one round")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         log.error("needs a CUDA GPU of compute capability >= 9.0 (the Gluon kernels' bf16x2 decode)")
         return 2
-    from plugins.moe import kernels as mk
-    from plugins.moe import kernels_gluon as kg0
+    try:
+        from plugins.moe import kernels as mk
+        from plugins.moe import kernels_gluon as kg0
+    except ImportError as e:
+        log.error("needs Triton with Gluon (pip install -e '.[gpu]'): %s", e)
+        return 2
+    edits = _edits()
     source = Path(kg0.__file__).read_text()
     a.tmpdir.mkdir(parents=True, exist_ok=True)
     try:

@@ -45,9 +45,9 @@ try:
     import torch
     from fla.ops.kda import chunk_kda
 except ImportError as e:
-    sys.exit(f"error: profile_kda_prefill.py needs torch and fla-core on a CUDA GPU ({e})")
+    ap.exit(2, f"error: profile_kda_prefill.py needs torch and fla-core on a CUDA GPU ({e})\n")
 if not torch.cuda.is_available():
-    sys.exit("error: profile_kda_prefill.py needs a CUDA GPU (torch.cuda.is_available() is False here)")
+    ap.exit(2, "error: profile_kda_prefill.py needs a CUDA GPU (torch.cuda.is_available() is False here)\n")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from plugins.kda import kernels as kda_k  # noqa: E402
 
