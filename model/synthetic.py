@@ -21,13 +21,14 @@ import argparse
 import hashlib
 import logging
 import math
+import shutil
 import sys
 from pathlib import Path
 
 import torch
 
 from model.checkpoint import CheckpointWriter
-from model.config import PRESETS, K3Config, load_config
+from model.config import PRESETS, ConfigError, K3Config, load_config
 from model.weights import PREFIX, TensorSpec, a_log_stored_size, all_tensors, layer_tensors, model_tensors
 from plugins.moe.mxfp4 import pack_mxfp4
 
@@ -194,11 +195,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true", help="replace a non-empty output directory")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cfg = load_config(a.preset)
+    try:
+        cfg = load_config(a.preset)
+    except (FileNotFoundError, ConfigError) as e:
+        print(f"error: --preset {e}", file=sys.stderr)
+        return 2
     if a.out.exists() and (not a.out.is_dir() or any(a.out.iterdir())) and not a.force:
         print(f"error: {a.out} is not empty; use --force to replace it", file=sys.stderr)
         return 2
     total = sum(s.nbytes for s in all_tensors(cfg))
+    parent = next(p for p in (a.out, *a.out.resolve().parents) if p.exists())
+    free = shutil.disk_usage(parent).free
+    if free < total:
+        print(f"error: {cfg.name} needs {total / 2**30:.2f} GiB but {parent} has {free / 2**30:.2f} GiB free; "
+              "choose another --out or a smaller preset (k3-tiny, k3-slice)", file=sys.stderr)
+        return 2
     print(f"writing {cfg.name} (seed {a.seed}, {total / 2**30:.2f} GiB, {cfg.num_hidden_layers + 1} shards) to {a.out}")
     write_synthetic(cfg, a.out, seed=a.seed, overwrite=a.force, progress=True)
     print(f"done: {a.out}")

@@ -208,6 +208,19 @@ def test_synthetic_cli(tmp_path):
     assert e.value.code == 0
 
 
+def test_synthetic_cli_bad_preset_and_no_space(tmp_path, capsys, monkeypatch):
+    """One line and exit 2, before anything is written: an unknown preset, and a checkpoint larger than the free
+    space (the k3 preset is ~1.45 TiB)."""
+    import shutil
+    from model.synthetic import main
+    assert main(["--preset", "k3-huge", "--out", str(tmp_path / "a")]) == 2
+    assert "--preset k3-huge: neither a preset" in capsys.readouterr().err
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10 * 2**30, 9 * 2**30, 2**30))
+    assert main(["--preset", "k3", "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert "needs 1452.83 GiB" in err and "1.00 GiB free" in err and not (tmp_path / "b").exists()
+
+
 # ---- corruptions: one clear error naming tensor and file each ----------------------------------------
 
 def test_missing_tensor(tmp_path, tensors):
