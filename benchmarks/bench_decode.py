@@ -570,6 +570,9 @@ def main(argv=None) -> int:
         tp = a.tp or world
         if tp != world:
             raise ValueError(f"--tp {tp}: launch {tp} processes (torchrun --nproc-per-node {tp}); world size is {world}")
+        if a.checkpoint is not None and not (a.checkpoint / "config.json").is_file():
+            raise FileNotFoundError(f"--checkpoint {a.checkpoint}: not a checkpoint directory (no config.json); write "
+                                    "one with python -m model.synthetic or leave it out to draw --preset's weights")
         cfg = load_config(a.checkpoint if a.checkpoint is not None else a.preset)
         variants = (a.ops or ("torch" if device.type == "cuda" else "reference")).split(",")
         from model.sharding import check_parallel

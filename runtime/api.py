@@ -282,7 +282,9 @@ class LLM:
                                  profile_comm=profile_comm, dense_dtype=dense_dtype)
         if backend == "onnxruntime":
             if p["onnx"] is None:
-                raise FileNotFoundError(f"backend 'onnxruntime' needs an ONNX export directory with index.json; found none ({self._found()})")
+                raise FileNotFoundError(f"backend 'onnxruntime' needs an ONNX export directory with index.json; found none "
+                                        f"({self._found()}); point --model at a deployment written by "
+                                        "export/build_engines.py (out/<name>/), or use --backend torch for a checkpoint")
             from runtime.executor import OnnxRuntimeExecutor
             return OnnxRuntimeExecutor(p["onnx"], rank=self.rank)
         if backend == "tensorrt":
