@@ -474,6 +474,13 @@ class Checkpoint:
                 problems.extend(err.problems)
                 bad_files.add(f)
                 continue
+            cut = sorted((n for n, e in entries.items() if e.end > size), key=lambda n: -entries[n].end)
+            if cut:      # one line per shard, not one per tensor past the end
+                shown = ", ".join(cut[:3]) + (f" and {len(cut) - 3} more" if len(cut) > 3 else "")
+                problems.append(f"shard {f} is truncated: the file has {size} bytes but its header places data up to "
+                                f"byte {entries[cut[0]].end} ({shown} end past it); download or write it again")
+                bad_files.add(f)
+                continue
             for name, e in entries.items():
                 if name.startswith(SKIP_PREFIXES) or name not in self.weight_map:
                     prob = self._entry_problem(name, f, e, size)  # inventory tensors are checked below

@@ -249,6 +249,9 @@ def test_truncated_shard(tmp_path, ckpt_dir):
     ck = Checkpoint(d)
     last = max(ck._header(SHARD1)[0].items(), key=lambda kv: kv[1].end)[0]
     assert last in str(err)
+    os.truncate(path, path.stat().st_size // 3)               # most of the shard gone: still one line
+    err = one_error(d)
+    assert f"shard {SHARD1} is truncated" in str(err) and "more end past it" in str(err)
 
 
 def test_index_names_missing_shard(tmp_path, ckpt_dir):
