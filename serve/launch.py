@@ -405,9 +405,10 @@ class TritonServer:
 
     def stop(self, timeout: Optional[float] = None) -> Optional[int]:
         """Stop the server: SIGTERM, wait up to ``timeout`` (default ``exit_timeout`` + 15 s), then SIGKILL
-        its process group; then end whatever of that group outlived the server (the Python backend's stubs when
-        tritonserver exits on an error: they ignore SIGTERM) and remove the shared-memory regions of this
-        server's prefix. Removes a temporary workdir. Returns the server's exit code. Idempotent."""
+        its process group (the server not yet reaped: the group is still ours); then end the Python backend's stubs
+        that outlived the server (tritonserver exiting on an error orphans them: `_end_stubs`) and remove the
+        shared-memory regions of this server's prefix. Removes a temporary workdir. Returns the server's exit
+        code. Idempotent."""
         proc = self._proc
         if proc is not None:
             if proc.poll() is None:
@@ -420,9 +421,10 @@ class TritonServer:
                     _signal_group(proc.pid, signal.SIGKILL)
                     proc.wait()
             self.returncode = proc.returncode
-            _end_group(proc.pid)
+            if self._shm_prefix:
+                _end_stubs(proc.pid, self._shm_prefix)
+                _remove_shm(self._shm_prefix)
             self._proc = None
-            self._remove_shm()
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
@@ -434,13 +436,6 @@ class TritonServer:
                 self.log_path = None
             self.workdir = None
         return self.returncode
-
-    def _remove_shm(self) -> None:
-        """Unlink the shared-memory regions named with this server's prefix (left behind by killed stubs)."""
-        if self._shm_prefix:
-            for f in pathlib.Path("/dev/shm").glob(self._shm_prefix + "*"):
-                LOGGER.info("removing leftover shared memory %s", f)
-                f.unlink(missing_ok=True)
 
     def __enter__(self) -> "TritonServer":
         if not self.is_alive():
@@ -460,18 +455,66 @@ def _signal_group(pgid: int, sig: int) -> bool:
         return False
 
 
-def _end_group(pgid: int, grace: float = 5.0) -> None:
-    """End the processes left in the server's process group (its own session: pgid == the server's pid, so only
-    its children): SIGTERM, up to `grace` seconds, then SIGKILL."""
-    if not _signal_group(pgid, signal.SIGTERM):
+def _stubs(pgid: int, marker: str) -> list[int]:
+    """Live (not zombie) processes of process group `pgid` whose command line carries `marker` — the server's
+    shared-memory prefix, which tritonserver passes to every Python backend stub it starts (Linux /proc). Matching
+    both, never a bare group id, keeps a reused pid from being signalled once the server itself is reaped."""
+    found = []
+    for d in pathlib.Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            state, _ppid, pgrp = stat[stat.rindex(")") + 2:].split()[:3]      # "pid (comm) state ppid pgrp .."
+            if int(pgrp) == pgid and state != "Z" and marker.encode() in (d / "cmdline").read_bytes():
+                found.append(int(d.name))
+        except (OSError, ValueError):
+            pass
+    return found
+
+
+def _signal_stub(pid: int, marker: str, sig: int) -> None:
+    """Send `sig` to stub `pid` through a pidfd taken before re-checking its command line, so that a pid reused
+    in between is never signalled (falls back to kill() where pidfds are missing)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
         return
-    LOGGER.warning("processes of tritonserver's group %d outlived it; ending them", pgid)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        if not _signal_group(pgid, 0):
+    except (AttributeError, OSError):
+        fd = None
+    try:
+        if marker.encode() in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes():
+            signal.pidfd_send_signal(fd, sig) if fd is not None else os.kill(pid, sig)
+    except OSError:             # gone meanwhile (ProcessLookupError), or not ours to signal
+        pass
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _end_stubs(pgid: int, marker: str, grace: float = 5.0) -> None:
+    """End the stubs of the server's group `pgid` that outlived it (`_stubs`): SIGTERM, up to `grace` seconds,
+    then SIGKILL, and up to 1 s for them to go."""
+    left = _stubs(pgid, marker)
+    if not left:
+        return
+    LOGGER.warning("Python backend stubs %s outlived tritonserver; ending them", left)
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 1.0)):
+        for pid in left:
+            _signal_stub(pid, marker, sig)
+        deadline = time.monotonic() + wait
+        while left and time.monotonic() < deadline:
+            time.sleep(0.05)
+            left = _stubs(pgid, marker)
+        if not left:
             return
-        time.sleep(0.1)
-    _signal_group(pgid, signal.SIGKILL)
+
+
+def _remove_shm(prefix: str) -> None:
+    """Unlink the shared-memory regions named with a server's prefix (left behind by killed stubs)."""
+    for f in pathlib.Path("/dev/shm").glob(prefix + "*"):
+        LOGGER.info("removing leftover shared memory %s", f)
+        f.unlink(missing_ok=True)
 
 
 def _parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

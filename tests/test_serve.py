@@ -296,6 +296,37 @@ def test_failed_start_leaves_no_stub_or_shared_memory(echo_repo):
     assert list(pathlib.Path("/dev/shm").glob(prefix + "*")) == []
 
 
+def test_end_stubs_ends_only_the_servers_orphans():
+    """The cleanup alone, deterministically: a process ignoring SIGTERM, orphaned in a process group whose leader
+    has exited (a stub after tritonserver exited on an error) and carrying the server's prefix, ends (SIGTERM, then
+    SIGKILL); a process of the same group without the prefix is left alone; the prefix's shared memory goes."""
+    from serve import launch
+    prefix, other = f"k3serve_test{os.getpid()}_", f"k3bystander{os.getpid()}"
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    leader = subprocess.Popen(["sh", "-c", f"'{sys.executable}' -c '{code}' {prefix}x & "
+                                           f"'{sys.executable}' -c '{code}' {other} & exit 0"], start_new_session=True)
+    leader.wait()
+    shm = pathlib.Path("/dev/shm") / f"{prefix}region"
+    try:
+        def ignoring_term(pids):       # SIGTERM (bit 15) in SigIgn: the handler is in place
+            return pids and all(int(re.search(r"SigIgn:\s*([0-9a-f]+)", pathlib.Path(f"/proc/{p}/status").read_text())
+                                       .group(1), 16) & (1 << (signal.SIGTERM - 1)) for p in pids)
+        deadline = time.monotonic() + 10
+        while not (ignoring_term(launch._stubs(leader.pid, prefix)) and ignoring_term(_procs_with(other))) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(launch._stubs(leader.pid, prefix)) == 1 and len(_procs_with(other)) == 1
+        shm.write_bytes(b"x")
+        launch._end_stubs(leader.pid, prefix, grace=0.5)
+        launch._remove_shm(prefix)
+        assert launch._stubs(leader.pid, prefix) == [] and _procs_with(prefix) == [] and not shm.exists()
+        assert len(_procs_with(other)) == 1                         # same group, no prefix: untouched
+    finally:
+        for pid in _procs_with(prefix) + _procs_with(other):
+            os.kill(pid, signal.SIGKILL)
+        shm.unlink(missing_ok=True)
+
+
 def test_launcher_rejects_bad_arguments(tmp_path):
     with pytest.raises(TritonLaunchError, match="not a directory"):
         TritonServer(tmp_path / "nope", 1234, 1235)
