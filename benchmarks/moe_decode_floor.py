@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=head, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=rest)
     ap.add_argument("--tokens", default="64,8", help="comma-separated token counts T (default 64,8)")
     ap.add_argument("--rounds", type=int, default=9, help="interleaved timing rounds (default 9)")
-    ap.add_argument("--variants", default="no_decode,no_scale_mul,dec14",
+    ap.add_argument("--variants", default=",".join(VARIANTS),
                     help="comma-separated variants timed beside the unchanged kernels (default all three)")
     ap.add_argument("--tmpdir", type=Path, default=Path("/tmp/moe_decode_floor"),
                     help="where the variant modules are written (default /tmp/moe_decode_floor)")

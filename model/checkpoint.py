@@ -474,7 +474,10 @@ class Checkpoint:
                 problems.extend(err.problems)
                 bad_files.add(f)
                 continue
-            cut = sorted((n for n, e in entries.items() if e.end > size), key=lambda n: -entries[n].end)
+            cut = sorted((n for n, e in entries.items()           # well-formed entries past the end of the file
+                          if e.end > size and e.dtype in DTYPES
+                          and e.end - e.begin == _ITEMSIZE[e.dtype] * int(np.prod(e.shape, dtype=np.int64))),
+                         key=lambda n: -entries[n].end)
             if cut:      # one line per shard, not one per tensor past the end
                 shown = ", ".join(cut[:3]) + (f" and {len(cut) - 3} more" if len(cut) > 3 else "")
                 problems.append(f"shard {f} is truncated: the file has {size} bytes but its header places data up to "

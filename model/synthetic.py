@@ -204,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {a.out} is not empty; use --force to replace it", file=sys.stderr)
         return 2
     total = sum(s.nbytes for s in all_tensors(cfg))
-    parent = next(p for p in (a.out, *a.out.resolve().parents) if p.exists())
+    # CheckpointWriter writes into a temporary sibling of --out, then renames: the space counted is its parent's
+    parent = next(p for p in a.out.resolve().parents if p.exists())
     free = shutil.disk_usage(parent).free
     if free < total:
         print(f"error: {cfg.name} needs {total / 2**30:.2f} GiB but {parent} has {free / 2**30:.2f} GiB free; "

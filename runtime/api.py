@@ -283,8 +283,8 @@ class LLM:
         if backend == "onnxruntime":
             if p["onnx"] is None:
                 raise FileNotFoundError(f"backend 'onnxruntime' needs an ONNX export directory with index.json; found none "
-                                        f"({self._found()}); point --model at a deployment written by "
-                                        "export/build_engines.py (out/<name>/), or use --backend torch for a checkpoint")
+                                        f"({self._found()}); give the directory export/build_engines.py wrote "
+                                        "(out/<name>/), or the torch backend with a checkpoint")
             from runtime.executor import OnnxRuntimeExecutor
             return OnnxRuntimeExecutor(p["onnx"], rank=self.rank)
         if backend == "tensorrt":

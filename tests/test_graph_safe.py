@@ -273,11 +273,14 @@ def _mla_prefill_vs_reference(lens, ctxl, H, R, DR, Dn, Dv, BS, dt, tol, tol_sdp
     ro, rc = mla_ref.mla_prefill(q.float(), lat.float(), kv_b.float(), cache.float(), bt, cu, ctx, **attrs)
     G = Guarded()              # poisoned margins around every tensor of the graph-safe (Triton) path and its scratch
     c = G(cache.to(DEV))
-    ws = G(torch.full((mla_k.mla_prefill_workspace_bytes(T, H, R, DR, dtype=dt),), 0xAB, dtype=torch.uint8,
+    # workspace and out start as NaN (0xFF bytes): a row never written shows as NaN, not as a small error
+    ws = G(torch.full((mla_k.mla_prefill_workspace_bytes(T, H, R, DR, dtype=dt),), 0xFF, dtype=torch.uint8,
                       device=DEV))
     o, c2 = mla_k.mla_prefill(*(G(a.to(DEV)) for a in (q, lat, kv_b)), c, *(G(a.to(DEV)) for a in (bt, cu, ctx)),
-                              graph_safe=True, workspace=ws, out=G.empty(T, H * Dv, dtype=dt), **attrs, **kw)
+                              graph_safe=True, workspace=ws, out=G(torch.full((T, H * Dv), float("nan"), dtype=dt,
+                                                                               device=DEV)), **attrs, **kw)
     G.check()
+    assert not torch.isnan(o).any()
     assert c2.data_ptr() == c.data_ptr()
     assert relerr(o, ro) < tol
     assert nan_equal(c.float(), rc.to(dt).float())

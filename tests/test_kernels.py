@@ -55,7 +55,8 @@ KDA_CASES = [(2, 16, torch.float32)] + ([(12, 128, torch.bfloat16), (24, 128, to
                                        [(3, 32, torch.bfloat16)])
 
 
-@pytest.mark.parametrize("bv", [None, "quarter", "half", "quarter+workspace", "sentinel", "quarter+tokens-fast"])
+@pytest.mark.parametrize("bv", [None, "quarter", "half", "quarter+workspace", "half+workspace", "sentinel",
+                                "quarter+tokens-fast"])
 @pytest.mark.parametrize("H,K,act", KDA_CASES)
 def test_kda_decode(H, K, act, bv):
     """Kernel = reference on the used slots; unused slots untouched (NaN-poisoned). "sentinel": row 1 is a padding
@@ -69,9 +70,9 @@ def test_kda_decode(H, K, act, bv):
     dd = {k: G(v.to(DEV)) for k, v in d.items()}
     st, cv = G(state.to(DEV)), G(conv.to(DEV))
     # "half": the V tile of 64 that the default picks for K = 128 above 1024 (token, head) items (the large batches)
-    kw = dict(block_v=K // 4 if bv and bv.startswith("quarter") else K // 2 if bv == "half" else None)
-    if bv == "quarter+workspace":  # scratch carved from a caller buffer filled with garbage (CUDA graph / TRT)
-        n = kda_k.kda_decode_workspace_bytes(len(slots), H, K, K // 4)
+    kw = dict(block_v=K // 4 if bv and bv.startswith("quarter") else K // 2 if bv and bv.startswith("half") else None)
+    if bv and bv.endswith("+workspace"):  # scratch carved from a caller buffer filled with garbage (CUDA graph / TRT)
+        n = kda_k.kda_decode_workspace_bytes(len(slots), H, K, kw["block_v"])
         kw["workspace"] = G(torch.full((n,), 0xAB, dtype=torch.uint8, device=DEV))
     if bv == "quarter+tokens-fast":   # the grid order before run 12 (tokens fastest)
         kw.update(iv_fast=False)

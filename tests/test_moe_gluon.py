@@ -434,6 +434,7 @@ def test_decode_ptx_and_the_relaid_candidate_decode_e2m1(monkeypatch):
                     for got, c in ((bf(out[i]), codes[i]), (bf(out[i] >> 16), codes[i + 4])):
                         want = val(c) * 2.0 ** (s - 127)
                         assert got == want and math.copysign(1, got) == math.copysign(1, want), (folded, codes, i)
+    assert tuple(fl._edits()) == fl.VARIANTS      # the CLI's variant names (checked without Triton) = the edits
     for name, edits in fl._edits().items():      # each edit applies exactly once; a moved decode is one clear error
         assert fl.edit_source(src, edits) != src, name
         with pytest.raises(ValueError, match="occurs 0 times.*update moe_decode_floor._edits"):
