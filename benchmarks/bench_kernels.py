@@ -41,6 +41,10 @@ ap.add_argument("--moe-tokens", default="64,1,8,256",
 ap.add_argument("--moe-experts", default="112",
                 help="MoE: comma-separated local expert counts (default %(default)s = K3 at TP=8 / EP=8; 64 = k3-slice "
                      "at TP=1, 896 = K3 at TP=1: ~15 GB of MXFP4 weights plus ~60 GB for the bf16 peer)")
+ap.add_argument("--moe-global-experts", type=int, default=0,
+                help="MoE: routed experts over all EP ranks (default 0 = the local count: every choice local, the "
+                     "issue's T=64 shape); 896 with --moe-experts 112 = K3 at EP=8 as deployed, each token's 16 "
+                     "choices drawn over 896 experts, ~1/8 of them on this rank's 112")
 args = ap.parse_args()
 ONLY = set(args.only.split(","))
 ROUNDS = args.rounds
@@ -66,6 +70,9 @@ def int_list(flag: str, text: str, least: int, example: str) -> list:
 
 
 MOE_TOKENS = int_list("--moe-tokens", args.moe_tokens, 1, "64,8")
+MOE_GLOBAL = args.moe_global_experts
+if MOE_GLOBAL < 0:
+    ap.error(f"--moe-global-experts {MOE_GLOBAL}: give the routed experts over all EP ranks (896 for K3), or 0")
 MOE_EXPERTS = int_list("--moe-experts", args.moe_experts, 16, "112,64 (top-16 needs 16)")
 MOE_VARIANTS_ARG = None
 if args.moe_variants is not None:
@@ -568,12 +575,15 @@ def bench_moe(E: int) -> None:
 
         def situ(g, u):
             return 4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(u / 25)
+        NG = max(MOE_GLOBAL, E)      # routed experts over all EP ranks; this rank holds experts 0 .. E-1
         for T in MOE_TOKENS:
             xl = torch.randn(T, D, device=dev, dtype=torch.bfloat16) * 0.1
-            ids = torch.stack([torch.randperm(E, device=dev)[:KK] for _ in range(T)]).int()
+            ids = torch.stack([torch.randperm(NG, device=dev)[:KK] for _ in range(T)]).int()
             wts = torch.rand(T, KK, device=dev)
-            touched = torch.unique(ids).numel()
-            flat = ids.reshape(-1).long(); order = torch.argsort(flat); counts = torch.bincount(flat, minlength=E)
+            flat = ids.reshape(-1).long()
+            mine = torch.nonzero(flat < E).squeeze(1)         # the (token, choice) pairs of this rank's experts
+            touched = torch.unique(flat[mine]).numel()
+            order = mine[torch.argsort(flat[mine])]; counts = torch.bincount(flat[mine], minlength=E)
             offs = torch.cumsum(counts, 0).to(torch.int32); tok = order // KK
 
             def grouped():
@@ -584,7 +594,7 @@ def bench_moe(E: int) -> None:
                 yy = torch.zeros(T, D, device=dev, dtype=torch.float32)
                 yy.index_add_(0, tok, o.float() * wts.reshape(-1)[order][:, None]); return yy
             ref = grouped()
-            yk = moe_k.mxfp4_moe(xl, ids, wts, w13p, w13s, w2p, w2s)
+            yk = moe_k.mxfp4_moe(xl, ids, wts, w13p, w13s, w2p, w2s, num_experts=NG)
             err = rel(yk, ref)
             ok = err < 2e-2 and fam_ok.get("mxfp4_moe", True)
             mx_bytes = touched * (2 * I * (D // 2 + D // 32) + D * (I // 2 + I // 32))
@@ -595,10 +605,11 @@ def bench_moe(E: int) -> None:
             fns = {}
             for cfg in (cfgs if ok else []):     # each variant checked once, then timed in interleaved rounds
                 try:
-                    y2 = moe_k.mxfp4_moe(xl, ids, wts, w13p, w13s, w2p, w2s, **cfg)
+                    y2 = moe_k.mxfp4_moe(xl, ids, wts, w13p, w13s, w2p, w2s, num_experts=NG, **cfg)
                     if rel(y2, ref) > 2e-2:
                         res[json.dumps(cfg)] = "mismatch"; continue
-                    fns[json.dumps(cfg)] = lambda cfg=cfg: moe_k.mxfp4_moe(xl, ids, wts, w13p, w13s, w2p, w2s, **cfg)
+                    fns[json.dumps(cfg)] = lambda cfg=cfg: moe_k.mxfp4_moe(xl, ids, wts, w13p, w13s, w2p, w2s,
+                                                                           num_experts=NG, **cfg)
                 except Exception as e:
                     res[json.dumps(cfg)] = repr(e)[:200]
             # ROUNDS interleaved rounds over the variants, median per variant (run 15: one pass of the same code
@@ -619,7 +630,8 @@ def bench_moe(E: int) -> None:
             us_default = res.get("{}") if isinstance(res.get("{}"), float) else float("nan")
             ms = us_default / 1e3
             peer = bench(grouped, rep=100)
-            out(what="mxfp4_moe", T=T, experts=E, experts_touched=touched, correct=ok, err=err, us=ms * 1e3,
+            out(what="mxfp4_moe", T=T, experts=E, global_experts=NG, local_pairs=int(mine.numel()),
+                experts_touched=touched, correct=ok, err=err, us=ms * 1e3,
                 variants=res, spreads=spreads, rounds=ROUNDS, best=best[1] if best else None,
                 us_best=best[0] if best else None,
                 peer="bf16 dequantized weights + torch._grouped_mm", peer_us=peer * 1e3,
