@@ -301,9 +301,8 @@ class TritonServer:
         return None if self._proc is None else self._proc.pid
 
     def command(self, backends: pathlib.Path) -> list[str]:
-        """The full ``tritonserver`` command line."""
+        """The full ``tritonserver`` command line (with the shared-memory prefix :meth:`start` chose)."""
         dist = find_distribution()
-        shm_prefix = self._shm_prefix = f"k3serve_{os.getpid()}_{uuid.uuid4().hex[:8]}_"
         cmd = [
             str(dist.binary),
             f"--model-repository={self.repo}",
@@ -316,7 +315,7 @@ class TritonServer:
             f"--exit-timeout-secs={self.exit_timeout}",
             f"--log-verbose={self.log_verbose}",
             # A private shared-memory prefix lets several servers (e.g. parallel tests) coexist.
-            f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
+            f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}",
         ]
         if self.metrics_port is None:
             cmd.append("--allow-metrics=false")
@@ -329,6 +328,8 @@ class TritonServer:
         """Start the server; with ``wait`` (default) block until it is ready (see :meth:`wait_ready`)."""
         if self._proc is not None and self._proc.poll() is None:
             raise TritonLaunchError(f"server already running (pid {self._proc.pid}); call stop() first")
+        if self._proc is not None:          # exited but not stopped: clean up after it before a new run
+            self.stop()
         dist = find_distribution()
         if self._own_workdir:
             self.workdir = pathlib.Path(tempfile.mkdtemp(prefix="k3serve_"))
@@ -337,6 +338,7 @@ class TritonServer:
             self.workdir.mkdir(parents=True, exist_ok=True)
         backends = prepare_backends(dist, self.workdir)
         python_bin = prepare_python_env(self.workdir, self.stub_site)
+        self._shm_prefix = f"k3serve_{os.getpid()}_{uuid.uuid4().hex[:8]}_"
         cmd = self.command(backends)
         self.log_path = self.workdir / "tritonserver.log"
         self._log_file = open(self.log_path, "wb")
