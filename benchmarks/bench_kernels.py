@@ -513,9 +513,10 @@ if "graph" in ONLY:
             out(what="cuda_graph_decode_step", H=H, error=repr(e)[:400])
 
 # ------------------------------------------------------------------ MLA prefill: SDPA vs the graph-safe Triton path
-# `mla_prefill` eager default (graph_safe=False: per sequence, up-projected K/V, torch SDPA; reads cu_seqlens on the
-# host) against its graph-safe path (absorbed Triton kernels, fixed grids, workspace: what CUDA graphs and the TensorRT
-# plugin run), one prompt of T tokens without prefix and one with a 4096-token prefix in the paged cache.
+# `mla_prefill`'s CUDA default, the graph-safe path (absorbed Triton kernels, fixed grids, workspace: also what CUDA
+# graphs and the TensorRT plugin run), against graph_safe=False (per sequence, up-projected K/V, torch SDPA; reads
+# cu_seqlens on the host; the default until run 20 measured it slower), one prompt of T tokens without prefix and one
+# with a 4096-token prefix in the paged cache.
 if "mla_prefill" in ONLY:
     for H, T, C in ((12, 4096, 0), (96, 4096, 0), (12, 2048, 4096), (96, 2048, 4096)):
         try:
@@ -538,8 +539,9 @@ if "mla_prefill" in ONLY:
             ok = fam_ok.get("mla_prefill", True) and err < 3e-2
             us_sdpa, us_tri = bench(sdpa, rep=100) * 1e3, bench(tri, rep=100) * 1e3
             out(what="mla_prefill", H=H, T=T, context=C, correct=ok, err_triton_vs_sdpa=err,
-                us=us_sdpa if ok else float("nan"), path="graph_safe=False (torch SDPA, the eager default)",
-                triton_us=us_tri if ok else float("nan"), sdpa_over_triton=us_sdpa / us_tri)
+                us=us_tri if ok else float("nan"), path="graph_safe=True (absorbed Triton, the CUDA default)",
+                peer="graph_safe=False (per-sequence up-projected K/V + torch SDPA)", peer_us=us_sdpa,
+                ratio=us_sdpa / us_tri if ok else float("nan"))
             del cache, q, lat, kv_b, ws
         except Exception as e:
             out(what="mla_prefill", H=H, T=T, error=repr(e)[:400])

@@ -515,14 +515,16 @@ def test_mla_prefill(H, R, DR, Dn, Dv, BS):
                                 qk_nope_head_dim=Dn, v_head_dim=Dv, kv_lora_rank=R, scale=scale)
     assert relerr(ro, oo) < 1e-5
     ro = oo
-    G = Guarded()
-    c = G(cache.to(DEV))
-    o, c = mla_k.mla_prefill(G(q.to(DEV)), G(lat.to(DEV)), G(kv_b.to(DEV)), c, G(bt.to(DEV)), G(cu.to(DEV)),
-                             G(ctx.to(DEV)), num_heads=H, qk_nope_head_dim=Dn, v_head_dim=Dv, kv_lora_rank=R,
-                             scale=scale, out=G.empty(10, H * Dv, dtype=dt))
-    G.check()
-    assert relerr(o, ro) < (1e-5 if dt == torch.float32 else 2e-2)
-    assert nan_equal(c.float(), rc)
+    # the default path (CUDA: the graph-safe Triton kernels when BS is a multiple of 16; CPU: SDPA), and SDPA on CUDA
+    for graph_safe in (None, False) if HAS_CUDA else (None,):
+        G = Guarded()
+        c = G(cache.to(DEV))
+        o, c = mla_k.mla_prefill(G(q.to(DEV)), G(lat.to(DEV)), G(kv_b.to(DEV)), c, G(bt.to(DEV)), G(cu.to(DEV)),
+                                 G(ctx.to(DEV)), num_heads=H, qk_nope_head_dim=Dn, v_head_dim=Dv, kv_lora_rank=R,
+                                 scale=scale, out=G.empty(10, H * Dv, dtype=dt), graph_safe=graph_safe)
+        G.check()
+        assert relerr(o, ro) < (1e-5 if dt == torch.float32 else 2e-2), graph_safe
+        assert nan_equal(c.float(), rc), graph_safe
 
 
 # ------------------------------------------------------------------------------------------------- MoE

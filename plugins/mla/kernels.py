@@ -3,9 +3,10 @@
 mla_decode : write the new latent at context_lens[b] (tiny kernel), then absorbed latent attention over the paged
              cache, split-K along the sequence (fixed split count from the cache capacity: no host sync, CUDA-graph
              safe), fp32 online softmax, values = first R=512 latent columns; then a combine kernel (log-sum-exp).
-mla_prefill: write the new latents, then either (eager default) per sequence: gather its latents, up-project
-             with kv_b, torch SDPA (causal with context offset; reads cu_seqlens on the host), or (graph_safe=True,
-             what the TensorRT plugin runs) the absorbed form: q_nope through W_UK (Triton GEMM), the paged
+mla_prefill: write the new latents, then either (graph_safe=False; the default on the CPU) per sequence: gather its
+             latents, up-project with kv_b, torch SDPA (causal with context offset; reads cu_seqlens on the host), or
+             (graph_safe=True: the default on CUDA — 1.5-2.5x SDPA on the H200 —, what the TensorRT plugin runs) the
+             absorbed form: q_nope through W_UK (Triton GEMM), the paged
              decode kernel generalized to several query tokens per sequence (rows = tokens x heads, per-row
              causal limit, (sequence, tile) of each program found on the device in a fixed grid
              cdiv(T*H, BM) + N), W_UV after (Triton GEMM): no host reads, scratch from the workspace.
@@ -509,14 +510,16 @@ def mla_prefill(q, latent, kv_b, cache, block_tables, cu_seqlens, context_lens, 
     graph_safe=False: per sequence, gather + up-project the latents, torch SDPA (reads cu_seqlens/context_lens on
     the host). graph_safe=True: absorbed Triton path (q_nope through W_UK, paged attention over the latents,
     W_UV after), four launches with fixed grids, no host reads, scratch from `workspace` (size:
-    :func:`mla_prefill_workspace_bytes`). Default: graph-safe when a workspace is given or the stream is being
-    captured, else SDPA. The TensorRT plugin passes graph_safe=True."""
+    :func:`mla_prefill_workspace_bytes`). Default (None): graph-safe on CUDA when the cache block size is a multiple
+    of 16 (the Triton path took 0.40-0.67x SDPA's time on the H200 at 12 and 96 heads: RESULTS.md run 20), when a
+    workspace is given or when the stream is being captured; else SDPA. The TensorRT plugin passes graph_safe=True.
+    Raises ValueError for graph_safe=True on CUDA with a block size that is not a multiple of 16."""
     T, H, Dqk = q.shape
     Dn, Dv, R = qk_nope_head_dim, v_head_dim, kv_lora_rank
     NB, BS, DL = cache.shape
     assert H == num_heads and DL > R and cache.is_contiguous()
     if graph_safe is None:
-        graph_safe = workspace is not None or _capturing(q.device)
+        graph_safe = workspace is not None or _capturing(q.device) or (q.is_cuda and _pow2_divisor(BS) >= 16)
     if out is None:
         out = torch.empty(T, H * Dv, dtype=q.dtype, device=q.device)
     if graph_safe:
