@@ -382,8 +382,11 @@ if "layers" in ONLY:
             st0, cv0 = layers[0][1].clone(), layers[0][2].clone()   # pristine: the timed graphs update the pools
             ro, rS = torch_kda_decode(d0, st0.clone(), cv0.clone(), sl0, H)
             # the latency-bound target shape: V tile and grid order inside the graph too
+            # above 1024 (token, head) items (V tile 64, 4 warps: 128 registers = 4 programs per SM): a 96-register
+            # cap (5 per SM, 48 bytes of spills offline) and the V tile of 32 (72 registers: 7 per SM; 64: 8)
             checks = ([dict(block_v=64), dict(block_v=16), dict(block_v=128), dict(iv_fast=False)]
-                      if (H, B) == (12, 64) else [])
+                      if (H, B) == (12, 64) else
+                      [dict(maxnreg=96), dict(block_v=32), dict(block_v=32, maxnreg=64)] if B * H > 1024 else [])
 
             def layer0_ok(**kw):
                 st1 = st0.clone()
@@ -515,10 +518,12 @@ if "graph" in ONLY:
 # ------------------------------------------------------------------ MLA prefill: SDPA vs the graph-safe Triton path
 # `mla_prefill`'s CUDA default, the graph-safe path (absorbed Triton kernels, fixed grids, workspace: also what CUDA
 # graphs and the TensorRT plugin run), against graph_safe=False (per sequence, up-projected K/V, torch SDPA; reads
-# cu_seqlens on the host; the default until run 20 measured it slower), one prompt of T tokens without prefix and one
-# with a 4096-token prefix in the paged cache.
+# cu_seqlens on the host; the default until run 20 measured it slower), one prompt of T tokens without prefix, one
+# with a 4096-token prefix in the paged cache, and a 256-token chunk after 32768 cached tokens (a long prompt's chunked
+# prefill at the runtime's default step budget, max_num_tokens=256).
 if "mla_prefill" in ONLY:
-    for H, T, C in ((12, 4096, 0), (96, 4096, 0), (12, 2048, 4096), (96, 2048, 4096)):
+    for H, T, C in ((12, 4096, 0), (96, 4096, 0), (12, 2048, 4096), (96, 2048, 4096), (12, 256, 32768),
+                    (96, 256, 32768)):
         try:
             Dn = Dv = 128
             BS = 64
@@ -535,13 +540,25 @@ if "mla_prefill" in ONLY:
             sdpa = lambda: mla_k.mla_prefill(q, lat, kv_b, cache, bt, cu, ctx, graph_safe=False, **attrs)   # noqa: E731
             tri = lambda: mla_k.mla_prefill(q, lat, kv_b, cache, bt, cu, ctx, graph_safe=True, workspace=ws,  # noqa: E731
                                             **attrs)
-            err = rel(tri()[0].float(), sdpa()[0].float())
+            o_tri = tri()[0].float()
+            err = rel(o_tri, sdpa()[0].float())
             ok = fam_ok.get("mla_prefill", True) and err < 3e-2
             us_sdpa, us_tri = bench(sdpa, rep=100) * 1e3, bench(tri, rep=100) * 1e3
+            variants = {}
+            # attention tiles (default on sm_90: 64 query rows x 64 keys, Hopper's warpgroup MMA): 32 x 32 (mma.sync;
+            # the default before run 20 and on other GPUs), 64 x 32, 32 x 64
+            for kw in (dict(block_m=32, block_n=32), dict(block_m=64, block_n=32), dict(block_m=32, block_n=64)):
+                fv = lambda kw=kw: mla_k.mla_prefill(q, lat, kv_b, cache, bt, cu, ctx, graph_safe=True,  # noqa: E731
+                                                     workspace=ws, **attrs, **kw)
+                variants[json.dumps(kw)] = (bench(fv, rep=100) * 1e3 if rel(fv()[0].float(), o_tri) < 1e-2
+                                            else "wrong")
+            # attention FLOPs (absorbed: q.k over R + DR, p.v over R), row t sees C + t + 1 keys
+            flops = 2 * H * (T * C + T * (T + 1) // 2) * (2 * R + DR)
             out(what="mla_prefill", H=H, T=T, context=C, correct=ok, err_triton_vs_sdpa=err,
                 us=us_tri if ok else float("nan"), path="graph_safe=True (absorbed Triton, the CUDA default)",
                 peer="graph_safe=False (per-sequence up-projected K/V + torch SDPA)", peer_us=us_sdpa,
-                ratio=us_sdpa / us_tri if ok else float("nan"))
+                ratio=us_sdpa / us_tri if ok else float("nan"), variants=variants,
+                attn_TFLOPs=flops / us_tri / 1e6 if ok else float("nan"))
             del cache, q, lat, kv_b, ws
         except Exception as e:
             out(what="mla_prefill", H=H, T=T, error=repr(e)[:400])

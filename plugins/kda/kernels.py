@@ -217,7 +217,7 @@ def kda_decode_workspace_bytes(batch: int, num_heads: int, head_dim: int, block_
 def kda_decode(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slots, *,
                num_heads: int, head_dim: int, lower_bound: float = -5.0, norm_eps: float = 1e-5, out=None,
                block_v: int | None = None, num_warps: int | None = None, workspace: torch.Tensor | None = None,
-               prefetch: bool | None = None, iv_fast: bool = True):
+               prefetch: bool | None = None, iv_fast: bool = True, maxnreg: int | None = None):
     """KdaDecode (MODEL.md §4, DESIGN.md): one token per request; updates `state` and `conv` in place.
 
     qkv [B, 3P], f [B, P], b [B, H], g [B, P] act; conv_w [3P, 4], A_log [H], dt_bias [P], o_norm_w [K] fp32;
@@ -229,8 +229,8 @@ def kda_decode(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slot
     kernel's scratch (CUDA-graph / TensorRT enqueue: nothing is allocated then). `prefetch`: the state tile's L2
     prefetch (None = on for CUDA tensors outside the interpreter; False for A/B timing). `iv_fast`: a (token,
     head)'s V tiles adjacent in the launch order (default; False = tokens fastest, runs 3-11, for A/B timing; batches
-    of more than 65535 tokens always take that order: CUDA grid dimension y is limited). AssertionError on bad
-    shapes."""
+    of more than 65535 tokens always take that order: CUDA grid dimension y is limited). `maxnreg`: a register cap
+    per thread for A/B timing (None = the compiler's choice). AssertionError on bad shapes."""
     B = qkv.shape[0]
     H, K = num_heads, head_dim
     P = H * K
@@ -264,6 +264,7 @@ def kda_decode(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slot
         qkv.stride(0), f.stride(0), b.stride(0), g.stride(0), out.stride(0), *scalars,
         H=H, K=K, P=P, BV=BV, PREFETCH=(qkv.is_cuda and not _INTERPRET) if prefetch is None else bool(prefetch),
         IV_FAST=int(iv_fast), num_warps=num_warps or _decode_num_warps(BV, K),
+        **({"maxnreg": int(maxnreg)} if maxnreg and qkv.is_cuda and not _INTERPRET else {}),
     )
     return out, state, conv
 

@@ -5,7 +5,7 @@ mla_decode : write the new latent at context_lens[b] (tiny kernel), then absorbe
              safe), fp32 online softmax, values = first R=512 latent columns; then a combine kernel (log-sum-exp).
 mla_prefill: write the new latents, then either (graph_safe=False; the default on the CPU) per sequence: gather its
              latents, up-project with kv_b, torch SDPA (causal with context offset; reads cu_seqlens on the host), or
-             (graph_safe=True: the default on CUDA — 1.5-2.5x SDPA on the H200 —, what the TensorRT plugin runs) the
+             (graph_safe=True: the default on CUDA — 2.4-7.3x SDPA on the H200 —, what the TensorRT plugin runs) the
              absorbed form: q_nope through W_UK (Triton GEMM), the paged
              decode kernel generalized to several query tokens per sequence (rows = tokens x heads, per-row
              causal limit, (sequence, tile) of each program found on the device in a fixed grid
@@ -469,9 +469,12 @@ def _mla_prefill_graph_safe(q, latent, kv_b, cache, bt, cu, ctx, out, H, Dn, Dv,
         q, kv_b, qa, T, H, q.stride(0), q.stride(1), kv_b.stride(0),
         DN=Dn, BDN=max(16, triton.next_power_of_2(Dn)), DV=Dv, R=R, DR=DR, BT=BT, BR=BR,
         num_warps=8 if gpu else 4)   # sm_90: no spills at 8 warps (4 warps spill at BR=128)
-    # sm_90 (ptxas -v, R=512, BN=32): BM=32 with 8 warps has no register spills, BM=64 spills ~860 bytes
-    BM = block_m or (32 if gpu else 16)
-    BN = min(block_n or 32, _pow2_divisor(BS))
+    # attention tiles: on sm_90, 64 query rows x 64 keys run on the warpgroup MMA (wgmma): 2.7-3.3x the 32 x 32
+    # mma.sync tiles, ~240 vs ~90 TFLOPs (H200 run 20; offline Triton 3.6: 254 registers with 8 warps, no spills,
+    # 221 KB of shared memory); elsewhere 32 x 32 (75 KB: fits sm_80/89's shared memory)
+    hopper = gpu and torch.cuda.get_device_capability(dev)[0] == 9
+    BM = block_m or (64 if hopper else 32 if gpu else 16)
+    BN = min(block_n or (64 if hopper else 32), _pow2_divisor(BS))
     if BN < 16 and gpu:
         raise ValueError(f"cache block_size = {BS}: the GPU prefill kernel needs blocks of a multiple of 16 tokens")
     _mla_prefill_attn_kernel[(triton.cdiv(T * H, BM) + N,)](
@@ -511,8 +514,10 @@ def mla_prefill(q, latent, kv_b, cache, block_tables, cu_seqlens, context_lens, 
     the host). graph_safe=True: absorbed Triton path (q_nope through W_UK, paged attention over the latents,
     W_UV after), four launches with fixed grids, no host reads, scratch from `workspace` (size:
     :func:`mla_prefill_workspace_bytes`). Default (None): graph-safe on CUDA when the cache block size is a multiple
-    of 16 (the Triton path took 0.40-0.67x SDPA's time on the H200 at 12 and 96 heads: RESULTS.md run 20), when a
-    workspace is given or when the stream is being captured; else SDPA. The TensorRT plugin passes graph_safe=True.
+    of 16 (on the H200 the Triton path takes 0.14-0.43x SDPA's time at 12 and 96 heads, with its sm_90 tiles of 64
+    rows x 64 keys: RESULTS.md run 20), when a workspace is given or when the stream is being captured; else SDPA.
+    The TensorRT plugin passes graph_safe=True. block_m / block_n / num_warps / num_stages: the attention kernel's
+    tiles (None: 64 / 64 / 8 / 2 on sm_90, 32 / 32 / 8 / 2 on other GPUs).
     Raises ValueError for graph_safe=True on CUDA with a block size that is not a multiple of 16."""
     T, H, Dqk = q.shape
     Dn, Dv, R = qk_nope_head_dim, v_head_dim, kv_lora_rank
