@@ -5,7 +5,7 @@ mla_decode : write the new latent at context_lens[b] (tiny kernel), then absorbe
              safe), fp32 online softmax, values = first R=512 latent columns; then a combine kernel (log-sum-exp).
 mla_prefill: write the new latents, then either (graph_safe=False; the default on the CPU) per sequence: gather its
              latents, up-project with kv_b, torch SDPA (causal with context offset; reads cu_seqlens on the host), or
-             (graph_safe=True: the default on CUDA — 2.4-7.3x SDPA on the H200 —, what the TensorRT plugin runs) the
+             (graph_safe=True: the default on CUDA — 2.3-7.3x SDPA on the H200 —, what the TensorRT plugin runs) the
              absorbed form: q_nope through W_UK (Triton GEMM), the paged
              decode kernel generalized to several query tokens per sequence (rows = tokens x heads, per-row
              causal limit, (sequence, tile) of each program found on the device in a fixed grid
@@ -469,7 +469,7 @@ def _mla_prefill_graph_safe(q, latent, kv_b, cache, bt, cu, ctx, out, H, Dn, Dv,
         q, kv_b, qa, T, H, q.stride(0), q.stride(1), kv_b.stride(0),
         DN=Dn, BDN=max(16, triton.next_power_of_2(Dn)), DV=Dv, R=R, DR=DR, BT=BT, BR=BR,
         num_warps=8 if gpu else 4)   # sm_90: no spills at 8 warps (4 warps spill at BR=128)
-    # attention tiles: on sm_90, 64 query rows x 64 keys run on the warpgroup MMA (wgmma): 2.7-3.3x the 32 x 32
+    # attention tiles: on sm_90, 64 query rows x 64 keys run on the warpgroup MMA (wgmma): 1.7-3.2x the 32 x 32
     # mma.sync tiles, ~240 vs ~90 TFLOPs (H200 run 20; offline Triton 3.6: 254 registers with 8 warps, no spills,
     # 221 KB of shared memory); elsewhere 32 x 32 (75 KB: fits sm_80/89's shared memory)
     hopper = gpu and torch.cuda.get_device_capability(dev)[0] == 9
