@@ -311,6 +311,55 @@ def test_mla_prefill_graph_safe_gpu_production_heads(H, tiles):
                               **(dict(block_m=tiles[0], block_n=tiles[1]) if tiles else {}))
 
 
+@gpu_only
+@pytest.mark.parametrize("H", [12, 96])
+def test_mla_prefill_graph_safe_gpu_fp32_cache(H):
+    """The runtime's fp32 latent pools at K3's dims: the default tiles for 4-byte elements (sm_90: 64 x 16) fit the
+    shared memory and match the reference (tf32 dots)."""
+    _mla_prefill_vs_reference([37, 1, 90], [70, 0, 130], H=H, R=512, DR=64, Dn=128, Dv=128, BS=64,
+                              dt=torch.float32, tol=5e-3, tol_sdpa=3e-2)
+
+
+def test_mla_prefill_default_path_and_tiles():
+    """Which path graph_safe=None takes, and the attention tiles per GPU generation and cache element size."""
+    assert mla_k._graph_safe_default(True, False, False, 64) and mla_k._graph_safe_default(True, False, False, 16)
+    assert not mla_k._graph_safe_default(True, False, False, 8)          # GPU key tiles need 16-token blocks: SDPA
+    assert not mla_k._graph_safe_default(False, False, False, 64)        # CPU: SDPA
+    assert mla_k._graph_safe_default(False, False, True, 64) and mla_k._graph_safe_default(True, True, False, 8)
+    tiles = mla_k._prefill_attn_tiles
+    assert tiles(9, 2, 64) == (64, 64, 8) and tiles(9, 4, 64) == (64, 16, 8)
+    assert tiles(9, 2, 32) == (64, 32, 8) and tiles(9, 2, 16) == (64, 16, 8)     # BN divides the block size
+    assert tiles(8, 2, 64) == (32, 32, 8) and tiles(8, 4, 64) == (16, 16, 4) and tiles(12, 2, 64) == (32, 32, 8)
+    assert tiles(None, 4, 4) == (16, 4, 4) and tiles(9, 2, 64, block_m=32, block_n=32, num_warps=4) == (32, 32, 4)
+
+
+@pytest.mark.parametrize("cap,itemsize,limit", [(90, 2, 232448), (90, 4, 232448), (80, 2, 166912), (80, 4, 166912)])
+def test_mla_prefill_default_tiles_fit_shared_memory(cap, itemsize, limit):
+    """The default attention tiles at K3's R=512, Dr=64 compile for sm_90 / sm_80 (no GPU needed) within the
+    architecture's shared memory per block (227 KB / 163 KB); on sm_90 they lower to the warpgroup MMA. A bigger
+    key tile for fp32 (64 x 64: 442 KB) would fail at launch on the GPU with Triton's out-of-resources error."""
+    code = f"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from plugins.mla import kernels as mk
+bm, bn, nw = mk._prefill_attn_tiles({cap // 10}, {itemsize}, 64)
+fn = mk._mla_prefill_attn_kernel
+names = fn.arg_names
+const = dict(R=512, DR=64, BM=bm, BN=bn, BNS=64)
+dt = "*bf16" if {itemsize} == 2 else "*fp32"
+sig = {{n: "constexpr" if n in const else dt if n in ("qa_ptr", "cache_ptr", "ol_ptr") else "*i32" if n.endswith("_ptr")
+        else "fp32" if n == "sm_scale" else "i32" for n in names}}
+attrs = {{(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*")}}
+src = ASTSource(fn=fn, signature=sig, constexprs={{(names.index(k),): v for k, v in const.items()}}, attrs=attrs)
+k = triton.compile(src, target=GPUTarget("cuda", {cap}, 32), options={{"num_warps": nw, "num_stages": 2}})
+print(k.metadata.shared, int("wgmma" in k.asm["ptx"]))
+"""
+    shared, wgmma = compile_in_subprocess(code)[-1]
+    assert 0 < int(shared) <= limit
+    assert wgmma == ("1" if cap == 90 else "0")
+
+
 # --------------------------------------------------------------------------------------------- OpSpec workspace rules
 MLA_P_ATTRS = {"num_heads": 2, "qk_nope_head_dim": 8, "v_head_dim": 6, "kv_lora_rank": 512, "scale": 0.1}
 MLA_D_ATTRS = {"num_heads": 2, "kv_lora_rank": 512, "scale": 0.1}

@@ -500,7 +500,7 @@ def mla_prefill_ref(q, latent, kv_b, cache, bt, cu, ctx, H, Dn, Dv, R, scale):
 
 
 @pytest.mark.parametrize("H,R,DR,Dn,Dv,BS", [(2, 32, 8, 16, 16, 4)] + ([(12, 512, 64, 128, 128, 64)] if HAS_CUDA else []))
-def test_mla_prefill(H, R, DR, Dn, Dv, BS):
+def test_mla_prefill(H, R, DR, Dn, Dv, BS, monkeypatch):
     dt = torch.bfloat16 if HAS_CUDA else torch.float32
     lens, ctxl = [3, 7], [0, 5]
     ctx = torch.tensor(ctxl, dtype=torch.int32)
@@ -516,6 +516,9 @@ def test_mla_prefill(H, R, DR, Dn, Dv, BS):
     assert relerr(ro, oo) < 1e-5
     ro = oo
     # the default path (CUDA: the graph-safe Triton kernels when BS is a multiple of 16; CPU: SDPA), and SDPA on CUDA
+    seen = []
+    real = mla_k._mla_prefill_graph_safe
+    monkeypatch.setattr(mla_k, "_mla_prefill_graph_safe", lambda *a, **k: seen.append(1) or real(*a, **k))
     for graph_safe in (None, False) if HAS_CUDA else (None,):
         G = Guarded()
         c = G(cache.to(DEV))
@@ -525,6 +528,7 @@ def test_mla_prefill(H, R, DR, Dn, Dv, BS):
         G.check()
         assert relerr(o, ro) < (1e-5 if dt == torch.float32 else 2e-2), graph_safe
         assert nan_equal(c.float(), rc), graph_safe
+    assert len(seen) == (1 if HAS_CUDA and BS % 16 == 0 else 0)    # the default's path; graph_safe=False never
 
 
 # ------------------------------------------------------------------------------------------------- MoE

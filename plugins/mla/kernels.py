@@ -443,6 +443,30 @@ def mla_prefill_workspace_bytes(num_tokens: int, num_heads: int, kv_lora_rank: i
     return plan_bytes([((rows, kv_lora_rank + qk_rope_head_dim), dtype), ((rows, kv_lora_rank), dtype)])
 
 
+def _prefill_attn_tiles(cap_major: int | None, itemsize: int, block_size: int, block_m: int | None = None,
+                        block_n: int | None = None, num_warps: int | None = None) -> tuple[int, int, int]:
+    """(BM query rows, BN keys, warps) of `_mla_prefill_attn_kernel` for a GPU of compute capability major
+    `cap_major` (None: the CPU interpreter) and a cache of `itemsize`-byte elements; explicit values win, BN is also
+    capped by the largest power of 2 dividing `block_size` (a key tile never straddles two cache blocks).
+    sm_90: 64 rows run on the warpgroup MMA (H200 run 20, bf16 64 x 64: 1.7-3.2x the 32 x 32 mma.sync tiles); the
+    key tile keeps the kernel's shared memory within sm_90's 227 KB at R=512 (offline Triton 3.6: bf16 64 x 64 and
+    fp32 64 x 16 221 KB each, fp32 64 x 64 442 KB). Other GPUs: bf16 32 x 32 (75 KB), fp32 16 x 16 with 4 warps
+    (106 KB: sm_80's 163 KB; fp32 32 x 32 needs 213 KB)."""
+    if cap_major is None:
+        bm, bn, nw = 16, 32, 4
+    elif cap_major == 9:
+        bm, bn, nw = 64, (64 if itemsize <= 2 else 16), 8
+    else:
+        bm, bn, nw = (32, 32, 8) if itemsize <= 2 else (16, 16, 4)
+    return block_m or bm, min(block_n or bn, _pow2_divisor(block_size)), num_warps or nw
+
+
+def _graph_safe_default(is_cuda: bool, capturing: bool, has_workspace: bool, block_size: int) -> bool:
+    """`mla_prefill`'s path when graph_safe is None: graph-safe under capture or with a workspace, and on CUDA when
+    the cache block size is a multiple of 16 (its key tiles need 16 tokens); else SDPA."""
+    return capturing or has_workspace or (is_cuda and _pow2_divisor(block_size) >= 16)
+
+
 def _mla_prefill_graph_safe(q, latent, kv_b, cache, bt, cu, ctx, out, H, Dn, Dv, R, scale, workspace,
                             block_m, block_n, num_warps, num_stages):
     T = q.shape[0]
@@ -469,18 +493,13 @@ def _mla_prefill_graph_safe(q, latent, kv_b, cache, bt, cu, ctx, out, H, Dn, Dv,
         q, kv_b, qa, T, H, q.stride(0), q.stride(1), kv_b.stride(0),
         DN=Dn, BDN=max(16, triton.next_power_of_2(Dn)), DV=Dv, R=R, DR=DR, BT=BT, BR=BR,
         num_warps=8 if gpu else 4)   # sm_90: no spills at 8 warps (4 warps spill at BR=128)
-    # attention tiles: on sm_90, 64 query rows x 64 keys run on the warpgroup MMA (wgmma): 1.7-3.2x the 32 x 32
-    # mma.sync tiles, ~240 vs ~90 TFLOPs (H200 run 20; offline Triton 3.6: 254 registers with 8 warps, no spills,
-    # 221 KB of shared memory); elsewhere 32 x 32 (75 KB: fits sm_80/89's shared memory)
-    hopper = gpu and torch.cuda.get_device_capability(dev)[0] == 9
-    BM = block_m or (64 if hopper else 32 if gpu else 16)
-    BN = min(block_n or (64 if hopper else 32), _pow2_divisor(BS))
+    BM, BN, nw = _prefill_attn_tiles(torch.cuda.get_device_capability(dev)[0] if gpu else None,
+                                     cache.element_size(), BS, block_m, block_n, num_warps)
     if BN < 16 and gpu:
         raise ValueError(f"cache block_size = {BS}: the GPU prefill kernel needs blocks of a multiple of 16 tokens")
     _mla_prefill_attn_kernel[(triton.cdiv(T * H, BM) + N,)](
         qa, cache, bt, cu, ctx, ol, N, H, bt.stride(0), float(scale),
-        BS=BS, R=R, DR=DR, BM=BM, BN=BN, BNS=BNS,
-        num_warps=num_warps or (8 if gpu else 4), num_stages=num_stages or 2)
+        BS=BS, R=R, DR=DR, BM=BM, BN=BN, BNS=BNS, num_warps=nw, num_stages=num_stages or 2)
     BD = min(64, max(16, triton.next_power_of_2(Dv)))
     _mla_up_kernel[(triton.cdiv(T, BT), H, triton.cdiv(Dv, BD))](
         ol, kv_b, out, T, H, kv_b.stride(0), out.stride(0),
@@ -513,18 +532,18 @@ def mla_prefill(q, latent, kv_b, cache, block_tables, cu_seqlens, context_lens, 
     graph_safe=False: per sequence, gather + up-project the latents, torch SDPA (reads cu_seqlens/context_lens on
     the host). graph_safe=True: absorbed Triton path (q_nope through W_UK, paged attention over the latents,
     W_UV after), four launches with fixed grids, no host reads, scratch from `workspace` (size:
-    :func:`mla_prefill_workspace_bytes`). Default (None): graph-safe on CUDA when the cache block size is a multiple
-    of 16 (on the H200 the Triton path takes 0.14-0.43x SDPA's time at 12 and 96 heads, with its sm_90 tiles of 64
-    rows x 64 keys: RESULTS.md run 20), when a workspace is given or when the stream is being captured; else SDPA.
-    The TensorRT plugin passes graph_safe=True. block_m / block_n / num_warps / num_stages: the attention kernel's
-    tiles (None: 64 / 64 / 8 / 2 on sm_90, 32 / 32 / 8 / 2 on other GPUs).
+    :func:`mla_prefill_workspace_bytes`). Default (None, `_graph_safe_default`): graph-safe on CUDA when the cache
+    block size is a multiple of 16 (on the H200 the Triton path takes 0.14-0.43x SDPA's time at 12 and 96 heads
+    with a bf16 cache, with its sm_90 tiles of 64 rows x 64 keys: RESULTS.md run 20), when a workspace is given or
+    when the stream is being captured; else SDPA. The TensorRT plugin passes graph_safe=True. block_m / block_n /
+    num_warps / num_stages: the attention kernel's tiles (None: `_prefill_attn_tiles` and 2 stages).
     Raises ValueError for graph_safe=True on CUDA with a block size that is not a multiple of 16."""
     T, H, Dqk = q.shape
     Dn, Dv, R = qk_nope_head_dim, v_head_dim, kv_lora_rank
     NB, BS, DL = cache.shape
     assert H == num_heads and DL > R and cache.is_contiguous()
     if graph_safe is None:
-        graph_safe = workspace is not None or _capturing(q.device) or (q.is_cuda and _pow2_divisor(BS) >= 16)
+        graph_safe = _graph_safe_default(q.is_cuda, _capturing(q.device), workspace is not None, BS)
     if out is None:
         out = torch.empty(T, H * Dv, dtype=q.dtype, device=q.device)
     if graph_safe:
