@@ -45,7 +45,22 @@ ap.add_argument("--moe-global-experts", type=int, default=0,
                 help="MoE: routed experts over all EP ranks (default 0 = the local count: every choice local, the "
                      "issue's T=64 shape); 896 with --moe-experts 112 = K3 at EP=8 as deployed, each token's 16 "
                      "choices drawn over 896 experts, ~1/8 of them on this rank's 112")
+ap.add_argument("--config", default="k3-slice",
+                help="model config whose per-layer dims the shapes take (a preset name or a checkpoint directory; "
+                     "default %(default)s = K3's dims with 5 layers and 64 experts): KDA head dim, MLA latent / rope / "
+                     "head dims, routed-expert sizes and top-k; heads per rank = its heads / 8 (TP=8) and all of them "
+                     "(TP=1). Expert counts come from --moe-experts")
 args = ap.parse_args()
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from model.config import load_config   # noqa: E402
+try:
+    CFG = load_config(args.config)
+except Exception as e:       # unknown preset, missing or bad config.json
+    ap.error(f"--config {args.config!r}: {e}")
+if CFG.num_attention_heads != CFG.kda_num_heads or CFG.kda_num_heads % 8:
+    ap.error(f"--config {args.config!r}: the bench needs equal KDA and MLA heads, divisible by 8 for TP=8 "
+             f"(got {CFG.kda_num_heads} / {CFG.num_attention_heads})")
+H8, H1 = CFG.kda_num_heads // 8, CFG.kda_num_heads     # heads per rank at TP=8 and TP=1 (K3: 12, 96)
 ONLY = set(args.only.split(","))
 ROUNDS = args.rounds
 if ROUNDS < 1:
@@ -93,7 +108,6 @@ except ImportError as e:
 if not torch.cuda.is_available():
     ap.exit(2, "error: bench_kernels.py needs a CUDA GPU (torch.cuda.is_available() is False here)\n")
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from plugins.kda import kernels as kda_k   # noqa: E402
 from plugins.mla import kernels as mla_k   # noqa: E402
 from plugins.moe import kernels as moe_k   # noqa: E402
@@ -129,7 +143,8 @@ if args.junit and os.path.exists(args.junit):
         fam = name.split("[")[0].replace("test_", "")
         bad = any(c.tag in ("failure", "error") for c in tc)
         fam_ok[fam] = fam_ok.get(fam, True) and not bad
-out(what="env", gpu=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__, pytest=fam_ok)
+out(what="env", gpu=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__, pytest=fam_ok,
+    config=CFG.name, heads_per_rank=[H8, H1])
 
 x = torch.empty(2 * 1024**3, dtype=torch.uint8, device=dev); y = torch.empty_like(x)
 COPY = 2 * x.numel() / bench(lambda: y.copy_(x)) / 1e6
@@ -143,7 +158,7 @@ except Exception as e:
     HAVE_FLA = False
     out(what="fla_import", error=repr(e)[:300])
 
-K = 128
+K = CFG.kda_head_dim
 
 
 def kda_decode_inputs(B, H, act=torch.bfloat16):
@@ -197,7 +212,7 @@ def torch_kda_decode(d, state, conv, slots, H):
 
 # ------------------------------------------------------------------ KDA decode
 if "kda_decode" in ONLY:
-    for H in (12, 96):
+    for H in (H8, H1):
         for B in (1, 64, 256):
             try:
                 d, state, conv, slots = kda_decode_inputs(B, H)
@@ -373,7 +388,7 @@ def state_floors(B, H, L, nbytes):
 
 
 if "layers" in ONLY:
-    for H, B in ((12, 64), (96, 256), (12, 256), (96, 64)):
+    for H, B in ((H8, 64), (H1, 256), (H8, 256), (H1, 64)):
         try:
             pool_bytes = (B + 1) * H * K * K * 4
             L = max(4, min(32, math.ceil(2 * 1024**3 / pool_bytes)))
@@ -385,7 +400,7 @@ if "layers" in ONLY:
             # above 1024 (token, head) items (V tile 64, 4 warps: 128 registers = 4 programs per SM): a 96-register
             # cap (5 per SM, 48 bytes of spills offline) and the V tile of 32 (72 registers: 7 per SM; 64: 8)
             checks = ([dict(block_v=64), dict(block_v=16), dict(block_v=128), dict(iv_fast=False)]
-                      if (H, B) == (12, 64) else
+                      if (H, B) == (H8, 64) else
                       [dict(maxnreg=96), dict(block_v=32), dict(block_v=32, maxnreg=64)] if B * H > 1024 else [])
 
             def layer0_ok(**kw):
@@ -427,7 +442,8 @@ if "layers" in ONLY:
 
 
 # ------------------------------------------------------------------ MLA decode
-R, DR = 512, 64
+R, DR = CFG.kv_lora_rank, CFG.qk_rope_head_dim
+MLA_SCALE = (CFG.qk_nope_head_dim + DR) ** -0.5
 
 
 def mla_inputs(B, H, L, BS=64):
@@ -442,11 +458,11 @@ def mla_inputs(B, H, L, BS=64):
 
 
 if "mla" in ONLY:
-    for H, B, L in ((12, 64, 32768), (96, 64, 32768), (12, 1, 32768), (96, 1, 32768), (12, 64, 8192)):
+    for H, B, L in ((H8, 64, 32768), (H1, 64, 32768), (H8, 1, 32768), (H1, 1, 32768), (H8, 64, 8192)):
         try:
             q, lat, cache, bt, ctx = mla_inputs(B, H, L)
             BS = cache.shape[1]
-            scale = 192 ** -0.5
+            scale = MLA_SCALE
             o, _ = mla_k.mla_decode(q, lat, cache, bt, ctx, num_heads=H, kv_lora_rank=R, scale=scale)
             # contiguous view of each sequence's L latents for the peer / check
             pos = torch.arange(L, device=dev)
@@ -496,14 +512,14 @@ if "mla" in ONLY:
 
 # ------------------------------------------------------------------ CUDA graph decode step (one KDA + one MLA layer, B=1)
 if "graph" in ONLY:
-    for H in (12, 96):
+    for H in (H8, H1):
         try:
             d, state, conv, slots = kda_decode_inputs(1, H)
             q, lat, cache, bt, ctx = mla_inputs(1, H, 8192)
             kout = torch.empty(1, H * K, dtype=torch.bfloat16, device=dev)
             mout = torch.empty(1, H, R, dtype=torch.bfloat16, device=dev)
             kda_step = lambda: kda_k.kda_decode(**d, state=state, conv=conv, slots=slots, num_heads=H, head_dim=K, out=kout)
-            mla_step = lambda: mla_k.mla_decode(q, lat, cache, bt, ctx, num_heads=H, kv_lora_rank=R, scale=192 ** -0.5, out=mout)
+            mla_step = lambda: mla_k.mla_decode(q, lat, cache, bt, ctx, num_heads=H, kv_lora_rank=R, scale=MLA_SCALE, out=mout)
             res = {}
             for name, fn in (("kda", kda_step), ("mla_L8192", mla_step), ("kda+mla", lambda: (kda_step(), mla_step()))):
                 gph = capture_graph([fn], warmup=3)
@@ -522,10 +538,10 @@ if "graph" in ONLY:
 # with a 4096-token prefix in the paged cache, and a 256-token chunk after 32768 cached tokens (a long prompt's chunked
 # prefill at the runtime's default step budget, max_num_tokens=256).
 if "mla_prefill" in ONLY:
-    for H, T, C in ((12, 4096, 0), (96, 4096, 0), (12, 2048, 4096), (96, 2048, 4096), (12, 256, 32768),
-                    (96, 256, 32768)):
+    for H, T, C in ((H8, 4096, 0), (H1, 4096, 0), (H8, 2048, 4096), (H1, 2048, 4096), (H8, 256, 32768),
+                    (H1, 256, 32768)):
         try:
-            Dn = Dv = 128
+            Dn, Dv = CFG.qk_nope_head_dim, CFG.v_head_dim
             BS = 64
             MB = triton.cdiv(C + T, BS)
             cache = torch.randn(MB + 1, BS, R + DR, device=dev).bfloat16()
@@ -578,7 +594,7 @@ def bench_moe(E: int) -> None:
     """The MoE family for E local experts (112: K3 at TP=8 / EP=8; 64: k3-slice at TP=1; 896: K3 at TP=1) of
     3584 -> 3072, top-16: ours (default and MOE_VARIANTS) and the bf16 peer at each of MOE_TOKENS, one JSON line
     per T (an error record when the family fails, e.g. out of memory)."""
-    D, I, KK = 3584, 3072, 16
+    D, I, KK = CFG.routed_expert_hidden_size, CFG.moe_intermediate_size, CFG.num_experts_per_token
     try:
         w13p = torch.randint(0, 256, (E, 2 * I, D // 2), device=dev, dtype=torch.uint8)
         w13s = torch.randint(118, 126, (E, 2 * I, D // 32), device=dev, dtype=torch.uint8)
@@ -894,7 +910,7 @@ if "aot_prefill" in ONLY:
             out(what="aot_kda_prefill", H=H, error=repr(e)[:400])
     for H in PREFILL_HEADS:
         try:
-            T, R, DR, Dn, Dv, BS = 4096, 512, 64, 128, 128, 64
+            T, BS, Dn, Dv = 4096, 64, CFG.qk_nope_head_dim, CFG.v_head_dim
             MB = T // BS + 1
             m = dict(q=torch.randn(T, H, Dn + DR, device=dev).bfloat16(),
                      latent=torch.randn(T, R + DR, device=dev).bfloat16(),
