@@ -746,3 +746,19 @@ def test_router_errors_name_the_field():
         moe_k.route_topk(z, bias, top_k=8, num_expert_group=6, topk_group=1)
     with pytest.raises(ValueError, match="num_expert_group=24 must divide the 24 experts into groups of at least 2"):
         moe_k.route_topk(z, bias, top_k=2, num_expert_group=24, topk_group=2)
+
+
+def test_bench_kernels_cli_errors():
+    """benchmarks/bench_kernels.py: a bad --config is one argparse error naming the option (before torch loads); the
+    default config on a machine without a GPU exits 2 with one line saying so."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_kernels.py"
+    r = subprocess.run([sys.executable, str(bench), "--config", "no-such-preset"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and "--config 'no-such-preset'" in r.stderr and "preset" in r.stderr, r.stderr
+    if not torch.cuda.is_available():
+        r = subprocess.run([sys.executable, str(bench)], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+            "error: bench_kernels.py needs a CUDA GPU (torch.cuda.is_available() is False here)"], r.stderr
