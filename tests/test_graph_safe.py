@@ -320,6 +320,18 @@ def test_mla_prefill_graph_safe_gpu_fp32_cache(H):
                               dt=torch.float32, tol=5e-3, tol_sdpa=3e-2)
 
 
+def test_mla_prefill_graph_safe_on_cpu_needs_the_interpreter(monkeypatch):
+    """graph_safe=True with CPU tensors outside TRITON_INTERPRET=1: one ValueError naming the fix (Triton's own error
+    would be "0 active drivers")."""
+    monkeypatch.setattr(mla_k, "_INTERPRET", False)
+    q, lat, kv_b = torch.zeros(2, 1, 8), torch.zeros(2, 36), torch.zeros(8, 32)
+    cache, bt = torch.zeros(2, 16, 36), torch.zeros(1, 1, dtype=torch.int32)
+    cu, ctx = torch.tensor([0, 2], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1 .* or pass graph_safe=False"):
+        mla_k.mla_prefill(q, lat, kv_b, cache, bt, cu, ctx, num_heads=1, qk_nope_head_dim=4, v_head_dim=4,
+                          kv_lora_rank=32, scale=0.5, graph_safe=True)
+
+
 def test_mla_prefill_default_path_and_tiles():
     """Which path graph_safe=None takes, and the attention tiles per GPU generation and cache element size."""
     assert mla_k._graph_safe_default(True, False, False, 64) and mla_k._graph_safe_default(True, False, False, 16)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,8 @@ import triton.language as tl
 
 from plugins.common import num_sms
 from plugins.workspace import WORKSPACE_ALIGN, Workspace, plan_bytes
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -537,7 +540,8 @@ def mla_prefill(q, latent, kv_b, cache, block_tables, cu_seqlens, context_lens, 
     with a bf16 cache, with its sm_90 tiles of 64 rows x 64 keys: RESULTS.md run 20), when a workspace is given or
     when the stream is being captured; else SDPA. The TensorRT plugin passes graph_safe=True. block_m / block_n /
     num_warps / num_stages: the attention kernel's tiles (None: `_prefill_attn_tiles` and 2 stages).
-    Raises ValueError for graph_safe=True on CUDA with a block size that is not a multiple of 16."""
+    Raises ValueError for graph_safe=True on CUDA with a block size that is not a multiple of 16, or on CPU tensors
+    outside the Triton interpreter."""
     T, H, Dqk = q.shape
     Dn, Dv, R = qk_nope_head_dim, v_head_dim, kv_lora_rank
     NB, BS, DL = cache.shape
@@ -546,6 +550,9 @@ def mla_prefill(q, latent, kv_b, cache, block_tables, cu_seqlens, context_lens, 
         graph_safe = _graph_safe_default(q.is_cuda, _capturing(q.device), workspace is not None, BS)
     if out is None:
         out = torch.empty(T, H * Dv, dtype=q.dtype, device=q.device)
+    if graph_safe and not q.is_cuda and not _INTERPRET:
+        raise ValueError("mla_prefill: graph_safe=True on CPU tensors runs the Triton kernels in the interpreter: set "
+                         "TRITON_INTERPRET=1 before triton is imported, or pass graph_safe=False (torch SDPA)")
     if graph_safe:
         bt = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
         cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
