@@ -58,9 +58,10 @@ def drive(tokens: int, configs: list[dict]) -> None:
     """One `mxfp4_moe` call per config on the benchmark's problem with `tokens` tokens. SystemExit without CUDA."""
     import torch
 
-    if not torch.cuda.is_available():
-        raise SystemExit("ncu_moe.py: needs a CUDA GPU (run it under ncu on the GPU machine); --summarize runs "
-                         "anywhere")
+    if not torch.cuda.is_available():     # exit 2 with one line, like the other benchmarks
+        sys.stderr.write("error: ncu_moe.py needs a CUDA GPU (run it under ncu on the GPU machine); --summarize "
+                         "runs anywhere\n")
+        raise SystemExit(2)
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from plugins.moe import kernels as moe_k
