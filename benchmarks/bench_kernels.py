@@ -482,7 +482,9 @@ if "mla" in ONLY:
             res = {}
             variants = ([dict(), dict(block_n=16, num_stages=4), dict(num_stages=4), dict(programs_per_sm=16),
                          dict(programs_per_sm=4), dict(num_warps=8)] if H <= 16 else
-                        [dict(), dict(block_h=16, num_warps=4), dict(block_h=32)])
+                        # 64 x 64 with 2 stages: the tile that made MLA prefill 1.45x over 64 x 32 (run 20; 221 KB
+                        # of shared memory offline, wgmma) — not yet timed for decode
+                        [dict(), dict(block_h=16, num_warps=4), dict(block_h=32), dict(block_n=64, num_stages=2)])
             best, us_default = None, float("nan")
             for vv in variants:
                 if not ok:

@@ -762,3 +762,27 @@ def test_bench_kernels_cli_errors():
         r = subprocess.run([sys.executable, str(bench)], capture_output=True, text=True, timeout=300)
         assert r.returncode == 2 and r.stderr.strip().splitlines() == [
             "error: bench_kernels.py needs a CUDA GPU (torch.cuda.is_available() is False here)"], r.stderr
+
+
+def test_plot_roofline_rows_and_drop(tmp_path):
+    """benchmarks/plot_roofline.py's rows: % of the file's own copy bandwidth, unchecked records left out, --drop
+    removing one family's records by field value (no matplotlib needed for the rows)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location(
+        "plot_roofline", Path(__file__).resolve().parents[1] / "benchmarks" / "plot_roofline.py")
+    pr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pr)
+    recs = [{"what": "copy", "GBps": 4000.0},
+            {"what": "mla_decode", "H": 12, "B": 64, "correct": True, "us": 100.0, "bytes": 2e8, "pct_copy": 0},
+            {"what": "mla_decode", "H": 12, "B": 1, "correct": True, "us": 10.0, "bytes": 1e6, "pct_copy": 0},
+            {"what": "mxfp4_moe", "T": 64, "experts": 112, "global_experts": 896, "correct": False, "us": 5.0,
+             "bytes": 1e9, "pct_copy": 0}]
+    f = tmp_path / "run.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    rows = pr.rows_of(str(f), None, False, (pr.parse_drop("mla_decode:B=1"),))
+    assert rows == [("mla_decode H=12,B=64", pytest.approx(50.0))]          # 2e8 B in 100 us = 2 TB/s of 4
+    assert len(pr.rows_of(str(f), None, False)) == 2                         # the unchecked MoE record never
+    with pytest.raises(ValueError, match="WHAT:KEY=VALUE"):
+        pr.parse_drop("mla_decode")
