@@ -26,8 +26,9 @@ ap.add_argument("--only", default=FAMILIES,
 ap.add_argument("--rounds", type=int, default=3,
                 help="KDA decode and MoE: interleaved timing rounds over all variants (and KDA decode's peer); each "
                      "variant reports the median and the spread (default: %(default)s)")
-ap.add_argument("--prefill-heads", default="12,96",
-                help="KDA prefill: comma-separated heads per rank to time at T=32768 (default: %(default)s)")
+ap.add_argument("--prefill-heads", default=None,
+                help="KDA prefill (and the AOT chains): comma-separated heads per rank to time at T=32768 (default: "
+                     "the --config's heads / 8 and all of them: 12,96 for K3)")
 ap.add_argument("--prefill-breakdown", action=argparse.BooleanOptionalAction, default=True,
                 help="KDA prefill: also time chunk_kda under each flag combination and our varlen path (each new "
                      "combination autotunes fla's kernels: minutes on a fresh machine); --no-prefill-breakdown keeps "
@@ -60,13 +61,19 @@ except Exception as e:       # unknown preset, missing or bad config.json
 if CFG.num_attention_heads != CFG.kda_num_heads or CFG.kda_num_heads % 8:
     ap.error(f"--config {args.config!r}: the bench needs equal KDA and MLA heads, divisible by 8 for TP=8 "
              f"(got {CFG.kda_num_heads} / {CFG.num_attention_heads})")
+# the inputs and peers below are written for K3's conv width, gate bound and SiTU constants
+_K3_FIXED = dict(conv_kernel_size=4, gate_lower_bound=-5.0, situ_beta=4.0, situ_linear_beta=25.0)
+if any(getattr(CFG, k) != v for k, v in _K3_FIXED.items()):
+    ap.error(f"--config {args.config!r}: the bench assumes K3's {_K3_FIXED}; got "
+             f"{ {k: getattr(CFG, k) for k in _K3_FIXED} }")
 H8, H1 = CFG.kda_num_heads // 8, CFG.kda_num_heads     # heads per rank at TP=8 and TP=1 (K3: 12, 96)
+KK = CFG.num_experts_per_token                         # routed experts per token (K3: 16)
 ONLY = set(args.only.split(","))
 ROUNDS = args.rounds
 if ROUNDS < 1:
     ap.error("--rounds: must be >= 1")
 try:
-    PREFILL_HEADS = [int(h_) for h_ in args.prefill_heads.split(",")]
+    PREFILL_HEADS = [int(h_) for h_ in args.prefill_heads.split(",")] if args.prefill_heads else [H8, H1]
 except ValueError:
     ap.error(f"--prefill-heads {args.prefill_heads!r}: expected comma-separated integers, e.g. 12,96")
 if ONLY - set(FAMILIES.split(",")):
@@ -88,7 +95,7 @@ MOE_TOKENS = int_list("--moe-tokens", args.moe_tokens, 1, "64,8")
 MOE_GLOBAL = args.moe_global_experts
 if MOE_GLOBAL < 0:
     ap.error(f"--moe-global-experts {MOE_GLOBAL}: give the routed experts over all EP ranks (896 for K3), or 0")
-MOE_EXPERTS = int_list("--moe-experts", args.moe_experts, 16, "112,64 (top-16 needs 16)")
+MOE_EXPERTS = int_list("--moe-experts", args.moe_experts, KK, f"112,64 (top-{KK} needs {KK})")
 MOE_VARIANTS_ARG = None
 if args.moe_variants is not None:
     try:
@@ -482,8 +489,8 @@ if "mla" in ONLY:
             res = {}
             variants = ([dict(), dict(block_n=16, num_stages=4), dict(num_stages=4), dict(programs_per_sm=16),
                          dict(programs_per_sm=4), dict(num_warps=8)] if H <= 16 else
-                        # 64 x 64 with 2 stages: the tile that made MLA prefill 1.45x over 64 x 32 (run 20; 221 KB
-                        # of shared memory offline, wgmma) — not yet timed for decode
+                        # 64 x 64 with 2 stages: the tile that made MLA prefill 1.43-1.57x over 64 x 32 (run 20;
+                        # 221 KB of shared memory offline, wgmma) — not yet timed for decode
                         [dict(), dict(block_h=16, num_warps=4), dict(block_h=32), dict(block_n=64, num_stages=2)])
             best, us_default = None, float("nan")
             for vv in variants:
@@ -596,7 +603,7 @@ def bench_moe(E: int) -> None:
     """The MoE family for E local experts (112: K3 at TP=8 / EP=8; 64: k3-slice at TP=1; 896: K3 at TP=1) of
     3584 -> 3072, top-16: ours (default and MOE_VARIANTS) and the bf16 peer at each of MOE_TOKENS, one JSON line
     per T (an error record when the family fails, e.g. out of memory)."""
-    D, I, KK = CFG.routed_expert_hidden_size, CFG.moe_intermediate_size, CFG.num_experts_per_token
+    D, I = CFG.routed_expert_hidden_size, CFG.moe_intermediate_size
     try:
         w13p = torch.randint(0, 256, (E, 2 * I, D // 2), device=dev, dtype=torch.uint8)
         w13s = torch.randint(118, 126, (E, 2 * I, D // 32), device=dev, dtype=torch.uint8)
@@ -688,11 +695,12 @@ if "moe" in ONLY:
 # against the torch reference path (`reference.route_logits`: sigmoid, add, topk, gather, renormalize), both eager
 # (host-bound at these sizes) and as one call in a CUDA graph (the decode step's setting).
 if "router" in ONLY:
+    NE = load_config("k3").num_experts      # the router scores every routed expert of the full model (K3: 896)
     for T in (1, 64, 256):
         try:
-            z = torch.randn(T, 896, device=dev)
-            bias = 0.1 * torch.randn(896, device=dev)
-            kw = dict(top_k=16, routed_scaling_factor=1.0)      # K3's config (run 19 timed 2.827: no difference)
+            z = torch.randn(T, NE, device=dev)
+            bias = 0.1 * torch.randn(NE, device=dev)
+            kw = dict(top_k=KK, routed_scaling_factor=1.0)      # K3's config (run 19 timed 2.827: no difference)
             ids, w = moe_k.route_topk(z, bias, **kw)
             rids, rw = moe_k.route_topk(z, bias, impl="torch", **kw)
             ok = bool(torch.equal(ids, rids)) and rel(w, rw) < 1e-6 and fam_ok.get("router", True)
@@ -700,7 +708,7 @@ if "router" in ONLY:
             peer = lambda: moe_k.route_topk(z, bias, impl="torch", **kw)    # noqa: E731
             us, peer_us = bench(ours) * 1e3, bench(peer) * 1e3
             g_us, g_peer = graph_us_per_call([ours] * 16), graph_us_per_call([peer] * 16)   # 16 calls per graph
-            out(what="moe_router", T=T, experts=896, top_k=16, correct=ok, us=us if ok else float("nan"),
+            out(what="moe_router", T=T, experts=NE, top_k=KK, correct=ok, us=us if ok else float("nan"),
                 peer="torch (reference.route_logits, then copies into int32 ids / fp32 weights)", peer_us=peer_us, ratio=peer_us / us,
                 graph_us=g_us if ok else float("nan"), graph_peer_us=g_peer, graph_ratio=g_peer / g_us)
         except Exception as e:

@@ -13,6 +13,7 @@ there), taken with explicit arguments.
 import argparse
 import json
 import os
+import sys
 
 
 LABEL_KEYS = ("H", "B", "L", "T", "experts", "global_experts")
@@ -76,6 +77,10 @@ def main():
     rows = []
     for i, path in enumerate(a.runs):
         rows += rows_of(path, set(a.only[i].split(",")) if a.only else None, a.final_defaults, drop)
+    for w, k, v in drop:     # a misspelled family or field drops nothing: say so
+        if not any(json.loads(line).get("what") == w and str(json.loads(line).get(k)) == v
+                   for path in a.runs for line in open(path)):
+            print(f"warning: --drop {w}:{k}={v} matched no record", file=sys.stderr)
     fig, ax = plt.subplots(figsize=(10, 5))
     ax.barh(range(len(rows)), [p for _, p in rows])
     ax.axvline(100, color="k", ls="--", lw=1)

@@ -368,8 +368,9 @@ def parse_args(argv=None):
                          "single-launch ops; AOT MlaDecode does not split the context, so it is slower at long "
                          "contexts; the KdaPrefill chain needs fla-core 0.6.0)")
     ap.add_argument("--dry-run", action="store_true",
-                    help="print the plan only; allocates no weights and does not check the backend or --target-cc "
-                         "support (plan on a machine without TensorRT; the real run checks them first)")
+                    help="print the plan only; allocates no weights; checks the --target-cc spelling but not the "
+                         "backend (except with --aot) or which targets it supports (plan on a machine without "
+                         "TensorRT; the real run checks them first)")
     ap.add_argument("--force", action="store_true", help="redo every step even when its inputs are unchanged")
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     a = ap.parse_args(argv)

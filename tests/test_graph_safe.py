@@ -338,6 +338,10 @@ def test_mla_prefill_default_path_and_tiles():
     assert not mla_k._graph_safe_default(True, False, False, 8)          # GPU key tiles need 16-token blocks: SDPA
     assert not mla_k._graph_safe_default(False, False, False, 64)        # CPU: SDPA
     assert mla_k._graph_safe_default(False, False, True, 64) and mla_k._graph_safe_default(True, True, False, 8)
+    # fp32 caches: the graph-safe default only where its tiles are known to fit (sm_90); sm_86/89/120 have 99 KiB
+    default = mla_k._graph_safe_default
+    assert default(True, False, False, 64, 9, 4) and default(True, False, False, 64, 8, 2)
+    assert not default(True, False, False, 64, 8, 4)
     tiles = mla_k._prefill_attn_tiles
     assert tiles(9, 2, 64) == (64, 64, 8) and tiles(9, 4, 64) == (64, 16, 8)
     assert tiles(9, 2, 32) == (64, 32, 8) and tiles(9, 2, 16) == (64, 16, 8)     # BN divides the block size
@@ -345,11 +349,13 @@ def test_mla_prefill_default_path_and_tiles():
     assert tiles(None, 4, 4) == (16, 4, 4) and tiles(9, 2, 64, block_m=32, block_n=32, num_warps=4) == (32, 32, 4)
 
 
-@pytest.mark.parametrize("cap,itemsize,limit", [(90, 2, 232448), (90, 4, 232448), (80, 2, 166912), (80, 4, 166912)])
+@pytest.mark.parametrize("cap,itemsize,limit", [(90, 2, 232448), (90, 4, 232448), (80, 2, 166912), (80, 4, 166912),
+                                               (89, 2, 101376), (86, 2, 101376)])
 def test_mla_prefill_default_tiles_fit_shared_memory(cap, itemsize, limit):
-    """The default attention tiles at K3's R=512, Dr=64 compile for sm_90 / sm_80 (no GPU needed) within the
-    architecture's shared memory per block (227 KB / 163 KB); on sm_90 they lower to the warpgroup MMA. A bigger
-    key tile for fp32 (64 x 64: 442 KB) would fail at launch on the GPU with Triton's out-of-resources error."""
+    """The default attention tiles at K3's R=512, Dr=64 compile (no GPU needed) within the architecture's shared
+    memory per block (sm_90 227 KiB, sm_80 163 KiB, sm_86 / 89 99 KiB: there only 16-bit caches take this path by
+    default); on sm_90 they lower to the warpgroup MMA. A bigger key tile for fp32 (64 x 64: 432 KiB) would fail at
+    launch on the GPU with Triton's out-of-resources error."""
     code = f"""
 import triton
 from triton.backends.compiler import GPUTarget

@@ -30,7 +30,7 @@ import triton.language as tl
 from plugins.common import num_sms
 from plugins.workspace import WORKSPACE_ALIGN, Workspace, plan_bytes
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")   # as Triton reads it
 
 
 @triton.jit
@@ -452,9 +452,10 @@ def _prefill_attn_tiles(cap_major: int | None, itemsize: int, block_size: int, b
     `cap_major` (None: the CPU interpreter) and a cache of `itemsize`-byte elements; explicit values win, BN is also
     capped by the largest power of 2 dividing `block_size` (a key tile never straddles two cache blocks).
     sm_90: 64 rows run on the warpgroup MMA (H200 run 20, bf16 64 x 64: 1.7-3.2x the 32 x 32 mma.sync tiles); the
-    key tile keeps the kernel's shared memory within sm_90's 227 KB at R=512 (offline Triton 3.6: bf16 64 x 64 and
-    fp32 64 x 16 221 KB each, fp32 64 x 64 442 KB). Other GPUs: bf16 32 x 32 (75 KB), fp32 16 x 16 with 4 warps
-    (106 KB: sm_80's 163 KB; fp32 32 x 32 needs 213 KB)."""
+    key tile keeps the kernel's shared memory within sm_90's 227 KiB at R=512 (offline Triton 3.6: bf16 64 x 64 and
+    fp32 64 x 16 216 KiB each, fp32 64 x 64 432 KiB). Other GPUs: bf16 32 x 32 (74 KiB), fp32 16 x 16 with 4 warps
+    (104 KiB: fits sm_80's 163 KiB, not the 99 KiB of sm_86 / 89 / 120, where `_graph_safe_default` keeps fp32 caches
+    on SDPA; fp32 32 x 32 needs 208 KiB)."""
     if cap_major is None:
         bm, bn, nw = 16, 32, 4
     elif cap_major == 9:
@@ -464,10 +465,13 @@ def _prefill_attn_tiles(cap_major: int | None, itemsize: int, block_size: int, b
     return block_m or bm, min(block_n or bn, _pow2_divisor(block_size)), num_warps or nw
 
 
-def _graph_safe_default(is_cuda: bool, capturing: bool, has_workspace: bool, block_size: int) -> bool:
+def _graph_safe_default(is_cuda: bool, capturing: bool, has_workspace: bool, block_size: int,
+                        cap_major: int | None = None, itemsize: int = 2) -> bool:
     """`mla_prefill`'s path when graph_safe is None: graph-safe under capture or with a workspace, and on CUDA when
-    the cache block size is a multiple of 16 (its key tiles need 16 tokens); else SDPA."""
-    return capturing or has_workspace or (is_cuda and _pow2_divisor(block_size) >= 16)
+    the cache block size is a multiple of 16 (its key tiles need 16 tokens) and the attention tiles are known to fit
+    the GPU's shared memory: 16-bit caches anywhere, fp32 caches on sm_90 (`_prefill_attn_tiles`); else SDPA."""
+    fits = itemsize <= 2 or cap_major == 9
+    return capturing or has_workspace or (is_cuda and _pow2_divisor(block_size) >= 16 and fits)
 
 
 def _mla_prefill_graph_safe(q, latent, kv_b, cache, bt, cu, ctx, out, H, Dn, Dv, R, scale, workspace,
@@ -536,10 +540,11 @@ def mla_prefill(q, latent, kv_b, cache, block_tables, cu_seqlens, context_lens, 
     the host). graph_safe=True: absorbed Triton path (q_nope through W_UK, paged attention over the latents,
     W_UV after), four launches with fixed grids, no host reads, scratch from `workspace` (size:
     :func:`mla_prefill_workspace_bytes`). Default (None, `_graph_safe_default`): graph-safe on CUDA when the cache
-    block size is a multiple of 16 (on the H200 the Triton path takes 0.14-0.43x SDPA's time at 12 and 96 heads
-    with a bf16 cache, with its sm_90 tiles of 64 rows x 64 keys: RESULTS.md run 20), when a workspace is given or
-    when the stream is being captured; else SDPA. The TensorRT plugin passes graph_safe=True. block_m / block_n /
-    num_warps / num_stages: the attention kernel's tiles (None: `_prefill_attn_tiles` and 2 stages).
+    block size is a multiple of 16 and the cache is 16-bit or the GPU sm_90 (on the H200 the Triton path takes
+    0.14-0.43x SDPA's time at 12 and 96 heads with a bf16 cache, with its sm_90 tiles of 64 rows x 64 keys:
+    RESULTS.md run 20), when a workspace is given or when the stream is being captured; else SDPA. The TensorRT
+    plugin passes graph_safe=True. block_m / block_n / num_warps / num_stages: the attention kernel's tiles (None:
+    `_prefill_attn_tiles` and 2 stages).
     Raises ValueError for graph_safe=True on CUDA with a block size that is not a multiple of 16, or on CPU tensors
     outside the Triton interpreter."""
     T, H, Dqk = q.shape
@@ -547,12 +552,15 @@ def mla_prefill(q, latent, kv_b, cache, block_tables, cu_seqlens, context_lens, 
     NB, BS, DL = cache.shape
     assert H == num_heads and DL > R and cache.is_contiguous()
     if graph_safe is None:
-        graph_safe = _graph_safe_default(q.is_cuda, _capturing(q.device), workspace is not None, BS)
+        graph_safe = _graph_safe_default(q.is_cuda, _capturing(q.device), workspace is not None, BS,
+                                         torch.cuda.get_device_capability(q.device)[0] if q.is_cuda else None,
+                                         cache.element_size())
     if out is None:
         out = torch.empty(T, H * Dv, dtype=q.dtype, device=q.device)
     if graph_safe and not q.is_cuda and not _INTERPRET:
         raise ValueError("mla_prefill: graph_safe=True on CPU tensors runs the Triton kernels in the interpreter: set "
-                         "TRITON_INTERPRET=1 before triton is imported, or pass graph_safe=False (torch SDPA)")
+                         "TRITON_INTERPRET=1 before plugins.mla.kernels is imported, or pass graph_safe=False "
+                         "(torch SDPA)")
     if graph_safe:
         bt = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
         cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
