@@ -588,6 +588,28 @@ def test_mxfp4_moe(E, RL, I, T, k, bk, impl):
     assert relerr(y, r) < 1e-2   # h is rounded to bf16 between the two GEMMs
 
 
+@gpu_only
+@pytest.mark.parametrize("impl", [None, "legacy"])
+def test_mxfp4_moe_production_shape(impl):
+    """K3's per-rank MoE at TP=8 / EP=8 (112 local experts, 3584 -> 3072, top-16, T=64: the benchmark's shape) against
+    the fp32 reference, poisoned margins around every tensor; impl None = the default (the Gluon kernels on sm_90+)."""
+    g = torch.Generator().manual_seed(11)
+    E, RL, I, T, k = 112, 3584, 3072, 64, 16
+    w13p = torch.randint(0, 256, (E, 2 * I, RL // 2), dtype=torch.uint8, generator=g)
+    w13s = torch.randint(118, 126, (E, 2 * I, RL // 32), dtype=torch.uint8, generator=g)
+    w2p = torch.randint(0, 256, (E, RL, I // 2), dtype=torch.uint8, generator=g)
+    w2s = torch.randint(118, 126, (E, RL, I // 32), dtype=torch.uint8, generator=g)
+    x = (torch.randn(T, RL, generator=g) * 0.1).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).int()
+    w = torch.rand(T, k, generator=g)
+    dev_args = [a.to(DEV) for a in (x, ids, w, w13p, w13s, w2p, w2s)]
+    r = moe_ref_mod.mxfp4_moe(dev_args[0].float(), *dev_args[1:])
+    G = Guarded()
+    y = moe_k.mxfp4_moe(*(G(a) for a in dev_args), impl=impl, out=G.empty(T, RL, dtype=torch.float32))
+    G.check()
+    assert relerr(y, r) < 1e-2   # h is rounded to bf16 between the two GEMMs
+
+
 def test_dequant_odd_nibble_multiply_identity():
     """`_dequant_asm2`'s odd-code step on the GPU: for every byte pair spread into the two bf16 lanes
     (a = b0 | b1 << 16), (z * 0x104) & 0x81C081C0 with z = a & 0x00F000F0 equals (z<<2 | z<<8) & 0x81C081C0, and
