@@ -475,7 +475,7 @@ def _graph_safe_default(is_cuda: bool, capturing: bool, has_workspace: bool, blo
 
 
 def _mla_prefill_graph_safe(q, latent, kv_b, cache, bt, cu, ctx, out, H, Dn, Dv, R, scale, workspace,
-                            block_m, block_n, num_warps, num_stages):
+                            block_m, block_n, num_warps, num_stages, cap_major):
     T = q.shape[0]
     N = ctx.shape[0]
     NB, BS, DL = cache.shape
@@ -500,8 +500,7 @@ def _mla_prefill_graph_safe(q, latent, kv_b, cache, bt, cu, ctx, out, H, Dn, Dv,
         q, kv_b, qa, T, H, q.stride(0), q.stride(1), kv_b.stride(0),
         DN=Dn, BDN=max(16, triton.next_power_of_2(Dn)), DV=Dv, R=R, DR=DR, BT=BT, BR=BR,
         num_warps=8 if gpu else 4)   # sm_90: no spills at 8 warps (4 warps spill at BR=128)
-    BM, BN, nw = _prefill_attn_tiles(torch.cuda.get_device_capability(dev)[0] if gpu else None,
-                                     cache.element_size(), BS, block_m, block_n, num_warps)
+    BM, BN, nw = _prefill_attn_tiles(cap_major, cache.element_size(), BS, block_m, block_n, num_warps)
     if BN < 16 and gpu:
         raise ValueError(f"cache block_size = {BS}: the GPU prefill kernel needs blocks of a multiple of 16 tokens")
     _mla_prefill_attn_kernel[(triton.cdiv(T * H, BM) + N,)](
@@ -551,9 +550,9 @@ def mla_prefill(q, latent, kv_b, cache, block_tables, cu_seqlens, context_lens, 
     Dn, Dv, R = qk_nope_head_dim, v_head_dim, kv_lora_rank
     NB, BS, DL = cache.shape
     assert H == num_heads and DL > R and cache.is_contiguous()
+    cap_major = torch.cuda.get_device_capability(q.device)[0] if q.is_cuda else None
     if graph_safe is None:
-        graph_safe = _graph_safe_default(q.is_cuda, _capturing(q.device), workspace is not None, BS,
-                                         torch.cuda.get_device_capability(q.device)[0] if q.is_cuda else None,
+        graph_safe = _graph_safe_default(q.is_cuda, _capturing(q.device), workspace is not None, BS, cap_major,
                                          cache.element_size())
     if out is None:
         out = torch.empty(T, H * Dv, dtype=q.dtype, device=q.device)
@@ -566,7 +565,7 @@ def mla_prefill(q, latent, kv_b, cache, block_tables, cu_seqlens, context_lens, 
         cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
         ctx = context_lens if context_lens.dtype == torch.int32 else context_lens.to(torch.int32)
         return _mla_prefill_graph_safe(q, latent, kv_b, cache, bt, cu, ctx, out, H, Dn, Dv, R, scale, workspace,
-                                       block_m, block_n, num_warps, num_stages)
+                                       block_m, block_n, num_warps, num_stages, cap_major)
     _write_latents_prefill(latent, cache, block_tables, cu_seqlens, context_lens)
     cu = [int(x) for x in cu_seqlens.tolist()]
     ctxl = [int(x) for x in context_lens.tolist()]
