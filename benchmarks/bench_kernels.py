@@ -465,7 +465,8 @@ def mla_inputs(B, H, L, BS=64):
 
 
 if "mla" in ONLY:
-    for H, B, L in ((H8, 64, 32768), (H1, 64, 32768), (H8, 1, 32768), (H1, 1, 32768), (H8, 64, 8192)):
+    for H, B, L in ((H8, 64, 32768), (H1, 64, 32768), (H8, 1, 32768), (H1, 1, 32768), (H8, 64, 8192),
+                    (H1, 8, 32768), (H1, 64, 8192)):
         try:
             q, lat, cache, bt, ctx = mla_inputs(B, H, L)
             BS = cache.shape[1]
@@ -489,9 +490,10 @@ if "mla" in ONLY:
             res = {}
             variants = ([dict(), dict(block_n=16, num_stages=4), dict(num_stages=4), dict(programs_per_sm=16),
                          dict(programs_per_sm=4), dict(num_warps=8)] if H <= 16 else
-                        # 64 x 64 with 2 stages: the tile that made MLA prefill 1.43-1.57x over 64 x 32 (run 20;
-                        # 221 KB of shared memory offline, wgmma) — not yet timed for decode
-                        [dict(), dict(block_h=16, num_warps=4), dict(block_h=32), dict(block_n=64, num_stages=2)])
+                        # the default on sm_90 since run 21: 64 heads x 64 keys, 2 stages (1.06-1.21x); 64 x 32 with
+                        # 3 stages = the default before (and on sm_80)
+                        [dict(), dict(block_h=16, num_warps=4), dict(block_h=32), dict(block_n=32, num_stages=3),
+                         dict(block_h=16, num_warps=4, block_n=64, num_stages=2)])
             best, us_default = None, float("nan")
             for vv in variants:
                 if not ok:
@@ -547,8 +549,8 @@ if "graph" in ONLY:
 # with a 4096-token prefix in the paged cache, and a 256-token chunk after 32768 cached tokens (a long prompt's chunked
 # prefill at the runtime's default step budget, max_num_tokens=256).
 if "mla_prefill" in ONLY:
-    for H, T, C in ((H8, 4096, 0), (H1, 4096, 0), (H8, 2048, 4096), (H1, 2048, 4096), (H8, 256, 32768),
-                    (H1, 256, 32768)):
+    for H, T, C in ((H8, 4096, 0), (H1, 4096, 0), (H8, 2048, 4096), (H1, 2048, 4096), (H8, 256, 4096),
+                    (H8, 256, 32768), (H1, 256, 32768)):
         try:
             Dn, Dv = CFG.qk_nope_head_dim, CFG.v_head_dim
             BS = 64
@@ -561,7 +563,11 @@ if "mla_prefill" in ONLY:
             lat = torch.randn(T, R + DR, device=dev).bfloat16()
             kv_b = (torch.randn(H * (Dn + Dv), R, device=dev) * R ** -0.5).bfloat16()
             attrs = dict(num_heads=H, qk_nope_head_dim=Dn, v_head_dim=Dv, kv_lora_rank=R, scale=(Dn + DR) ** -0.5)
-            ws = torch.empty(mla_k.mla_prefill_workspace_bytes(T, H, R, DR), dtype=torch.uint8, device=dev)
+            # the 256-token chunks also time the key-range splits (default `_prefill_splits`: 1 part when the row
+            # tiles fill the SMs, e.g. 96 heads) against 1 part (the kernel before run 21) and other counts
+            split_kws = [dict(num_splits=s) for s in (1, 2, 4, 16)] if T == 256 else []
+            ws = torch.empty(max(mla_k.mla_prefill_workspace_bytes(T, H, R, DR, num_splits=kw.get("num_splits"))
+                                 for kw in [{}] + split_kws), dtype=torch.uint8, device=dev)
             sdpa = lambda: mla_k.mla_prefill(q, lat, kv_b, cache, bt, cu, ctx, graph_safe=False, **attrs)   # noqa: E731
             tri = lambda: mla_k.mla_prefill(q, lat, kv_b, cache, bt, cu, ctx, graph_safe=True, workspace=ws,  # noqa: E731
                                             **attrs)
@@ -572,14 +578,17 @@ if "mla_prefill" in ONLY:
             variants = {}
             # attention tiles (default on sm_90: 64 query rows x 64 keys, Hopper's warpgroup MMA): 32 x 32 (mma.sync;
             # the default before run 20 and on other GPUs), 64 x 32, 32 x 64
-            for kw in (dict(block_m=32, block_n=32), dict(block_m=64, block_n=32), dict(block_m=32, block_n=64)):
+            tiles = [dict(block_m=32, block_n=32), dict(block_m=64, block_n=32), dict(block_m=32, block_n=64)]
+            for kw in tiles + split_kws:
                 fv = lambda kw=kw: mla_k.mla_prefill(q, lat, kv_b, cache, bt, cu, ctx, graph_safe=True,  # noqa: E731
                                                      workspace=ws, **attrs, **kw)
                 variants[json.dumps(kw)] = (bench(fv, rep=100) * 1e3 if rel(fv()[0].float(), o_tri) < 1e-2
                                             else "wrong")
             # attention FLOPs (absorbed: q.k over R + DR, p.v over R), row t sees C + t + 1 keys
             flops = 2 * H * (T * C + T * (T + 1) // 2) * (2 * R + DR)
+            bm = mla_k._prefill_attn_tiles(torch.cuda.get_device_capability()[0], 2, BS)[0]
             out(what="mla_prefill", H=H, T=T, context=C, correct=ok, err_triton_vs_sdpa=err,
+                num_splits=mla_k._prefill_splits(triton.cdiv(T * H, bm) + 1, mla_k.num_sms(dev), MB * BS),
                 us=us_tri if ok else float("nan"), path="graph_safe=True (absorbed Triton, the CUDA default)",
                 peer="graph_safe=False (per-sequence up-projected K/V + torch SDPA)", peer_us=us_sdpa,
                 ratio=us_sdpa / us_tri if ok else float("nan"), variants=variants,

@@ -237,7 +237,7 @@ def test_mla_decode_workspace_bytes_bounds_every_smaller_batch():
             bound = mla_k.mla_decode_workspace_bytes(batch, H, R, MB, BS, device="cpu")
             for b in range(1, batch + 1):
                 for mb in {1, max(1, MB // 2), MB}:
-                    BN = mla_k._decode_block_n(BS)
+                    BN = mla_k._decode_tiles(None, H, BS)[1]
                     _, _, nsplit, _ = mla_k._launch_cfg(b, H, mb * BS, torch.device("cpu"), BN)
                     need = wsm.plan_bytes([((b * H * nsplit, R), torch.float32), ((b * H * nsplit,), torch.float32)])
                     assert need <= bound, (batch, b, MB, mb)
@@ -274,8 +274,8 @@ def _mla_prefill_vs_reference(lens, ctxl, H, R, DR, Dn, Dv, BS, dt, tol, tol_sdp
     G = Guarded()              # poisoned margins around every tensor of the graph-safe (Triton) path and its scratch
     c = G(cache.to(DEV))
     # workspace and out start as NaN (0xFF bytes): a row never written shows as NaN, not as a small error
-    ws = G(torch.full((mla_k.mla_prefill_workspace_bytes(T, H, R, DR, dtype=dt),), 0xFF, dtype=torch.uint8,
-                      device=DEV))
+    ws = G(torch.full((mla_k.mla_prefill_workspace_bytes(T, H, R, DR, dtype=dt, num_splits=kw.get("num_splits")),),
+                      0xFF, dtype=torch.uint8, device=DEV))
     o, c2 = mla_k.mla_prefill(*(G(a.to(DEV)) for a in (q, lat, kv_b)), c, *(G(a.to(DEV)) for a in (bt, cu, ctx)),
                               graph_safe=True, workspace=ws, out=G(torch.full((T, H * Dv), float("nan"), dtype=dt,
                                                                                device=DEV)), **attrs, **kw)
@@ -300,6 +300,84 @@ def test_mla_prefill_graph_safe_matches_reference(lens, ctxl):
                               **({} if HAS_CUDA else dict(block_m=16)))
 
 
+def _spy_split_grids(monkeypatch) -> list:
+    """The launch grids of the split prefill attention kernel from now on (a list that fills as it launches)."""
+    grids, real = [], mla_k._mla_prefill_attn_split_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+    monkeypatch.setattr(mla_k, "_mla_prefill_attn_split_kernel", Spy())
+    return grids
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+@pytest.mark.parametrize("lens,ctxl", [([3, 7, 1], [0, 21, 9]), ([13, 2], [30, 0]), ([9, 1, 9, 1], [3, 0, 41, 2])])
+def test_mla_prefill_split_keys_matches_reference(lens, ctxl, num_splits, monkeypatch):
+    """Each row tile's keys split into parts (one program each, merged by log-sum-exp): parts past a tile's keys
+    empty (short sequences, 7 parts), rows that see no key of a part (the causal limit inside the tile's range),
+    several sequences with and without a cached prefix; poisoned margins and a NaN-filled workspace as above."""
+    grids = _spy_split_grids(monkeypatch)
+    _mla_prefill_vs_reference(lens, ctxl, H=3, R=32, DR=16, Dn=16, Dv=16, BS=16 if HAS_CUDA else 4,
+                              dt=torch.float32, tol=2e-3 if HAS_CUDA else 1e-5, tol_sdpa=2e-2 if HAS_CUDA else None,
+                              num_splits=num_splits, **({} if HAS_CUDA else dict(block_m=16)))
+    assert [g[1] for g in grids] == [num_splits]
+
+
+def test_mla_prefill_splits_rule():
+    """`_prefill_splits`: 1 when the row tiles fill the SMs or the block table is short; otherwise the part count
+    with the fewest waves per part (H200: a 256-token chunk after 32K cached tokens at 12 heads = 49 tiles of 64
+    rows on 132 SMs -> 8 parts, 392 programs, 3 waves)."""
+    rule = mla_k._prefill_splits
+    assert rule(132, 132, 1 << 20) == 1 and rule(500, 132, 1 << 20) == 1
+    assert rule(49, 132, 33024) == 8
+    assert rule(49, 132, 2048) == 2 and rule(49, 132, 1023) == 1           # >= PREFILL_MIN_SPLIT_KEYS keys a part
+    assert rule(66, 132, 1 << 20) == 2                                        # 132 programs = one full wave
+    assert rule(1, 132, 1 << 20) == mla_k.PREFILL_MAX_SPLITS
+    assert rule(500, 132, 1 << 20, num_splits=5) == 5 and rule(3, 132, 64, num_splits=0) == 1
+
+
+def test_mla_prefill_workspace_bytes_bounds_every_split():
+    """The workspace bound covers the partials of every smaller prompt (any number of sequences, any context)."""
+    H, R, DR = 12, 512, 64
+    for T in (1, 11, 256, 700):
+        bound = mla_k.mla_prefill_workspace_bytes(T, H, R, DR, device="cpu")
+        bm = mla_k._prefill_attn_tiles(None, 2, 64)[0]
+        for t in range(1, T + 1):
+            for n in {1, min(t, 3)}:
+                s = mla_k._prefill_splits(-(-t * H // bm) + n, mla_k.num_sms("cpu"), 1 << 20)
+                need = wsm.plan_bytes([((t * H, R + DR), torch.bfloat16), ((t * H, R), torch.bfloat16)]
+                                      + ([((t * H * s, R), torch.float32), ((t * H * s,), torch.float32)] if s > 1
+                                         else []))
+                assert need <= bound, (T, t, n)
+
+
+def test_mla_prefill_small_workspace_reduces_splits():
+    """A workspace without room for the partials (sized for one part) runs fewer parts, same result."""
+    lens, ctxl = [5, 2], [27, 0]
+    BS = 16 if HAS_CUDA else 4
+    kw = {} if HAS_CUDA else dict(block_m=16)
+    g = torch.Generator().manual_seed(3)
+    H, R, DR, Dn, Dv = 2, 32, 16, 16, 16
+    T, N = sum(lens), len(lens)
+    MB = max((c + n + BS - 1) // BS for c, n in zip(ctxl, lens)) + 1
+    cache = torch.randn(N * MB + 2, BS, R + DR, generator=g)
+    bt = _bt(g, N, MB, N * MB + 2)
+    q, lat = torch.randn(T, H, Dn + DR, generator=g), torch.randn(T, R + DR, generator=g)
+    kv_b = torch.randn(H * (Dn + Dv), R, generator=g) * R ** -0.5
+    cu, ctx = torch.tensor([0, 5, 7], dtype=torch.int32), torch.tensor(ctxl, dtype=torch.int32)
+    attrs = dict(num_heads=H, qk_nope_head_dim=Dn, v_head_dim=Dv, kv_lora_rank=R, scale=(Dn + DR) ** -0.5)
+    args = [a.to(DEV) for a in (q, lat, kv_b)]
+    meta = [a.to(DEV) for a in (bt, cu, ctx)]
+    ref = mla_k.mla_prefill(*args, cache.to(DEV), *meta, graph_safe=True, num_splits=1, **attrs, **kw)[0]
+    small = mla_k.mla_prefill_workspace_bytes(T, H, R, DR, dtype=torch.float32, num_splits=1, device=DEV)
+    assert small < mla_k.mla_prefill_workspace_bytes(T, H, R, DR, dtype=torch.float32, num_splits=4, device=DEV)
+    got = mla_k.mla_prefill(*args, cache.to(DEV), *meta, graph_safe=True, num_splits=4,
+                            workspace=torch.zeros(small, dtype=torch.uint8, device=DEV), **attrs, **kw)[0]
+    assert relerr(got, ref) < (2e-3 if HAS_CUDA else 1e-5)
+
+
 @gpu_only
 @pytest.mark.parametrize("tiles", [None, (32, 32)])
 @pytest.mark.parametrize("H", [12, 24, 48, 96])
@@ -309,6 +387,20 @@ def test_mla_prefill_graph_safe_gpu_production_heads(H, tiles):
     _mla_prefill_vs_reference([37, 1, 90], [70, 0, 130], H=H, R=512, DR=64, Dn=128, Dv=128, BS=64,
                               dt=torch.bfloat16, tol=2e-2, tol_sdpa=3e-2,
                               **(dict(block_m=tiles[0], block_n=tiles[1]) if tiles else {}))
+
+
+@gpu_only
+@pytest.mark.parametrize("num_splits", [None, 8])
+def test_mla_prefill_graph_safe_gpu_long_context_split(num_splits, monkeypatch):
+    """A 256-token chunk after 4100 cached tokens at 12 heads (K3 at TP=8, the runtime's chunk size): 49 row tiles,
+    so the default splits each tile's keys (2 parts on 132 SMs: `_prefill_splits`), and 8 parts forced."""
+    grids = _spy_split_grids(monkeypatch)
+    _mla_prefill_vs_reference([256], [4100], H=12, R=512, DR=64, Dn=128, Dv=128, BS=64, dt=torch.bfloat16,
+                              tol=2e-2, tol_sdpa=3e-2, num_splits=num_splits)
+    bm = mla_k._prefill_attn_tiles(torch.cuda.get_device_capability()[0], 2, 64)[0]
+    capacity = (-(-4356 // 64) + 1) * 64                   # the block-table width x block size of the helper
+    want = num_splits or mla_k._prefill_splits(-(-256 * 12 // bm) + 1, mla_k.num_sms("cuda"), capacity)
+    assert [g[1] for g in grids] == ([want] if want > 1 else [])
 
 
 @gpu_only
@@ -349,6 +441,32 @@ def test_mla_prefill_default_path_and_tiles():
     assert tiles(None, 4, 4) == (16, 4, 4) and tiles(9, 2, 64, block_m=32, block_n=32, num_warps=4) == (32, 32, 4)
 
 
+@pytest.mark.parametrize("cap,H,limit", [(90, 96, 232448), (80, 96, 166912), (86, 96, 101376), (89, 12, 101376)])
+def test_mla_decode_default_tiles_fit_shared_memory(cap, H, limit):
+    """`_decode_tiles`' default for each GPU generation compiles (no GPU needed) within its shared memory per block at
+    K3's R=512, Dr=64, bf16 cache (sm_90 64 x 64 x 2 stages, sm_80 64 x 32 x 3, sm_86 / 89 16-head groups: a 64-head
+    group would need 148 KiB there and fail at launch)."""
+    code = f"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from plugins.mla import kernels as mk
+bh, bn, ns, nw = mk._decode_tiles(({cap // 10}, {cap % 10}), {H}, 64)
+fn = mk._mla_split_kernel
+names = fn.arg_names
+const = dict(BS=64, R=512, DR=64, BH=bh, BN=bn)
+sig = {{n: "constexpr" if n in const else "*bf16" if n in ("q_ptr", "cache_ptr") else "*fp32" if n in ("po_ptr",
+        "plse_ptr") else "*i32" if n.endswith("_ptr") else "fp32" if n == "sm_scale" else "i32" for n in names}}
+attrs = {{(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*")}}
+src = ASTSource(fn=fn, signature=sig, constexprs={{(names.index(k),): v for k, v in const.items()}}, attrs=attrs)
+k = triton.compile(src, target=GPUTarget("cuda", {cap}, 32), options={{"num_warps": nw, "num_stages": ns}})
+print(k.metadata.shared, bh)
+"""
+    shared, bh = compile_in_subprocess(code)[-1]
+    assert 0 < int(shared) <= limit
+    assert int(bh) == (16 if cap in (86, 89) or H <= 16 else 64)
+
+
 @pytest.mark.parametrize("cap,itemsize,limit", [(90, 2, 232448), (90, 4, 232448), (80, 2, 166912), (80, 4, 166912),
                                                (89, 2, 101376), (86, 2, 101376)])
 def test_mla_prefill_default_tiles_fit_shared_memory(cap, itemsize, limit):
@@ -362,20 +480,21 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from plugins.mla import kernels as mk
 bm, bn, nw = mk._prefill_attn_tiles({cap // 10}, {itemsize}, 64)
-fn = mk._mla_prefill_attn_kernel
-names = fn.arg_names
 const = dict(R=512, DR=64, BM=bm, BN=bn, BNS=64)
 dt = "*bf16" if {itemsize} == 2 else "*fp32"
-sig = {{n: "constexpr" if n in const else dt if n in ("qa_ptr", "cache_ptr", "ol_ptr") else "*i32" if n.endswith("_ptr")
-        else "fp32" if n == "sm_scale" else "i32" for n in names}}
-attrs = {{(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*")}}
-src = ASTSource(fn=fn, signature=sig, constexprs={{(names.index(k),): v for k, v in const.items()}}, attrs=attrs)
-k = triton.compile(src, target=GPUTarget("cuda", {cap}, 32), options={{"num_warps": nw, "num_stages": 2}})
-print(k.metadata.shared, int("wgmma" in k.asm["ptx"]))
+for fn in (mk._mla_prefill_attn_kernel, mk._mla_prefill_attn_split_kernel):
+    names = fn.arg_names
+    sig = {{n: "constexpr" if n in const else dt if n in ("qa_ptr", "cache_ptr", "ol_ptr")
+            else "*fp32" if n in ("po_ptr", "plse_ptr") else "*i32" if n.endswith("_ptr")
+            else "fp32" if n == "sm_scale" else "i32" for n in names}}
+    attrs = {{(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*")}}
+    src = ASTSource(fn=fn, signature=sig, constexprs={{(names.index(k),): v for k, v in const.items()}}, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", {cap}, 32), options={{"num_warps": nw, "num_stages": 2}})
+    print(k.metadata.shared, int("wgmma" in k.asm["ptx"]))
 """
-    shared, wgmma = compile_in_subprocess(code)[-1]
-    assert 0 < int(shared) <= limit
-    assert wgmma == ("1" if cap == 90 else "0")
+    for shared, wgmma in compile_in_subprocess(code)[-2:]:      # the unsplit and the split kernel
+        assert 0 < int(shared) <= limit
+        assert wgmma == ("1" if cap == 90 else "0")
 
 
 # --------------------------------------------------------------------------------------------- OpSpec workspace rules

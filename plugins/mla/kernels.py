@@ -9,7 +9,8 @@ mla_prefill: write the new latents, then either (graph_safe=False; the default o
              absorbed form: q_nope through W_UK (Triton GEMM), the paged
              decode kernel generalized to several query tokens per sequence (rows = tokens x heads, per-row
              causal limit, (sequence, tile) of each program found on the device in a fixed grid
-             cdiv(T*H, BM) + N), W_UV after (Triton GEMM): no host reads, scratch from the workspace.
+             cdiv(T*H, BM) + N; when those tiles leave SMs idle, each tile's keys are split into parts merged
+             by the decode's combine kernel), W_UV after (Triton GEMM): no host reads, scratch from the workspace.
 
 Workspace convention (plugins/workspace.py): `workspace=` uint8 scratch, sizes from `mla_decode_workspace_bytes`
 and `mla_prefill_workspace_bytes`.
@@ -155,18 +156,13 @@ def _mla_combine_kernel(po_ptr, plse_ptr, out_ptr, H, NSPLIT, stride_ob, stride_
 def _launch_cfg(B, H, capacity, device, BN, BH=None, programs_per_sm=8):
     """Split-K along the sequence: enough (head group, split, sequence) programs for `programs_per_sm` per SM
     (several resident CTAs per SM and a short tail), each split at least 256 tokens. Fixed from the cache
-    capacity (no host sync; CUDA-graph safe)."""
-    BH = _block_h(H, BH)
+    capacity (no host sync; CUDA-graph safe). BH None: `_decode_tiles`' head group for `device`."""
+    BH = BH or _decode_tiles(_device_cap(device), H, 64)[0]
     ngroups = triton.cdiv(H, BH)
     target = programs_per_sm * num_sms(device)
     nsplit = max(1, min(triton.cdiv(target, B * ngroups), triton.cdiv(capacity, 256)))
     nsplit, tok = _split_tokens(capacity, nsplit, BN)
     return BH, ngroups, nsplit, tok
-
-
-def _block_h(H, BH=None):
-    # H200 run 3 (benchmarks/RESULTS.md): at 96 heads BH=64 took 2591 us vs 4248 (BH=32) at B=64, L=32768
-    return BH if BH is not None else (16 if H <= 16 else 64)
 
 
 def _split_tokens(capacity, nsplit, BN):
@@ -175,9 +171,32 @@ def _split_tokens(capacity, nsplit, BN):
     return triton.cdiv(capacity, tok), tok
 
 
-def _decode_block_n(BS, block_n=None):
-    # a tile never straddles two paged blocks: BN is a power of two dividing BS
-    return min(block_n or 32, _pow2_divisor(BS))
+def _device_cap(device) -> tuple[int, int] | None:
+    """(major, minor) compute capability of a CUDA `device`; None for the CPU (the Triton interpreter)."""
+    device = torch.device(device)
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+def _decode_tiles(cap: tuple[int, int] | None, H: int, BS: int, block_h: int | None = None,
+                  block_n: int | None = None, num_stages: int | None = None,
+                  num_warps: int | None = None) -> tuple[int, int, int, int]:
+    """(BH heads per program, BN keys per tile, stages, warps) of `_mla_split_kernel` on a GPU of compute capability
+    `cap` (None: the interpreter); explicit values win, BN is capped by the largest power of 2 dividing BS (a tile
+    never straddles two paged blocks). H <= 16 (K3 at TP=8): 16 x 32, 3 stages, 4 warps (91 KiB of shared memory
+    at R=512, offline). More heads: 64-head groups (H200 run 3: 2591 vs 4248 µs for 32 at 96 heads, B=64, L=32K)
+    where they fit — sm_90 / sm_100: 64 x 64, 2 stages, 8 warps (216 KiB, wgmma; H200 run 21: 1.06-1.21x the 64 x
+    32 x 3 tiles at 96 heads, B = 1-64, L = 8K-32K), sm_80 / 87 and the interpreter: 64 x 32, 3 stages, 8 warps
+    (148 KiB of sm_80's 163) —, else (sm_86 / 89 / 120: 99 KiB per block) 16-head groups as for H <= 16."""
+    if H <= 16:
+        bh, bn, ns = 16, 32, 3
+    elif cap is None or cap in ((8, 0), (8, 7)):
+        bh, bn, ns = 64, 32, 3
+    elif cap[0] in (9, 10):
+        bh, bn, ns = 64, 64, 2
+    else:
+        bh, bn, ns = 16, 32, 3
+    bh = block_h or bh
+    return bh, min(block_n or bn, _pow2_divisor(BS)), num_stages or ns, num_warps or (4 if bh <= 16 else 8)
 
 
 def _default_device():
@@ -191,22 +210,22 @@ def mla_decode_workspace_bytes(batch: int, num_heads: int, kv_lora_rank: int, ma
     batch <= `batch` and block-table width <= `max_blocks` (the split count S shrinks as B grows, so the bound is
     the max over B' <= batch). device: where the kernel runs (its SM count sets S; default: CUDA if present)."""
     dev = torch.device(device) if device is not None else _default_device()
+    BH, BN = _decode_tiles(_device_cap(dev), int(num_heads), int(block_size), block_h, block_n)[:2]
     return _decode_ws_bytes(int(batch), int(num_heads), int(kv_lora_rank), int(max_blocks), int(block_size),
-                            num_sms(dev), num_splits, block_h, block_n, programs_per_sm)
+                            num_sms(dev), num_splits, BH, BN, programs_per_sm)
 
 
 @functools.lru_cache(maxsize=256)   # evaluated by every TensorRT enqueue: cache the O(batch) bound
-def _decode_ws_bytes(batch, num_heads, kv_lora_rank, max_blocks, block_size, num_sms, num_splits, block_h, block_n,
+def _decode_ws_bytes(batch, num_heads, kv_lora_rank, max_blocks, block_size, num_sms, num_splits, BH, BN,
                      programs_per_sm) -> int:
     capacity = max_blocks * block_size
     if batch <= 0 or capacity <= 0:
         return 0
-    BN = _decode_block_n(block_size, block_n)
     rows = 0
     if num_splits is not None:
         rows = batch * num_heads * _split_tokens(capacity, num_splits, BN)[0]
     else:
-        ngroups = triton.cdiv(num_heads, _block_h(num_heads, block_h))
+        ngroups = triton.cdiv(num_heads, BH)
         target = programs_per_sm * num_sms
         cap_splits = triton.cdiv(capacity, 256)
         for b in range(1, int(batch) + 1):   # nsplit(b) <= this bound, which is monotone in the capacity
@@ -250,11 +269,11 @@ def mla_decode(q_abs, latent, cache, block_tables, context_lens, *, num_heads: i
     _write_latent_kernel[(B,)](latent, cache, bt, ctx, latent.stride(0), bt.stride(0),
                                BS=BS, DL=DL, BDL=triton.next_power_of_2(DL), num_warps=4)
     capacity = bt.shape[1] * BS
-    BN = _decode_block_n(BS, block_n)
+    BH, BN, stages, warps = _decode_tiles(_device_cap(dev), H, BS, block_h, block_n, num_stages, num_warps)
     if BN < 16 and dev.type == "cuda":
         raise ValueError(f"cache block_size = {BS}: the GPU decode kernel needs blocks of a multiple of 16 tokens "
                          "(tl.dot tiles); allocate the latent pool with block_size 16, 32 or 64")
-    BH, ngroups, nsplit, tok = _launch_cfg(B, H, capacity, dev, BN, block_h, programs_per_sm)
+    BH, ngroups, nsplit, tok = _launch_cfg(B, H, capacity, dev, BN, BH, programs_per_sm)
     if num_splits is not None:
         nsplit, tok = _split_tokens(capacity, num_splits, BN)
     ws = Workspace(workspace, dev, "mla_decode")
@@ -266,8 +285,7 @@ def mla_decode(q_abs, latent, cache, block_tables, context_lens, *, num_heads: i
     plse = ws.empty((B * H * nsplit,), torch.float32)
     _mla_split_kernel[(ngroups, nsplit, B)](
         q_abs, cache, bt, ctx, po, plse, q_abs.stride(0), q_abs.stride(1), bt.stride(0), float(scale),
-        H, nsplit, BS=BS, R=R, DR=DR, BH=BH, BN=BN,
-        num_warps=num_warps or (4 if BH <= 16 else 8), num_stages=num_stages or 3)
+        H, nsplit, BS=BS, R=R, DR=DR, BH=BH, BN=BN, num_warps=warps, num_stages=stages)
     _mla_combine_kernel[(B, H)](po, plse, out, H, nsplit, out.stride(0), out.stride(1),
                                 R=R, BSPLIT=min(16, max(2, triton.next_power_of_2(nsplit))), num_warps=4)
     return out, cache
@@ -349,28 +367,29 @@ def _mla_absorb_q_kernel(q_ptr, w_ptr, qa_ptr, T, H, stride_qt, stride_qh, strid
 
 
 @triton.jit
-def _mla_prefill_attn_kernel(
-    qa_ptr, cache_ptr, bt_ptr, cu_ptr, ctx_ptr, ol_ptr, N, H, stride_bt, sm_scale, BS,
-    R: tl.constexpr, DR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BNS: tl.constexpr,
-):
-    """grid (cdiv(T*H, BM) + N,). The absorbed paged kernel of mla_decode generalized to several query tokens:
-    one program = BM consecutive query rows (token-major, head-minor: row = t*H + h) of ONE sequence n; row r of
-    token t sees cached latents 0 .. context_lens[n] + (t - cu_seqlens[n]) (its causal limit). Each [BN, 576]
-    latent tile lies inside one paged block (BN divides BS) and is read once for all BM rows; fp32 online softmax
-    (base 2); values = first R latent columns; out_latent[r] = softmax-weighted sum (act dtype). BS (cache block
-    size, a multiple of BN) is a runtime value, as in the AOT form."""
-    pid = tl.program_id(0)
-    n, tile = _find_row_tile(cu_ptr, N, H, pid, BM, BNS)
-    if n < 0:
-        return
+def _tile_rows(cu_ptr, ctx_ptr, n, tile, H, BM: tl.constexpr):
+    """Rows of row tile `tile` of sequence n (`_find_row_tile`; rows = token-major, head-minor: row = t*H + h):
+    (rows [BM] global row ids; rmask [BM] rows of sequence n; lim [BM] = keys 0 .. lim-1 visible to each row
+    (context_lens[n] + its position + 1: the causal limit; 1 for masked rows); kv_end = the largest lim).
+    Called after the program's `n < 0` return: loading before it makes ptxas spill (Triton 3.6, sm_90)."""
     t0 = tl.load(cu_ptr + n)
     t1 = tl.load(cu_ptr + n + 1)
     ctx = tl.load(ctx_ptr + n)
     row0 = t0 * H + tile * BM
     rows = row0 + tl.arange(0, BM)
     rmask = rows < t1 * H
-    lim = tl.where(rmask, ctx + rows // H - t0 + 1, 1)                                       # keys < lim visible
+    lim = tl.where(rmask, ctx + rows // H - t0 + 1, 1)
     kv_end = ctx + (tl.minimum(row0 + BM, t1 * H) - 1) // H - t0 + 1
+    return rows, rmask, lim, kv_end
+
+
+@triton.jit
+def _prefill_attend(qa_ptr, cache_ptr, bt_row, rows, rmask, lim, start, end, qscale, BS,
+                    R: tl.constexpr, DR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Online softmax of the BM query rows `rows` of one sequence (absorbed queries qa [T*H, R+DR]) over its cached
+    keys [start, end) (start a multiple of BN), row r seeing keys < lim[r]; [BN, R+DR] latent tiles inside one paged
+    block each (BN divides BS), read once for all BM rows. qscale = softmax scale * log2(e). Returns (acc [BM, R]
+    fp32 unnormalized, m [BM] base-2 running max, l [BM] denominator; l = 0 for a row that sees no key of the range)."""
     dr = tl.arange(0, R)
     dp = tl.arange(0, DR)
     rn = tl.arange(0, BN)
@@ -381,16 +400,14 @@ def _mla_prefill_attn_kernel(
     m_i = tl.zeros([BM], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BM], dtype=tl.float32)
     acc = tl.zeros([BM, R], dtype=tl.float32)
-    qscale = sm_scale * 1.4426950408889634
-    bt_row = bt_ptr + n.to(tl.int64) * stride_bt
-    last = kv_end - 1
+    last = tl.maximum(end - 1, 0)
     # block id of the next tile loaded one iteration ahead (as in _mla_split_kernel: lets the pipeliner stage tiles)
-    blk_next = tl.load(bt_row).to(tl.int64)
-    for n0 in range(0, kv_end, BN):
+    blk_next = tl.load(bt_row + tl.minimum(start, last) // BS).to(tl.int64)
+    for n0 in range(start, end, BN):
         blk = blk_next
         blk_next = tl.load(bt_row + tl.minimum(n0 + BN, last) // BS).to(tl.int64)
         tok = n0 + rn
-        tmask = tok < kv_end
+        tmask = tok < end
         tile_ptr = cache_ptr + (blk * BS + n0 % BS) * DL + rn[:, None] * DL
         kn = tl.load(tile_ptr + dr[None, :], mask=tmask[:, None], other=0.0)                  # [BN, R]
         kp = tl.load(tile_ptr + R + dp[None, :], mask=tmask[:, None], other=0.0)              # [BN, DR]
@@ -398,14 +415,66 @@ def _mla_prefill_attn_kernel(
         s = s * qscale
         s = tl.where(tok[None, :] < lim[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        # a row with no visible key yet (a later part of a split key range) keeps m = -inf: exponents from 0
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(kn.dtype), kn)
         m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _mla_prefill_attn_kernel(
+    qa_ptr, cache_ptr, bt_ptr, cu_ptr, ctx_ptr, ol_ptr, N, H, stride_bt, sm_scale, BS,
+    R: tl.constexpr, DR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BNS: tl.constexpr,
+):
+    """grid (cdiv(T*H, BM) + N,). The absorbed paged kernel of mla_decode generalized to several query tokens:
+    one program = BM consecutive query rows (token-major, head-minor: row = t*H + h) of ONE sequence n; row r of
+    token t sees cached latents 0 .. context_lens[n] + (t - cu_seqlens[n]) (its causal limit). Each [BN, 576]
+    latent tile lies inside one paged block (BN divides BS) and is read once for all BM rows; fp32 online softmax
+    (base 2); values = first R latent columns; out_latent[r] = softmax-weighted sum (act dtype). BS (cache block
+    size, a multiple of BN) is a runtime value, as in the AOT form."""
+    n, tile = _find_row_tile(cu_ptr, N, H, tl.program_id(0), BM, BNS)
+    if n < 0:
+        return
+    rows, rmask, lim, kv_end = _tile_rows(cu_ptr, ctx_ptr, n, tile, H, BM)
+    acc, m_i, l_i = _prefill_attend(qa_ptr, cache_ptr, bt_ptr + n.to(tl.int64) * stride_bt, rows, rmask, lim, 0,
+                                    kv_end, sm_scale * 1.4426950408889634, BS, R, DR, BM, BN)
     o = acc / l_i[:, None]
+    dr = tl.arange(0, R)
     tl.store(ol_ptr + rows[:, None].to(tl.int64) * R + dr[None, :], o.to(ol_ptr.dtype.element_ty),
              mask=rmask[:, None])
+
+
+@triton.jit
+def _mla_prefill_attn_split_kernel(
+    qa_ptr, cache_ptr, bt_ptr, cu_ptr, ctx_ptr, po_ptr, plse_ptr, N, H, NSPLIT, stride_bt, sm_scale, BS,
+    R: tl.constexpr, DR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BNS: tl.constexpr,
+):
+    """grid (cdiv(T*H, BM) + N, NSPLIT): `_mla_prefill_attn_kernel` with each row tile's keys [0, kv_end) cut into
+    NSPLIT parts (cdiv(kv_end, NSPLIT) keys rounded up to BN; the last parts may be empty), one program per (tile,
+    part), for prompts whose row tiles alone leave SMs idle (a 256-token chunk after a long context at 12 heads:
+    48 tiles). Row r's partial result goes to po [r*NSPLIT + s, R] fp32 (acc / l) and plse [r*NSPLIT + s] (base-2
+    log-sum-exp, -inf where the part holds no visible key); `_mla_combine_kernel` merges the parts, as in decode."""
+    sp = tl.program_id(1)
+    n, tile = _find_row_tile(cu_ptr, N, H, tl.program_id(0), BM, BNS)
+    if n < 0:
+        return
+    rows, rmask, lim, kv_end = _tile_rows(cu_ptr, ctx_ptr, n, tile, H, BM)
+    part = tl.cdiv(tl.cdiv(kv_end, NSPLIT), BN) * BN
+    start = sp * part
+    acc, m_i, l_i = _prefill_attend(qa_ptr, cache_ptr, bt_ptr + n.to(tl.int64) * stride_bt, rows, rmask, lim,
+                                    start, tl.minimum(start + part, kv_end), sm_scale * 1.4426950408889634, BS,
+                                    R, DR, BM, BN)
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    off = rows.to(tl.int64) * NSPLIT + sp
+    dr = tl.arange(0, R)
+    tl.store(po_ptr + off[:, None] * R + dr[None, :], o, mask=rmask[:, None])
+    tl.store(plse_ptr + off, lse, mask=rmask)
 
 
 @triton.jit
@@ -436,14 +505,53 @@ def _capturing(device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+# split key ranges of the prefill attention (`_prefill_splits`): at most this many parts, each covering at least
+# this many keys of the block-table capacity
+PREFILL_MAX_SPLITS = 8
+PREFILL_MIN_SPLIT_KEYS = 1024
+
+
+def _prefill_splits(tiles: int, sms: int, capacity: int, num_splits: int | None = None) -> int:
+    """Key-range parts of the prefill attention for `tiles` row-tile programs (cdiv(T*H, BM) + N) on `sms` SMs
+    (one 64 x 64 program per SM on sm_90), from host-known sizes only (CUDA-graph safe): `num_splits` when given,
+    else 1 when the tiles fill the SMs, else the s <= PREFILL_MAX_SPLITS (and <= capacity / PREFILL_MIN_SPLIT_KEYS)
+    with the least time in waves, ceil(tiles * s / sms) / s (the smaller s on a tie)."""
+    if num_splits is not None:
+        return max(1, int(num_splits))
+    if tiles >= sms:
+        return 1
+    smax = max(1, min(PREFILL_MAX_SPLITS, capacity // PREFILL_MIN_SPLIT_KEYS))
+    return min(range(1, smax + 1), key=lambda s: (-(-tiles * s // sms) / s, s))
+
+
 def mla_prefill_workspace_bytes(num_tokens: int, num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int, *,
-                                dtype: torch.dtype = torch.bfloat16) -> int:
+                                dtype: torch.dtype = torch.bfloat16, device=None, num_splits: int | None = None,
+                                block_m: int | None = None) -> int:
     """Workspace bytes of the graph-safe :func:`mla_prefill` path for up to `num_tokens` packed tokens: absorbed
-    queries `[T*H, R+Dr]` and latent outputs `[T*H, R]`, both in the cache dtype `dtype`."""
+    queries `[T*H, R+Dr]` and latent outputs `[T*H, R]` in the cache dtype `dtype`, plus, for prompts split along
+    the keys (`_prefill_splits`), the partials `po [T*H*S, R]` and `plse [T*H*S]` fp32 (bound: the largest
+    T'*H*S over T' <= num_tokens with one sequence and any context length). device: where the kernels run (its SM
+    count and compute capability set S and the row tile; default: CUDA if present). A smaller workspace makes
+    `mla_prefill` use fewer parts."""
     rows = int(num_tokens) * int(num_heads)
     if rows <= 0:
         return 0
-    return plan_bytes([((rows, kv_lora_rank + qk_rope_head_dim), dtype), ((rows, kv_lora_rank), dtype)])
+    dev = torch.device(device) if device is not None else _default_device()
+    cap = torch.cuda.get_device_capability(dev)[0] if dev.type == "cuda" else None
+    bm = _prefill_attn_tiles(cap, torch.empty((), dtype=dtype).element_size(), 64, block_m)[0]
+    return plan_bytes([((rows, kv_lora_rank + qk_rope_head_dim), dtype), ((rows, kv_lora_rank), dtype)]
+                      + _prefill_partials(int(num_tokens), int(num_heads), int(kv_lora_rank), bm, num_sms(dev),
+                                          num_splits))
+
+
+@functools.lru_cache(maxsize=256)   # evaluated by every TensorRT enqueue: cache the O(num_tokens) bound
+def _prefill_partials(num_tokens, num_heads, kv_lora_rank, bm, sms, num_splits) -> list:
+    prows = 0
+    for t in range(1, num_tokens + 1):
+        s = _prefill_splits(triton.cdiv(t * num_heads, bm) + 1, sms, 1 << 62, num_splits)
+        if s > 1:
+            prows = max(prows, t * num_heads * s)
+    return [((prows, kv_lora_rank), torch.float32), ((prows,), torch.float32)] if prows else []
 
 
 def _prefill_attn_tiles(cap_major: int | None, itemsize: int, block_size: int, block_m: int | None = None,
@@ -475,7 +583,7 @@ def _graph_safe_default(is_cuda: bool, capturing: bool, has_workspace: bool, blo
 
 
 def _mla_prefill_graph_safe(q, latent, kv_b, cache, bt, cu, ctx, out, H, Dn, Dv, R, scale, workspace,
-                            block_m, block_n, num_warps, num_stages, cap_major):
+                            block_m, block_n, num_warps, num_stages, cap_major, num_splits):
     T = q.shape[0]
     N = ctx.shape[0]
     NB, BS, DL = cache.shape
@@ -503,9 +611,21 @@ def _mla_prefill_graph_safe(q, latent, kv_b, cache, bt, cu, ctx, out, H, Dn, Dv,
     BM, BN, nw = _prefill_attn_tiles(cap_major, cache.element_size(), BS, block_m, block_n, num_warps)
     if BN < 16 and gpu:
         raise ValueError(f"cache block_size = {BS}: the GPU prefill kernel needs blocks of a multiple of 16 tokens")
-    _mla_prefill_attn_kernel[(triton.cdiv(T * H, BM) + N,)](
-        qa, cache, bt, cu, ctx, ol, N, H, bt.stride(0), float(scale),
-        BS=BS, R=R, DR=DR, BM=BM, BN=BN, BNS=BNS, num_warps=nw, num_stages=num_stages or 2)
+    tiles = triton.cdiv(T * H, BM) + N
+    nsplit = _prefill_splits(tiles, num_sms(dev), bt.shape[1] * BS, num_splits)
+    if nsplit > 1 and not ws.fits([((T * H * nsplit, R), torch.float32), ((T * H * nsplit,), torch.float32)]):
+        # a workspace sized for another device or without the partials: fewer parts
+        nsplit = max(1, (ws.remaining() - 2 * WORKSPACE_ALIGN) // ((R + 1) * 4 * T * H))
+    attn_cfg = dict(BS=BS, R=R, DR=DR, BM=BM, BN=BN, BNS=BNS, num_warps=nw, num_stages=num_stages or 2)
+    if nsplit == 1:
+        _mla_prefill_attn_kernel[(tiles,)](qa, cache, bt, cu, ctx, ol, N, H, bt.stride(0), float(scale), **attn_cfg)
+    else:
+        po = ws.empty((T * H * nsplit, R), torch.float32)
+        plse = ws.empty((T * H * nsplit,), torch.float32)
+        _mla_prefill_attn_split_kernel[(tiles, nsplit)](qa, cache, bt, cu, ctx, po, plse, N, H, nsplit, bt.stride(0),
+                                                        float(scale), **attn_cfg)
+        _mla_combine_kernel[(T, H)](po, plse, ol, H, nsplit, H * R, R, R=R,
+                                    BSPLIT=min(16, max(2, triton.next_power_of_2(nsplit))), num_warps=4)
     BD = min(64, max(16, triton.next_power_of_2(Dv)))
     _mla_up_kernel[(triton.cdiv(T, BT), H, triton.cdiv(Dv, BD))](
         ol, kv_b, out, T, H, kv_b.stride(0), out.stride(0),
@@ -529,7 +649,8 @@ def _write_latents_prefill(latent, cache, block_tables, cu_seqlens, context_lens
 def mla_prefill(q, latent, kv_b, cache, block_tables, cu_seqlens, context_lens, *, num_heads: int,
                 qk_nope_head_dim: int, v_head_dim: int, kv_lora_rank: int, scale: float, out=None,
                 graph_safe: bool | None = None, workspace: torch.Tensor | None = None, block_m: int | None = None,
-                block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None):
+                block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                num_splits: int | None = None):
     """MlaPrefill (MODEL.md §5.2): writes the new latents, then causal attention over context + new tokens.
     q [T, H, Dn+Dr], latent [T, R+Dr], kv_b [H*(Dn+Dv), R] act; cache [NB, BS, R+Dr] act; block_tables [N, MB],
     cu_seqlens [N+1], context_lens [N] int32 (schema: plugins/mla/reference.py). Returns (out [T, H*Dv] in q dtype,
@@ -543,7 +664,10 @@ def mla_prefill(q, latent, kv_b, cache, block_tables, cu_seqlens, context_lens, 
     0.14-0.43x SDPA's time at 12 and 96 heads with a bf16 cache, with its sm_90 tiles of 64 rows x 64 keys:
     RESULTS.md run 20), when a workspace is given or when the stream is being captured; else SDPA. The TensorRT
     plugin passes graph_safe=True. block_m / block_n / num_warps / num_stages: the attention kernel's tiles (None:
-    `_prefill_attn_tiles` and 2 stages).
+    `_prefill_attn_tiles` and 2 stages). num_splits: parts of each row tile's key range, one program each, merged
+    by log-sum-exp (None: `_prefill_splits`, from T, H, the number of sequences and the block-table width: more
+    than 1 only when the row tiles alone leave SMs idle, e.g. a 256-token chunk after a long context at 12 heads;
+    the partials come from the workspace, fewer parts when it is too small).
     Raises ValueError for graph_safe=True on CUDA with a block size that is not a multiple of 16, or on CPU tensors
     outside the Triton interpreter."""
     T, H, Dqk = q.shape
@@ -565,7 +689,7 @@ def mla_prefill(q, latent, kv_b, cache, block_tables, cu_seqlens, context_lens, 
         cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
         ctx = context_lens if context_lens.dtype == torch.int32 else context_lens.to(torch.int32)
         return _mla_prefill_graph_safe(q, latent, kv_b, cache, bt, cu, ctx, out, H, Dn, Dv, R, scale, workspace,
-                                       block_m, block_n, num_warps, num_stages, cap_major)
+                                       block_m, block_n, num_warps, num_stages, cap_major, num_splits)
     _write_latents_prefill(latent, cache, block_tables, cu_seqlens, context_lens)
     cu = [int(x) for x in cu_seqlens.tolist()]
     ctxl = [int(x) for x in context_lens.tolist()]
