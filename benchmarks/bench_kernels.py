@@ -493,7 +493,8 @@ if "mla" in ONLY:
                         # the default on sm_90 since run 21: 64 heads x 64 keys, 2 stages (1.06-1.21x); 64 x 32 with
                         # 3 stages = the default before (and on sm_80)
                         [dict(), dict(block_h=16, num_warps=4), dict(block_h=32), dict(block_n=32, num_stages=3),
-                         dict(block_h=16, num_warps=4, block_n=64, num_stages=2)])
+                         dict(block_h=16, num_warps=4, block_n=64, num_stages=2), dict(num_splits=64),
+                         dict(num_splits=32), dict(programs_per_sm=2)])
             best, us_default = None, float("nan")
             for vv in variants:
                 if not ok:
@@ -513,7 +514,25 @@ if "mla" in ONLY:
                     best = (ms, vv)
             ms = us_default / 1e3
             peer = bench(peer_fn)
-            out(what="mla_decode", H=H, B=B, L=L, correct=ok, err=err, us=ms * 1e3, variants=res,
+            graph = {}
+            if B == 1 and ok:
+                # B=1 in CUDA graphs (no host launch time): 8 calls, each on its own sequence and cache (8 x 38 MB,
+                # so no call finds its latents in the 50 MB L2), per-call time; the peer likewise on contiguous copies
+                ins = [(q, lat, cache, bt, ctx)] + [mla_inputs(B, H, L) for _ in range(7)]
+                conts = [C] + [x[2].view(-1, R + DR)[(x[3].long()[:, pos // BS] * BS + pos % BS)] for x in ins[1:]]
+                for vv in variants:                                   # {} = the default
+                    graph[json.dumps(vv) if vv else "us"] = graph_us_per_call(
+                        [lambda x=x, vv=vv: mla_k.mla_decode(*x, num_heads=H, kv_lora_rank=R, scale=scale, **vv)
+                         for x in ins])
+
+                def peer_of(qq, cc):
+                    p = torch.softmax(torch.bmm(qq, cc.transpose(1, 2)).float() * scale, -1).to(torch.bfloat16)
+                    return torch.bmm(p, cc[:, :, :R])
+                graph["peer_us"] = graph_us_per_call([lambda x=x, cc=cc: peer_of(x[0], cc)
+                                                      for x, cc in zip(ins, conts)])
+                graph["ratio"] = graph["peer_us"] / graph["us"]
+                del ins, conts
+            out(what="mla_decode", H=H, B=B, L=L, correct=ok, err=err, us=ms * 1e3, variants=res, cuda_graph=graph,
                 best=best[1] if best else None, us_best=best[0] * 1e3 if best else None, peer="torch bmm-softmax-bmm (contiguous cache)", peer_us=peer * 1e3,
                 ratio=peer / ms, bytes=nbytes, GBps=nbytes / ms / 1e6, pct_copy=100 * nbytes / ms / 1e6 / COPY)
             del q, lat, cache, C
@@ -565,7 +584,8 @@ if "mla_prefill" in ONLY:
             attrs = dict(num_heads=H, qk_nope_head_dim=Dn, v_head_dim=Dv, kv_lora_rank=R, scale=(Dn + DR) ** -0.5)
             # the 256-token chunks also time the key-range splits (default `_prefill_splits`: 1 part when the row
             # tiles fill the SMs, e.g. 96 heads) against 1 part (the kernel before run 21) and other counts
-            split_kws = [dict(num_splits=s) for s in (1, 2, 4, 16)] if T == 256 else []
+            # ({} last: the default timed again after the variants)
+            split_kws = [dict(num_splits=s) for s in (1, 2, 4, 16)] + [{}] if T == 256 else []
             ws = torch.empty(max(mla_k.mla_prefill_workspace_bytes(T, H, R, DR, num_splits=kw.get("num_splits"))
                                  for kw in [{}] + split_kws), dtype=torch.uint8, device=dev)
             sdpa = lambda: mla_k.mla_prefill(q, lat, kv_b, cache, bt, cu, ctx, graph_safe=False, **attrs)   # noqa: E731

@@ -263,12 +263,15 @@ def _trt_logger(trt):
 
 
 def parse_target_cc(target_cc: str | Sequence[str] | None) -> list[str]:
-    """``"sm86"`` / ``"86"`` / ``"8.6"`` / ``"sm86,sm89"`` / list -> ``["SM86", ...]`` (ComputeCapability member names).
+    """``"sm86"`` / ``"86"`` / ``"8.6"`` / ``"sm86,sm89"`` / ``"sm86 sm89"`` / a list of any of these ->
+    ``["SM86", ...]`` (ComputeCapability member names): both CLIs (``engines.build``, ``export/build_engines.py``)
+    take ``--target-cc sm86 sm89`` and ``--target-cc sm86,sm89``.
 
     Raises ValueError for malformed values."""
     if target_cc is None:
         return []
-    items = target_cc.split(",") if isinstance(target_cc, str) else list(target_cc)
+    raw = [target_cc] if isinstance(target_cc, str) else list(target_cc)
+    items = [part for x in raw for part in str(x).replace(",", " ").split()]
     out = []
     for item in items:
         s = str(item).strip().lower().removeprefix("sm").replace(".", "").replace("_", "")
@@ -634,8 +637,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         "manifest.json records sources, options and I/O.")
     ap.add_argument("--onnx-dir", required=True, help="folder searched for **/*.onnx (external data next to each)")
     ap.add_argument("--out", required=True, help="output folder for plans, manifest.json and timing.cache")
-    ap.add_argument("--target-cc", default=None,
-                    help="TensorRT-RTX target(s), e.g. sm86 or sm86,sm89 (required on RTX without a GPU)")
+    ap.add_argument("--target-cc", nargs="+", default=None,
+                    help="TensorRT-RTX target(s), e.g. sm86, sm86 sm89 or sm86,sm89 (required on RTX without a GPU)")
     ap.add_argument("--max-batch", type=int, default=8, help="max sequences per step (decode profile B/T/N max)")
     ap.add_argument("--max-num-tokens", type=int, default=256, help="max tokens per prefill step (prefill T max)")
     ap.add_argument("--dim", action="append", type=_parse_dim, default=[], metavar="NAME=MIN:OPT:MAX",

@@ -358,7 +358,8 @@ def parse_args(argv=None):
     ap.add_argument("--backend", choices=["tensorrt", "tensorrt-rtx", "onnxruntime"], default=None,
                     help="engine builder (default: tensorrt if installed, else tensorrt-rtx, else onnxruntime = no engines)")
     ap.add_argument("--target-cc", nargs="+", default=None,
-                    help="compute capabilities for ahead-of-time TensorRT-RTX builds, e.g. sm86 sm89 (default sm86)")
+                    help="compute capabilities for ahead-of-time TensorRT-RTX builds, e.g. sm86 sm89 or sm86,sm89 "
+                         "(default sm86)")
     ap.add_argument("--max-batch", type=int, default=8, help="decode profile: max sequences per step (default 8)")
     ap.add_argument("--max-num-tokens", type=int, default=256, help="prefill profile: max packed tokens per step (default 256)")
     ap.add_argument("--max-context", type=int, default=None, help="max tokens per request (default min(config, 4096))")

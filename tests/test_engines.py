@@ -139,6 +139,16 @@ def test_run_kernel_inplace_and_copy(monkeypatch):
         run_kernel(spec, {"scale": 1.0}, [x, state], [y, state])
 
 
+def test_parse_target_cc_spellings():
+    """Both CLIs' spellings of the TensorRT-RTX targets: space- or comma-separated, with or without "sm" / dots."""
+    from engines.build import parse_target_cc
+    assert parse_target_cc(None) == [] and parse_target_cc("sm86") == ["SM86"]
+    assert parse_target_cc("sm86,sm89") == parse_target_cc(["sm86", "sm89"]) == ["SM86", "SM89"]
+    assert parse_target_cc(["sm86,8.9", "120"]) == parse_target_cc("sm86 sm89, sm120") == ["SM86", "SM89", "SM120"]
+    with pytest.raises(ValueError, match="target_cc 'hopper' not understood"):
+        parse_target_cc(["sm86", "hopper"])
+
+
 def test_load_trt_names_the_missing_flavor(monkeypatch):
     """Asking for a flavor that is not installed names that flavor and how to get it (not the other one)."""
     import importlib

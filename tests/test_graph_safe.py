@@ -230,14 +230,17 @@ def test_workspace_same_result_and_stays_inside(case):
             assert relerr(o, r) < 1e-3, case.name
 
 
-def test_mla_decode_workspace_bytes_bounds_every_smaller_batch():
-    H, R, BS = 16, 512, 64
+@pytest.mark.parametrize("H,block_n", [(16, None), (96, 64)])
+def test_mla_decode_workspace_bytes_bounds_every_smaller_batch(H, block_n):
+    """The bound covers every smaller batch and block table, for the 16 x 32 tiles (8 programs per SM, >= 256 tokens
+    a split) and the 64 x 64 ones (2 per SM, >= 512 tokens: `_split_policy`)."""
+    R, BS = 512, 64
     for MB in (1, 7, 512):
         for batch in (1, 5, 64, 200):
-            bound = mla_k.mla_decode_workspace_bytes(batch, H, R, MB, BS, device="cpu")
+            bound = mla_k.mla_decode_workspace_bytes(batch, H, R, MB, BS, device="cpu", block_n=block_n)
             for b in range(1, batch + 1):
                 for mb in {1, max(1, MB // 2), MB}:
-                    BN = mla_k._decode_tiles(None, H, BS)[1]
+                    BN = mla_k._decode_tiles(None, H, BS, block_n=block_n)[1]
                     _, _, nsplit, _ = mla_k._launch_cfg(b, H, mb * BS, torch.device("cpu"), BN)
                     need = wsm.plan_bytes([((b * H * nsplit, R), torch.float32), ((b * H * nsplit,), torch.float32)])
                     assert need <= bound, (batch, b, MB, mb)
