@@ -608,7 +608,7 @@ if "mla_prefill" in ONLY:
             flops = 2 * H * (T * C + T * (T + 1) // 2) * (2 * R + DR)
             bm = mla_k._prefill_attn_tiles(torch.cuda.get_device_capability()[0], 2, BS)[0]
             out(what="mla_prefill", H=H, T=T, context=C, correct=ok, err_triton_vs_sdpa=err,
-                num_splits=mla_k._prefill_splits(triton.cdiv(T * H, bm) + 1, mla_k.num_sms(dev), MB * BS),
+                num_splits=mla_k._prefill_splits(triton.cdiv(T * H, bm), mla_k.num_sms(dev), MB * BS),
                 us=us_tri if ok else float("nan"), path="graph_safe=True (absorbed Triton, the CUDA default)",
                 peer="graph_safe=False (per-sequence up-projected K/V + torch SDPA)", peer_us=us_sdpa,
                 ratio=us_sdpa / us_tri if ok else float("nan"), variants=variants,

@@ -267,17 +267,20 @@ def parse_target_cc(target_cc: str | Sequence[str] | None) -> list[str]:
     ``["SM86", ...]`` (ComputeCapability member names): both CLIs (``engines.build``, ``export/build_engines.py``)
     take ``--target-cc sm86 sm89`` and ``--target-cc sm86,sm89``.
 
-    Raises ValueError for malformed values."""
+    Repeats are dropped. Raises ValueError for malformed or empty values."""
     if target_cc is None:
         return []
     raw = [target_cc] if isinstance(target_cc, str) else list(target_cc)
     items = [part for x in raw for part in str(x).replace(",", " ").split()]
+    if not items:
+        raise ValueError(f"target_cc {target_cc!r} names no target; use e.g. 'sm86' or 'sm86,sm89'")
     out = []
     for item in items:
         s = str(item).strip().lower().removeprefix("sm").replace(".", "").replace("_", "")
         if not s.isdigit():
             raise ValueError(f"target_cc {item!r} not understood; use e.g. 'sm86' or 'sm86,sm89'")
-        out.append(f"SM{s}")
+        if f"SM{s}" not in out:
+            out.append(f"SM{s}")
     return out
 
 
@@ -634,13 +637,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m engines.build", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Plans mirror the ONNX tree (rank0/layer003.decode.onnx -> rank0/layer003.decode.plan); "
-                                        "manifest.json records sources, options and I/O.")
+                                        "manifest.json records sources, options and I/O. Exit status: 0 built, 1 a "
+                                        "build failed (no TensorRT, a bad ONNX file, ...), 2 bad arguments.")
     ap.add_argument("--onnx-dir", required=True, help="folder searched for **/*.onnx (external data next to each)")
     ap.add_argument("--out", required=True, help="output folder for plans, manifest.json and timing.cache")
     ap.add_argument("--target-cc", nargs="+", default=None,
                     help="TensorRT-RTX target(s), e.g. sm86, sm86 sm89 or sm86,sm89 (required on RTX without a GPU)")
-    ap.add_argument("--max-batch", type=int, default=8, help="max sequences per step (decode profile B/T/N max)")
-    ap.add_argument("--max-num-tokens", type=int, default=256, help="max tokens per prefill step (prefill T max)")
+    ap.add_argument("--max-batch", type=int, default=8,
+                    help="max sequences per step (decode profile B/T/N max; default 8)")
+    ap.add_argument("--max-num-tokens", type=int, default=256,
+                    help="max tokens per prefill step (prefill T max; default 256)")
     ap.add_argument("--dim", action="append", type=_parse_dim, default=[], metavar="NAME=MIN:OPT:MAX",
                     help="range of another symbolic dim for both profiles (repeatable), e.g. --dim S=2:9:9")
     ap.add_argument("--timing-cache", default=None, help=f"timing cache file (default OUT/{DEFAULT_TIMING_CACHE})")
@@ -657,6 +663,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        parse_target_cc(args.target_cc)
+    except ValueError as e:
+        ap.error(f"--target-cc: {e}")                    # exit 2, one line, before any engine is built
     try:
         manifest = build_all(args.onnx_dir, args.out, target_cc=args.target_cc, max_batch=args.max_batch,
                              max_num_tokens=args.max_num_tokens, extra_dims=dict(args.dim), force=args.force,

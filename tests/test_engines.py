@@ -145,8 +145,22 @@ def test_parse_target_cc_spellings():
     assert parse_target_cc(None) == [] and parse_target_cc("sm86") == ["SM86"]
     assert parse_target_cc("sm86,sm89") == parse_target_cc(["sm86", "sm89"]) == ["SM86", "SM89"]
     assert parse_target_cc(["sm86,8.9", "120"]) == parse_target_cc("sm86 sm89, sm120") == ["SM86", "SM89", "SM120"]
+    assert parse_target_cc(["sm86", "86", "sm89"]) == ["SM86", "SM89"]                  # repeats dropped
     with pytest.raises(ValueError, match="target_cc 'hopper' not understood"):
         parse_target_cc(["sm86", "hopper"])
+    for empty in ("", ",", [" "]):
+        with pytest.raises(ValueError, match="names no target"):
+            parse_target_cc(empty)
+
+
+def test_engines_build_cli_rejects_a_bad_target_before_building(tmp_path, capsys):
+    """`python -m engines.build --target-cc hopper`: exit 2 with one line naming the flag, no engine built."""
+    from engines.build import main
+    with pytest.raises(SystemExit) as e:
+        main(["--onnx-dir", str(tmp_path), "--out", str(tmp_path / "e"), "--target-cc", "sm86", "hopper"])
+    assert e.value.code == 2
+    assert "--target-cc: target_cc 'hopper' not understood" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists()
 
 
 def test_load_trt_names_the_missing_flavor(monkeypatch):

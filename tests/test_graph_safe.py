@@ -341,23 +341,34 @@ def test_mla_prefill_splits_rule():
     assert rule(500, 132, 1 << 20, num_splits=5) == 5 and rule(3, 132, 64, num_splits=0) == 1
 
 
-def test_mla_prefill_workspace_bytes_bounds_every_split():
-    """The workspace bound covers the partials of every smaller prompt (any number of sequences, any context)."""
-    H, R, DR = 12, 512, 64
-    for T in (1, 11, 256, 700):
+@pytest.mark.parametrize("H", [12, 96])
+def test_mla_prefill_workspace_bytes_bounds_every_split(H):
+    """The workspace bound covers the partials of every smaller prompt in any number of sequences (zero-length ones
+    included: more tiles than tokens), on the CPU's parameters (8 SMs, 16-row tiles) through the public function and
+    on an H200's (132 SMs, 64-row tiles) through its partials bound (96 heads, 64 tokens in 19 sequences: 114 tiles
+    take 8 parts, one sequence's 96 tiles 1)."""
+    R, DR = 512, 64
+    for T in (1, 11, 64, 256, 700):
         bound = mla_k.mla_prefill_workspace_bytes(T, H, R, DR, device="cpu")
-        bm = mla_k._prefill_attn_tiles(None, 2, 64)[0]
+        items = mla_k._prefill_partials(T, H, R, 64, 132, None)
+        h200_rows = items[0][0][0] if items else 0
         for t in range(1, T + 1):
-            for n in {1, min(t, 3)}:
-                s = mla_k._prefill_splits(-(-t * H // bm) + n, mla_k.num_sms("cpu"), 1 << 20)
-                need = wsm.plan_bytes([((t * H, R + DR), torch.bfloat16), ((t * H, R), torch.bfloat16)]
-                                      + ([((t * H * s, R), torch.float32), ((t * H * s,), torch.float32)] if s > 1
-                                         else []))
-                assert need <= bound, (T, t, n)
+            for sms, bm in ((mla_k.num_sms("cpu"), mla_k._prefill_attn_tiles(None, 2, 64)[0]), (132, 64)):
+                for n in range(1, 2 * sms + 2):             # n sequences: up to cdiv(tH, bm) + n - 1 tiles with rows
+                    s = mla_k._prefill_splits(-(-t * H // bm) + n - 1, sms, 1 << 20)
+                    if s == 1:
+                        continue
+                    if sms == 132:
+                        assert t * H * s <= h200_rows, (T, t, n)
+                    else:
+                        need = wsm.plan_bytes([((t * H, R + DR), torch.bfloat16), ((t * H, R), torch.bfloat16),
+                                               ((t * H * s, R), torch.float32), ((t * H * s,), torch.float32)])
+                        assert need <= bound, (T, t, n)
 
 
-def test_mla_prefill_small_workspace_reduces_splits():
-    """A workspace without room for the partials (sized for one part) runs fewer parts, same result."""
+def test_mla_prefill_small_workspace_reduces_splits(monkeypatch):
+    """A workspace without room for all the partials runs fewer parts (as many as fit: 2 of 4 asked, or 1 for a
+    workspace sized for one part), same result."""
     lens, ctxl = [5, 2], [27, 0]
     BS = 16 if HAS_CUDA else 4
     kw = {} if HAS_CUDA else dict(block_m=16)
@@ -374,11 +385,15 @@ def test_mla_prefill_small_workspace_reduces_splits():
     args = [a.to(DEV) for a in (q, lat, kv_b)]
     meta = [a.to(DEV) for a in (bt, cu, ctx)]
     ref = mla_k.mla_prefill(*args, cache.to(DEV), *meta, graph_safe=True, num_splits=1, **attrs, **kw)[0]
-    small = mla_k.mla_prefill_workspace_bytes(T, H, R, DR, dtype=torch.float32, num_splits=1, device=DEV)
-    assert small < mla_k.mla_prefill_workspace_bytes(T, H, R, DR, dtype=torch.float32, num_splits=4, device=DEV)
-    got = mla_k.mla_prefill(*args, cache.to(DEV), *meta, graph_safe=True, num_splits=4,
-                            workspace=torch.zeros(small, dtype=torch.uint8, device=DEV), **attrs, **kw)[0]
-    assert relerr(got, ref) < (2e-3 if HAS_CUDA else 1e-5)
+    grids = _spy_split_grids(monkeypatch)
+    for fits, launched in ((1, []), (2, [2])):
+        grids.clear()
+        size = mla_k.mla_prefill_workspace_bytes(T, H, R, DR, dtype=torch.float32, num_splits=fits, device=DEV)
+        assert size < mla_k.mla_prefill_workspace_bytes(T, H, R, DR, dtype=torch.float32, num_splits=4, device=DEV)
+        got = mla_k.mla_prefill(*args, cache.to(DEV), *meta, graph_safe=True, num_splits=4,
+                                workspace=torch.zeros(size, dtype=torch.uint8, device=DEV), **attrs, **kw)[0]
+        assert [g[1] for g in grids] == launched
+        assert relerr(got, ref) < (2e-3 if HAS_CUDA else 1e-5)
 
 
 @gpu_only
@@ -402,7 +417,8 @@ def test_mla_prefill_graph_safe_gpu_long_context_split(num_splits, monkeypatch):
                               tol=2e-2, tol_sdpa=3e-2, num_splits=num_splits)
     bm = mla_k._prefill_attn_tiles(torch.cuda.get_device_capability()[0], 2, 64)[0]
     capacity = (-(-4356 // 64) + 1) * 64                   # the block-table width x block size of the helper
-    want = num_splits or mla_k._prefill_splits(-(-256 * 12 // bm) + 1, mla_k.num_sms("cuda"), capacity)
+    want = num_splits or mla_k._prefill_splits(-(-256 * 12 // bm), mla_k.num_sms("cuda"), capacity)
+    assert want > 1 or mla_k.num_sms("cuda") < 64          # an H200 (132 SMs) splits this chunk by default
     assert [g[1] for g in grids] == ([want] if want > 1 else [])
 
 
@@ -427,6 +443,53 @@ def test_mla_prefill_graph_safe_on_cpu_needs_the_interpreter(monkeypatch):
                           kv_lora_rank=32, scale=0.5, graph_safe=True)
 
 
+def test_mla_decode_on_cpu_needs_the_interpreter(monkeypatch):
+    """mla_decode on CPU tensors outside TRITON_INTERPRET=1: one ValueError naming the fix, as mla_prefill."""
+    monkeypatch.setattr(mla_k, "_INTERPRET", False)
+    q, lat, cache = torch.zeros(1, 1, 36), torch.zeros(1, 36), torch.zeros(2, 16, 36)
+    bt, ctx = torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="mla_decode: CPU tensors run the Triton kernels in the interpreter"):
+        mla_k.mla_decode(q, lat, cache, bt, ctx, num_heads=1, kv_lora_rank=32, scale=0.5)
+
+
+@pytest.mark.parametrize("R,DR,what", [(48, 16, "kv_lora_rank = 48"), (32, 12, "rope dim .* = 12")])
+def test_mla_kernels_name_a_latent_width_that_is_not_a_power_of_2(R, DR, what):
+    """The Triton MLA kernels tile R and Dr with `tl.arange`: other widths get one ValueError naming the field (not an
+    interpreter / compiler traceback)."""
+    q, lat, cache = torch.zeros(1, 1, R + DR), torch.zeros(1, R + DR), torch.zeros(2, 16, R + DR)
+    bt, ctx = torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=f"mla_decode: {what}: the Triton kernels need a power of 2"):
+        mla_k.mla_decode(q.to(DEV), lat.to(DEV), cache.to(DEV), bt.to(DEV), ctx.to(DEV), num_heads=1,
+                         kv_lora_rank=R, scale=0.5)
+    qp, kv_b = torch.zeros(1, 1, 4 + DR), torch.zeros(8, R)
+    cu = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match=f"mla_prefill: {what}: the Triton kernels need a power of 2"):
+        mla_k.mla_prefill(qp.to(DEV), lat.to(DEV), kv_b.to(DEV), cache.to(DEV), bt.to(DEV), cu.to(DEV), ctx.to(DEV),
+                          num_heads=1, qk_nope_head_dim=4, v_head_dim=4, kv_lora_rank=R, scale=0.5, graph_safe=True)
+
+
+def test_mla_prefill_rejects_zero_parts_and_warns_when_parts_are_cut(caplog):
+    """num_splits < 1 is one ValueError; an asked-for part count the workspace cannot hold runs fewer parts and says
+    so in a warning naming the sizing helper."""
+    BS = 16 if HAS_CUDA else 4
+    H, R, DR, Dn, Dv, T = 2, 32, 16, 16, 16, 3
+    g = torch.Generator().manual_seed(5)
+    cache = torch.randn(8, BS, R + DR, generator=g).to(DEV)
+    bt = torch.tensor([[1, 2, 3, 4, 5, 6]], dtype=torch.int32).to(DEV)
+    cu, ctx = torch.tensor([0, T], dtype=torch.int32).to(DEV), torch.tensor([17], dtype=torch.int32).to(DEV)
+    q, lat = torch.randn(T, H, Dn + DR, generator=g).to(DEV), torch.randn(T, R + DR, generator=g).to(DEV)
+    kv_b = (torch.randn(H * (Dn + Dv), R, generator=g) * R ** -0.5).to(DEV)
+    attrs = dict(num_heads=H, qk_nope_head_dim=Dn, v_head_dim=Dv, kv_lora_rank=R, scale=(Dn + DR) ** -0.5,
+                 graph_safe=True, **({} if HAS_CUDA else dict(block_m=16)))
+    with pytest.raises(ValueError, match="num_splits = 0: give 1 or more parts"):
+        mla_k.mla_prefill(q, lat, kv_b, cache, bt, cu, ctx, num_splits=0, **attrs)
+    small = mla_k.mla_prefill_workspace_bytes(T, H, R, DR, dtype=torch.float32, num_splits=1, device=DEV)
+    with caplog.at_level("WARNING", logger="plugins.mla.kernels"):
+        mla_k.mla_prefill(q, lat, kv_b, cache, bt, cu, ctx, num_splits=3,
+                          workspace=torch.zeros(small, dtype=torch.uint8, device=DEV), **attrs)
+    assert "num_splits=3 reduced to" in caplog.text and "mla_prefill_workspace_bytes" in caplog.text
+
+
 def test_mla_prefill_default_path_and_tiles():
     """Which path graph_safe=None takes, and the attention tiles per GPU generation and cache element size."""
     assert mla_k._graph_safe_default(True, False, False, 64) and mla_k._graph_safe_default(True, False, False, 16)
@@ -444,8 +507,9 @@ def test_mla_prefill_default_path_and_tiles():
     assert tiles(None, 4, 4) == (16, 4, 4) and tiles(9, 2, 64, block_m=32, block_n=32, num_warps=4) == (32, 32, 4)
 
 
-@pytest.mark.parametrize("cap,H,limit", [(90, 96, 232448), (80, 96, 166912), (86, 96, 101376), (89, 12, 101376)])
-def test_mla_decode_default_tiles_fit_shared_memory(cap, H, limit):
+@pytest.mark.parametrize("cap,H,BS,limit", [(90, 96, 64, 232448), (90, 96, 16, 232448), (80, 96, 64, 166912),
+                                            (86, 96, 64, 101376), (89, 12, 64, 101376)])
+def test_mla_decode_default_tiles_fit_shared_memory(cap, H, BS, limit):
     """`_decode_tiles`' default for each GPU generation compiles (no GPU needed) within its shared memory per block at
     K3's R=512, Dr=64, bf16 cache (sm_90 64 x 64 x 2 stages, sm_80 64 x 32 x 3, sm_86 / 89 16-head groups: a 64-head
     group would need 148 KiB there and fail at launch)."""
@@ -454,20 +518,22 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from plugins.mla import kernels as mk
-bh, bn, ns, nw = mk._decode_tiles(({cap // 10}, {cap % 10}), {H}, 64)
+bh, bn, ns, nw = mk._decode_tiles(({cap // 10}, {cap % 10}), {H}, {BS})
 fn = mk._mla_split_kernel
 names = fn.arg_names
-const = dict(BS=64, R=512, DR=64, BH=bh, BN=bn)
+const = dict(BS={BS}, R=512, DR=64, BH=bh, BN=bn)
 sig = {{n: "constexpr" if n in const else "*bf16" if n in ("q_ptr", "cache_ptr") else "*fp32" if n in ("po_ptr",
         "plse_ptr") else "*i32" if n.endswith("_ptr") else "fp32" if n == "sm_scale" else "i32" for n in names}}
 attrs = {{(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*")}}
 src = ASTSource(fn=fn, signature=sig, constexprs={{(names.index(k),): v for k, v in const.items()}}, attrs=attrs)
 k = triton.compile(src, target=GPUTarget("cuda", {cap}, 32), options={{"num_warps": nw, "num_stages": ns}})
-print(k.metadata.shared, bh)
+print(k.metadata.shared, bh, bn, ns)
 """
-    shared, bh = compile_in_subprocess(code)[-1]
+    shared, bh, bn, ns = compile_in_subprocess(code)[-1]
     assert 0 < int(shared) <= limit
     assert int(bh) == (16 if cap in (86, 89) or H <= 16 else 64)
+    # 2 stages only for the 64 x 64 tile; a 16-token block caps the key tile and keeps 3 (H200: 1.07-1.23x faster)
+    assert int(ns) == (2 if (int(bh), int(bn)) == (64, 64) else 3) and int(bn) <= BS
 
 
 @pytest.mark.parametrize("cap,itemsize,limit", [(90, 2, 232448), (90, 4, 232448), (80, 2, 166912), (80, 4, 166912),

@@ -453,8 +453,8 @@ def test_mla_decode(H, R, DR, BS, dt):
 @pytest.mark.parametrize("H", [12, 96])
 def test_mla_decode_long_contexts_many_splits(H):
     """Contexts up to 8191 tokens of a 128-block table (BS 64): the default split count (`_launch_cfg`, >= 256
-    tokens per split) gives many splits, each sequence's last split partial and an empty sequence; poisoned memory
-    around every tensor; equal to the fp32 oracle."""
+    tokens per split, 512 for sm_90's 64 x 64 tiles at 96 heads) gives many splits, each sequence's last split
+    partial and an empty sequence; poisoned memory around every tensor; equal to the fp32 oracle."""
     R, DR, BS, MB, dt = 512, 64, 64, 128, torch.bfloat16
     ctx = torch.tensor([0, 300, 4097, 8191], dtype=torch.int32)
     B = 4
@@ -464,7 +464,8 @@ def test_mla_decode_long_contexts_many_splits(H):
     scale = 192 ** -0.5
     ro, rc = mla_ref.mla_decode(q.float(), lat.float(), cache.float(), bt, ctx, num_heads=H, kv_lora_rank=R,
                                 scale=scale)
-    nsplit = mla_k._launch_cfg(B, H, MB * BS, torch.device(DEV), 64)[2]
+    nsplit = mla_k._launch_cfg(B, H, MB * BS, torch.device(DEV),
+                               mla_k._decode_tiles(mla_k._device_cap(DEV), H, BS)[1])[2]
     assert nsplit >= 8, nsplit
     G = Guarded()
     c = G(cache.to(DEV))

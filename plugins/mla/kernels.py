@@ -20,6 +20,7 @@ Same signatures as plugins.mla.reference; the cache is updated in place and retu
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 
@@ -30,6 +31,8 @@ import triton.language as tl
 
 from plugins.common import num_sms
 from plugins.workspace import WORKSPACE_ALIGN, Workspace, plan_bytes
+
+_LOG = logging.getLogger(__name__)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")   # as Triton reads it
 
@@ -130,7 +133,7 @@ def _mla_split_kernel(
 def _mla_combine_kernel(po_ptr, plse_ptr, out_ptr, H, NSPLIT, stride_ob, stride_oh,
                         R: tl.constexpr, BSPLIT: tl.constexpr):
     """out[b, h] = sum_s w_s po[s], w = softmax over splits of lse (base 2); splits in chunks of BSPLIT."""
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)      # prefill: b = token, b * H * R can pass 2^31
     h = tl.program_id(1)
     base = (b * H + h) * NSPLIT
     s = tl.arange(0, BSPLIT)
@@ -156,8 +159,9 @@ def _mla_combine_kernel(po_ptr, plse_ptr, out_ptr, H, NSPLIT, stride_ob, stride_
 def _split_policy(BH: int, BN: int) -> tuple[int, int]:
     """(programs per SM to aim for, least tokens per split) of the decode's sequence split for a BH x BN tile: the
     64 x 64 tiles (216 KiB of shared memory: one program per SM) aim at 2 per SM with 512 tokens per split, the
-    smaller tiles (several resident per SM) at 8 with 256. H200 run 21 (96 heads, L=32K / 8K): B=1 70.4 -> 57.0 µs
-    in CUDA graphs (64 splits instead of 128: half the partials the combine reads), B=64 L=8K 628 -> 553 µs."""
+    smaller tiles (several resident per SM) at 8 with 256. H200 run 21 (96 heads, the 64 x 64 tiles with the 8 / 256
+    policy -> this one): B=1 L=32K 70.4 -> 54.5 µs in CUDA graphs (64 splits instead of 128: half the partials the
+    combine reads), B=64 L=8K 628 -> 556 µs."""
     return (2, 512) if BH >= 64 and BN >= 64 else (8, 256)
 
 
@@ -195,18 +199,22 @@ def _decode_tiles(cap: tuple[int, int] | None, H: int, BS: int, block_h: int | N
     never straddles two paged blocks). H <= 16 (K3 at TP=8): 16 x 32, 3 stages, 4 warps (91 KiB of shared memory
     at R=512, offline). More heads: 64-head groups (H200 run 3: 2591 vs 4248 µs for 32 at 96 heads, B=64, L=32K)
     where they fit — sm_90 / sm_100: 64 x 64, 2 stages, 8 warps (216 KiB, wgmma; H200 run 21: 1.06-1.21x the 64 x
-    32 x 3 tiles at 96 heads, B = 1-64, L = 8K-32K), sm_80 / 87 and the interpreter: 64 x 32, 3 stages, 8 warps
-    (148 KiB of sm_80's 163) —, else (sm_86 / 89 / 120: 99 KiB per block) 16-head groups as for H <= 16."""
+    32 x 3 tiles at 96 heads, B = 1-64, L = 8K-32K, 64-token blocks; 16- / 32-token blocks cap the key tile and keep
+    3 stages), sm_80 / 87 and the interpreter: 64 x 32, 3 stages, 8 warps (148 KiB of sm_80's 163) —, else
+    (sm_86 / 89 / 120: 99 KiB per block) 16-head groups as for H <= 16."""
     if H <= 16:
-        bh, bn, ns = 16, 32, 3
+        bh, bn = 16, 32
     elif cap is None or cap in ((8, 0), (8, 7)):
-        bh, bn, ns = 64, 32, 3
+        bh, bn = 64, 32
     elif cap[0] in (9, 10):
-        bh, bn, ns = 64, 64, 2
+        bh, bn = 64, 64
     else:
-        bh, bn, ns = 16, 32, 3
+        bh, bn = 16, 32
     bh = block_h or bh
-    return bh, min(block_n or bn, _pow2_divisor(BS)), num_stages or ns, num_warps or (4 if bh <= 16 else 8)
+    bn = min(block_n or bn, _pow2_divisor(BS))
+    # 2 stages only for the 64 x 64 tile (216 KiB); capped by a 16- or 32-token block it keeps 3 (a review on the
+    # H200, 96 heads, block 16: 2 stages 1.07-1.23x slower than 3)
+    return bh, bn, num_stages or (2 if bh >= 64 and bn >= 64 else 3), num_warps or (4 if bh <= 16 else 8)
 
 
 def _default_device():
@@ -218,7 +226,8 @@ def mla_decode_workspace_bytes(batch: int, num_heads: int, kv_lora_rank: int, ma
                                block_n: int | None = None, programs_per_sm: int | None = None) -> int:
     """Workspace bytes of :func:`mla_decode` (split partials `po [B*H*S, R]` fp32, `plse [B*H*S]` fp32) for every
     batch <= `batch` and block-table width <= `max_blocks` (the split count S shrinks as B grows, so the bound is
-    the max over B' <= batch). device: where the kernel runs (its SM count sets S; default: CUDA if present)."""
+    the max over B' <= batch). device: where the kernel runs (its SM count and compute capability set the tiles and
+    S: `_decode_tiles`, `_split_policy`; default: CUDA if present)."""
     dev = torch.device(device) if device is not None else _default_device()
     BH, BN = _decode_tiles(_device_cap(dev), int(num_heads), int(block_size), block_h, block_n)[:2]
     pps, min_tok = _split_policy(BH, BN)
@@ -248,6 +257,20 @@ def _pow2_divisor(n: int) -> int:
     return n & -n
 
 
+def _check_triton_inputs(op: str, is_cuda: bool, R: int, DR: int) -> None:
+    """The Triton MLA kernels' own limits, as one ValueError naming the field: CPU tensors need the interpreter
+    (TRITON_INTERPRET=1 before this module is imported), and the latent widths R (kv_lora_rank) and Dr (rope dim,
+    the cache width minus R) must be powers of 2 (their tiles are `tl.arange` ranges; K3: 512 and 64)."""
+    if not is_cuda and not _INTERPRET:
+        raise ValueError(f"{op}: CPU tensors run the Triton kernels in the interpreter: set TRITON_INTERPRET=1 before "
+                         "plugins.mla.kernels is imported" + (", or pass graph_safe=False (torch SDPA)"
+                                                              if op == "mla_prefill" else ""))
+    for name, v in (("kv_lora_rank", R), ("rope dim (cache width - kv_lora_rank)", DR)):
+        if v <= 0 or v & (v - 1):
+            raise ValueError(f"{op}: {name} = {v}: the Triton kernels need a power of 2 (K3: kv_lora_rank 512, "
+                             "rope 64)")
+
+
 def mla_decode(q_abs, latent, cache, block_tables, context_lens, *, num_heads: int, kv_lora_rank: int, scale: float,
                out=None, num_splits: int | None = None, block_h: int | None = None, block_n: int | None = None,
                num_stages: int | None = None, num_warps: int | None = None, programs_per_sm: int | None = None,
@@ -259,12 +282,17 @@ def mla_decode(q_abs, latent, cache, block_tables, context_lens, *, num_heads: i
 
     workspace: optional uint8 scratch (size: :func:`mla_decode_workspace_bytes`); the split partials are carved
     from it (with a smaller workspace the split count is reduced to fit). Inputs already contiguous, in the cache
-    dtype and with int32 metadata (what the TensorRT plugin hands over) are used without copies."""
+    dtype and with int32 metadata (what the TensorRT plugin hands over) are used without copies. Tiles and splits:
+    `_decode_tiles` and `_split_policy` per GPU generation unless block_h / block_n / num_stages / num_warps /
+    programs_per_sm / num_splits are given. CPU tensors run under the Triton interpreter (TRITON_INTERPRET=1).
+    Raises ValueError on CPU tensors outside the interpreter, for kv_lora_rank or the rope width not a power of 2,
+    and on CUDA for a cache block size that is not a multiple of 16."""
     B, H, DL = q_abs.shape
     R = kv_lora_rank
     DR = DL - R
     NB, BS, DLc = cache.shape
     assert H == num_heads and DLc == DL and latent.shape == (B, DL) and cache.is_contiguous()
+    _check_triton_inputs("mla_decode", q_abs.is_cuda, R, DR)
     dev = q_abs.device
     if q_abs.dtype != cache.dtype:
         q_abs = q_abs.to(cache.dtype)
@@ -476,6 +504,9 @@ def _mla_prefill_attn_split_kernel(
     rows, rmask, lim, kv_end = _tile_rows(cu_ptr, ctx_ptr, n, tile, H, BM)
     part = tl.cdiv(tl.cdiv(kv_end, NSPLIT), BN) * BN
     start = sp * part
+    if start >= kv_end:             # an empty part (a short tile's keys in few parts): no q load, no partial rows
+        tl.store(plse_ptr + rows.to(tl.int64) * NSPLIT + sp, tl.full([BM], float("-inf"), tl.float32), mask=rmask)
+        return
     acc, m_i, l_i = _prefill_attend(qa_ptr, cache_ptr, bt_ptr + n.to(tl.int64) * stride_bt, rows, rmask, lim,
                                     start, tl.minimum(start + part, kv_end), sm_scale * 1.4426950408889634, BS,
                                     R, DR, BM, BN)
@@ -523,10 +554,14 @@ PREFILL_MIN_SPLIT_KEYS = 1024
 
 
 def _prefill_splits(tiles: int, sms: int, capacity: int, num_splits: int | None = None) -> int:
-    """Key-range parts of the prefill attention for `tiles` row-tile programs (cdiv(T*H, BM) + N) on `sms` SMs
-    (one 64 x 64 program per SM on sm_90), from host-known sizes only (CUDA-graph safe): `num_splits` when given,
-    else 1 when the tiles fill the SMs, else the s <= PREFILL_MAX_SPLITS (and <= capacity / PREFILL_MIN_SPLIT_KEYS)
-    with the least time in waves, ceil(tiles * s / sms) / s (the smaller s on a tie)."""
+    """Key-range parts of the prefill attention for `tiles` row tiles with rows (at most cdiv(T*H, BM) + N - 1 for
+    N sequences) on `sms` SMs (one 64 x 64 program per SM on sm_90; on other GPUs several 32 x 32 programs fit an
+    SM, so the rule splits more than needed there: untimed), from host-known sizes only (CUDA-graph safe):
+    `num_splits` when given, else 1 when the tiles fill the SMs, else the s <= PREFILL_MAX_SPLITS (and <= capacity /
+    PREFILL_MIN_SPLIT_KEYS, capacity = the block-table width x block size: the longest context the batch may hold,
+    not this one's) with the least time in waves, ceil(tiles * s / sms) / s (the smaller s on a tie). Parts are
+    sized from each tile's own keys: a short prompt in a wide table splits into parts of few keys, most of them
+    empty (they only store their -inf log-sum-exp)."""
     if num_splits is not None:
         return max(1, int(num_splits))
     if tiles >= sms:
@@ -541,7 +576,7 @@ def mla_prefill_workspace_bytes(num_tokens: int, num_heads: int, kv_lora_rank: i
     """Workspace bytes of the graph-safe :func:`mla_prefill` path for up to `num_tokens` packed tokens: absorbed
     queries `[T*H, R+Dr]` and latent outputs `[T*H, R]` in the cache dtype `dtype`, plus, for prompts split along
     the keys (`_prefill_splits`), the partials `po [T*H*S, R]` and `plse [T*H*S]` fp32 (bound: the largest
-    T'*H*S over T' <= num_tokens with one sequence and any context length). device: where the kernels run (its SM
+    T'*H*S over T' <= num_tokens, any number of sequences, any context length). device: where the kernels run (its SM
     count and compute capability set S and the row tile; default: CUDA if present). A smaller workspace makes
     `mla_prefill` use fewer parts."""
     rows = int(num_tokens) * int(num_heads)
@@ -557,11 +592,20 @@ def mla_prefill_workspace_bytes(num_tokens: int, num_heads: int, kv_lora_rank: i
 
 @functools.lru_cache(maxsize=256)   # evaluated by every TensorRT enqueue: cache the O(num_tokens) bound
 def _prefill_partials(num_tokens, num_heads, kv_lora_rank, bm, sms, num_splits) -> list:
-    prows = 0
-    for t in range(1, num_tokens + 1):
-        s = _prefill_splits(triton.cdiv(t * num_heads, bm) + 1, sms, 1 << 62, num_splits)
-        if s > 1:
-            prows = max(prows, t * num_heads * s)
+    """The partials of the largest split over T' <= num_tokens tokens in any number of sequences (T' tokens in N
+    sequences: up to cdiv(T' H, bm) + N - 1 row tiles with rows, N unbounded: zero-length sequences count):
+    [(po), (plse)] or []."""
+    if num_splits is not None:
+        prows = num_tokens * num_heads * num_splits if num_splits > 1 else 0
+    else:
+        most = [1] * (sms + 1)          # most[t] = the most parts any tile count >= t gets (>= sms tiles: 1)
+        for t in range(sms - 1, 0, -1):
+            most[t] = max(most[t + 1], _prefill_splits(t, sms, 1 << 62))
+        prows = 0
+        for t in range(1, num_tokens + 1):
+            lo = triton.cdiv(t * num_heads, bm)          # tiles with rows, one sequence; more sequences: more
+            if lo < sms and most[lo] > 1:
+                prows = max(prows, t * num_heads * most[lo])
     return [((prows, kv_lora_rank), torch.float32), ((prows,), torch.float32)] if prows else []
 
 
@@ -622,17 +666,23 @@ def _mla_prefill_graph_safe(q, latent, kv_b, cache, bt, cu, ctx, out, H, Dn, Dv,
     BM, BN, nw = _prefill_attn_tiles(cap_major, cache.element_size(), BS, block_m, block_n, num_warps)
     if BN < 16 and gpu:
         raise ValueError(f"cache block_size = {BS}: the GPU prefill kernel needs blocks of a multiple of 16 tokens")
-    tiles = triton.cdiv(T * H, BM) + N
-    nsplit = _prefill_splits(tiles, num_sms(dev), bt.shape[1] * BS, num_splits)
-    if nsplit > 1 and not ws.fits([((T * H * nsplit, R), torch.float32), ((T * H * nsplit,), torch.float32)]):
-        # a workspace sized for another device or without the partials: fewer parts
-        nsplit = max(1, (ws.remaining() - 2 * WORKSPACE_ALIGN) // ((R + 1) * 4 * T * H))
+    tiles = triton.cdiv(T * H, BM) + N                 # grid: an upper bound; programs past the last tile return
+    nsplit = _prefill_splits(tiles - 1, num_sms(dev), bt.shape[1] * BS, num_splits)
+    def partials(s):
+        return [((T * H * s, R), torch.float32), ((T * H * s,), torch.float32)]
+    if nsplit > 1 and not ws.fits(partials(nsplit)):
+        # a workspace sized for another device, dtype or part count: as many parts as fit
+        fit = next((s for s in range(nsplit - 1, 1, -1) if ws.fits(partials(s))), 1)
+        if num_splits is not None:
+            _LOG.warning("mla_prefill: num_splits=%d reduced to %d: the workspace has no room for more partials "
+                         "(size it with mla_prefill_workspace_bytes(..., dtype=<cache dtype>, num_splits=%d))",
+                         num_splits, fit, num_splits)
+        nsplit = fit
     attn_cfg = dict(BS=BS, R=R, DR=DR, BM=BM, BN=BN, BNS=BNS, num_warps=nw, num_stages=num_stages or 2)
     if nsplit == 1:
         _mla_prefill_attn_kernel[(tiles,)](qa, cache, bt, cu, ctx, ol, N, H, bt.stride(0), float(scale), **attn_cfg)
     else:
-        po = ws.empty((T * H * nsplit, R), torch.float32)
-        plse = ws.empty((T * H * nsplit,), torch.float32)
+        po, plse = (ws.empty(shape, dt) for shape, dt in partials(nsplit))
         _mla_prefill_attn_split_kernel[(tiles, nsplit)](qa, cache, bt, cu, ctx, po, plse, N, H, nsplit, bt.stride(0),
                                                         float(scale), **attn_cfg)
         _mla_combine_kernel[(T, H)](po, plse, ol, H, nsplit, H * R, R, R=R,
@@ -668,19 +718,22 @@ def mla_prefill(q, latent, kv_b, cache, block_tables, cu_seqlens, context_lens, 
     cache) — the cache updated in place.
 
     graph_safe=False: per sequence, gather + up-project the latents, torch SDPA (reads cu_seqlens/context_lens on
-    the host). graph_safe=True: absorbed Triton path (q_nope through W_UK, paged attention over the latents,
-    W_UV after), four launches with fixed grids, no host reads, scratch from `workspace` (size:
-    :func:`mla_prefill_workspace_bytes`). Default (None, `_graph_safe_default`): graph-safe on CUDA when the cache
-    block size is a multiple of 16 and the cache is 16-bit or the GPU sm_90 (on the H200 the Triton path takes
+    the host). graph_safe=True: absorbed Triton path (q_nope through W_UK, paged attention over the latents, W_UV
+    after), four launches with fixed grids (five when the keys are split), no host reads, scratch from `workspace`
+    (size: :func:`mla_prefill_workspace_bytes`). Default (None, `_graph_safe_default`): graph-safe on CUDA when the
+    cache block size is a multiple of 16 and the cache is 16-bit or the GPU sm_90 (on the H200 the Triton path takes
     0.14-0.43x SDPA's time at 12 and 96 heads with a bf16 cache, with its sm_90 tiles of 64 rows x 64 keys:
-    RESULTS.md run 20), when a workspace is given or when the stream is being captured; else SDPA. The TensorRT
-    plugin passes graph_safe=True. block_m / block_n / num_warps / num_stages: the attention kernel's tiles (None:
-    `_prefill_attn_tiles` and 2 stages). num_splits: parts of each row tile's key range, one program each, merged
-    by log-sum-exp (None: `_prefill_splits`, from T, H, the number of sequences and the block-table width: more
-    than 1 only when the row tiles alone leave SMs idle, e.g. a 256-token chunk after a long context at 12 heads;
-    the partials come from the workspace, fewer parts when it is too small).
-    Raises ValueError for graph_safe=True on CUDA with a block size that is not a multiple of 16, or on CPU tensors
-    outside the Triton interpreter."""
+    RESULTS.md run 20; 256-token chunks after long contexts with key splits: 0.17x, run 21), when a workspace is
+    given or when the stream is being captured; else SDPA. The TensorRT plugin passes graph_safe=True. block_m /
+    block_n / num_warps / num_stages: the attention kernel's tiles (None: `_prefill_attn_tiles` and 2 stages).
+    num_splits: parts of each row tile's key range, one program each, merged by log-sum-exp (None:
+    `_prefill_splits`, from T, H, the number of sequences and the block-table width: more than 1 only when the row
+    tiles alone leave SMs idle, e.g. a 256-token chunk after a long context at 12 heads; the partials come from the
+    workspace, fewer parts when it is too small — size it with the cache's dtype and the same num_splits; a part
+    count asked for and reduced is logged as a warning).
+    Raises ValueError for graph_safe=True on CUDA with a block size that is not a multiple of 16, on CPU tensors
+    outside the Triton interpreter (also when graph_safe=None picked that path because a workspace was given), for
+    kv_lora_rank or the rope width not a power of 2, and for num_splits < 1."""
     T, H, Dqk = q.shape
     Dn, Dv, R = qk_nope_head_dim, v_head_dim, kv_lora_rank
     NB, BS, DL = cache.shape
@@ -691,11 +744,10 @@ def mla_prefill(q, latent, kv_b, cache, block_tables, cu_seqlens, context_lens, 
                                          cache.element_size())
     if out is None:
         out = torch.empty(T, H * Dv, dtype=q.dtype, device=q.device)
-    if graph_safe and not q.is_cuda and not _INTERPRET:
-        raise ValueError("mla_prefill: graph_safe=True on CPU tensors runs the Triton kernels in the interpreter: set "
-                         "TRITON_INTERPRET=1 before plugins.mla.kernels is imported, or pass graph_safe=False "
-                         "(torch SDPA)")
     if graph_safe:
+        _check_triton_inputs("mla_prefill", q.is_cuda, R, DL - R)
+        if num_splits is not None and num_splits < 1:
+            raise ValueError(f"mla_prefill: num_splits = {num_splits}: give 1 or more parts (None: the default)")
         bt = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
         cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
         ctx = context_lens if context_lens.dtype == torch.int32 else context_lens.to(torch.int32)
