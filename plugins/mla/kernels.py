@@ -583,8 +583,8 @@ def mla_prefill_workspace_bytes(num_tokens: int, num_heads: int, kv_lora_rank: i
     if rows <= 0:
         return 0
     dev = torch.device(device) if device is not None else _default_device()
-    cap = torch.cuda.get_device_capability(dev)[0] if dev.type == "cuda" else None
-    bm = _prefill_attn_tiles(cap, torch.empty((), dtype=dtype).element_size(), 64, block_m)[0]
+    cap = _device_cap(dev)
+    bm = _prefill_attn_tiles(cap[0] if cap else None, dtype.itemsize, 64, block_m)[0]
     return plan_bytes([((rows, kv_lora_rank + qk_rope_head_dim), dtype), ((rows, kv_lora_rank), dtype)]
                       + _prefill_partials(int(num_tokens), int(num_heads), int(kv_lora_rank), bm, num_sms(dev),
                                           num_splits))
@@ -738,7 +738,8 @@ def mla_prefill(q, latent, kv_b, cache, block_tables, cu_seqlens, context_lens, 
     Dn, Dv, R = qk_nope_head_dim, v_head_dim, kv_lora_rank
     NB, BS, DL = cache.shape
     assert H == num_heads and DL > R and cache.is_contiguous()
-    cap_major = torch.cuda.get_device_capability(q.device)[0] if q.is_cuda else None
+    cap = _device_cap(q.device)
+    cap_major = cap[0] if cap else None
     if graph_safe is None:
         graph_safe = _graph_safe_default(q.is_cuda, _capturing(q.device), workspace is not None, BS, cap_major,
                                          cache.element_size())
