@@ -101,7 +101,9 @@ def parse_args(argv=None):
                      help="STEPS more decode steps under torch.profiler: GPU kernels per step, GPU busy time per step "
                           "(union of kernel intervals) and its share of the step, top kernels (default off)")
     run.add_argument("--max-num-tokens", type=int, default=8192, help="prefill tokens per step (default %(default)s)")
-    run.add_argument("--block-size", type=int, default=16, help="latent block size (multiple of 16 on CUDA)")
+    run.add_argument("--block-size", type=int, default=None,
+                     help="latent block size (multiple of 16 on CUDA; default 64 on CUDA, 16 on the CPU: "
+                          "runtime.executor.preferred_block_size)")
     chk = ap.add_argument_group("check")
     chk.add_argument("--check", action="store_true",
                      help="compare with the CPU fp32 reference (item 4 of the description below the options); pass: "
@@ -126,7 +128,7 @@ def parse_args(argv=None):
     out.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
     for name in ("batch", "prompt_len", "steps", "max_num_tokens", "block_size", "check_requests", "check_steps"):
-        if getattr(a, name) < 1:
+        if getattr(a, name) is not None and getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} = {getattr(a, name)}: must be >= 1")
     for name in ("warmup", "kernel_profile", "profile_steps"):
         if (getattr(a, name) or 0) < 0:
@@ -575,6 +577,9 @@ def main(argv=None) -> int:
                                     "one with python -m model.synthetic or leave it out to draw --preset's weights")
         cfg = load_config(a.checkpoint if a.checkpoint is not None else a.preset)
         variants = (a.ops or ("torch" if device.type == "cuda" else "reference")).split(",")
+        if a.block_size is None:                    # one size for every variant: their logits are compared
+            from runtime.executor import preferred_block_size
+            a.block_size = preferred_block_size(device, "kernels")
         from model.sharding import check_parallel
         check_parallel(cfg, tp, a.ep)
         if a.compare_to is not None and not a.compare_to.is_file():

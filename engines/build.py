@@ -571,6 +571,7 @@ def build_all(onnx_dir: str | Path, out_dir: str | Path, *, target_cc: str | Seq
         logger.info("TensorRT changed (%s -> %s %s): rebuilding everything", old["tensorrt"], info.flavor, info.version)
         old = None
     manifest = mf.new_manifest(info.flavor, info.version)
+    manifest["profile_dims"] = _jsonable(dims)      # the runtime reads the pools' fixed sizes (BS) from here
     files = find_onnx(onnx_dir)
     built = skipped = 0
     for rel in tqdm(files, desc="engines", unit="engine", disable=not progress):

@@ -4,6 +4,7 @@ Layout (``format`` 1)::
 
     {"format": 1,
      "tensorrt": {"flavor": "tensorrt-rtx", "version": "1.7.1.116"},
+     "profile_dims": [{"M": [1, 1, 256], "BS": [64, 64, 64], ...}, ...],   # named-dim ranges per profile
      "engines": {"rank0/layer0.plan": {
          "onnx": "rank0/layer0.onnx", "onnx_sha256": "...",      # .onnx plus its external-data files
          "config_hash": "...", "options": {...},                # build options that went into config_hash

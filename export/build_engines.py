@@ -222,7 +222,7 @@ def build(args) -> int:
     ep = args.ep if args.ep is not None else 1
     check_parallel(cfg, args.tp, ep)
     max_context = args.max_context or min(cfg.max_position_embeddings, 4096)
-    plan = make_plan(cfg, args.tp, ep, max_batch=args.max_batch, max_context=max_context)
+    plan = make_plan(cfg, args.tp, ep, max_batch=args.max_batch, max_context=max_context, block_size=args.block_size)
     from engines.build import parse_target_cc
     try:   # the spelling (sm86 / 86 / 8.6) is checked here, support by the installed RTX below
         targets = parse_target_cc(args.target_cc)
@@ -296,7 +296,7 @@ def build(args) -> int:
         return 1
 
     eng_dir = out / "engines"
-    dims = engine_dims(cfg, args.max_batch, args.max_num_tokens, max_context, 16)
+    dims = engine_dims(cfg, args.max_batch, args.max_num_tokens, max_context, args.block_size)
 
     def step_engines():
         if backend == "onnxruntime":
@@ -320,13 +320,14 @@ def build(args) -> int:
                     "engine_flavor": backend if engines and engines.get("built") else None,
                     "backend": serve_backend, "tp": args.tp, "ep": ep, "config_hash": cfg.config_hash(),
                     "max_batch": args.max_batch, "max_num_tokens": args.max_num_tokens, "max_context": max_context,
-                    "verify_report": "verify/report.json", "triton_repository": "triton"}
+                    "block_size": args.block_size, "verify_report": "verify/report.json", "triton_repository": "triton"}
         write_json_atomic(manifest, out / "manifest.json")
         cfg_path = write_repository(out, out / "triton", serve_backend, max_batch=args.max_batch,
                                     max_num_tokens=args.max_num_tokens, max_context=max_context, overwrite=True)
         return f"manifest.json + Triton repository {cfg_path.parent.parent} (backend {serve_backend})", None
 
-    pipe.run(6, "repository", exp_inputs + [backend, serve_backend, args.max_batch, args.max_num_tokens, max_context],
+    pipe.run(6, "repository", exp_inputs + [backend, serve_backend, args.max_batch, args.max_num_tokens, max_context,
+                                         args.block_size],
              [out / "manifest.json", out / "triton"], step_repository)
 
     def step_smoke():
@@ -363,6 +364,9 @@ def parse_args(argv=None):
     ap.add_argument("--max-batch", type=int, default=8, help="decode profile: max sequences per step (default 8)")
     ap.add_argument("--max-num-tokens", type=int, default=256, help="prefill profile: max packed tokens per step (default 256)")
     ap.add_argument("--max-context", type=int, default=None, help="max tokens per request (default min(config, 4096))")
+    ap.add_argument("--block-size", type=int, default=64,
+                    help="latent cache tokens per block, fixed in the engine profiles; a multiple of 16 (default 64: "
+                         "the MLA kernels' key tiles stay inside one block, so 16 caps them at 16 keys)")
     ap.add_argument("--aot", action="store_true",
                     help="full TensorRT >= 10.9 only: every kimi op as ahead-of-time plugins (PTX baked into the "
                          "engines, no Python at runtime; Mxfp4Moe, KdaPrefill and MlaPrefill as chains of "
@@ -378,6 +382,9 @@ def parse_args(argv=None):
     for name in ("tp", "max_batch", "max_num_tokens", "max_context", "ep"):
         if getattr(a, name) is not None and getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.block_size < 16 or a.block_size % 16:
+        ap.error(f"--block-size {a.block_size}: must be a multiple of 16 (16, 32, 64, ...; the MLA kernels' key "
+                 "tiles take 16 tokens at least)")
     return a
 
 

@@ -196,7 +196,10 @@ class LLM:
     batch bucket up to max_batch (runtime/graphs.py; capture takes a few warm-up steps per bucket).
     max_batch: requests running at once (KDA slots = max_batch + 1); max_num_tokens: tokens per scheduler step;
     max_context: tokens per request (default: the config's max_position_embeddings). block_size / num_blocks / memory_budget size the latent pool (default:
-    enough for max_batch requests at max_context; memory_budget in bytes goes through `plan_memory`).
+    enough for max_batch requests at max_context; memory_budget in bytes goes through `plan_memory`); block_size
+    (tokens per latent block) defaults to the executor's `preferred_block_size()`: 64 on CUDA with the torch /
+    kernels ops (the MLA kernels' key tiles stay inside one block), the engines' profile value for tensorrt, 16
+    otherwise.
     decode_pad_multiple pads decode batches with sentinel rows. tp / ep: tensor / expert parallelism of the torch
     backend (default: the torch.distributed world size; this process is its rank — launch one process per rank with
     torchrun, runtime/distributed.py); the onnxruntime backend takes tp from the export. Raises FileNotFoundError when the backend's
@@ -205,7 +208,7 @@ class LLM:
     """
 
     def __init__(self, path: "str | Path", backend: str = "torch", max_batch: int = 8, max_num_tokens: int = 256,
-                 max_context: int | None = None, *, block_size: int = 16, num_blocks: int | None = None,
+                 max_context: int | None = None, *, block_size: int | None = None, num_blocks: int | None = None,
                  memory_budget: int | None = None, decode_pad_multiple: int | None = None,
                  tp: int | None = None, ep: int = 1, device: "str | torch.device | None" = None,
                  ops: str | None = None, profile_comm: bool = False, cuda_graphs: bool = False,
@@ -230,6 +233,8 @@ class LLM:
         self.executor = self._make_executor(backend, device, ops, profile_comm, dense_dtype)
         cfg = self.cfg = self.executor.cfg
         max_context = max_context or cfg.max_position_embeddings
+        if block_size is None:
+            block_size = self.executor.preferred_block_size()
         self.executor.check_block_size(block_size)
         device = self.device = self.executor.device
         if memory_budget is not None:

@@ -71,7 +71,34 @@ def check_block_size(block_size: int, device: torch.device, ops_name: str) -> No
     or "kernels" ops needs a multiple of 16 tokens: its tl.dot tiles never straddle two paged blocks)."""
     if device.type == "cuda" and ops_name in ("torch", "kernels") and block_size % 16:
         raise ValueError(f"block_size = {block_size}: the GPU MLA decode kernel needs latent blocks of a multiple of "
-                         "16 tokens (16, 32, 64, ...); the runtime default is 16")
+                         f"16 tokens (16, 32, 64, ...); the runtime default there is {GPU_BLOCK_SIZE}")
+
+
+GPU_BLOCK_SIZE = 64     # latent tokens per block for the CUDA kernels (the MLA key tile never straddles two blocks)
+CPU_BLOCK_SIZE = 16     # elsewhere: finer paging, no kernel to feed
+
+
+def preferred_block_size(device: torch.device, ops_name: str) -> int:
+    """Latent block size (tokens) the runtime allocates when the caller gives none: 64 on CUDA with the "torch" /
+    "kernels" ops — the MLA decode and prefill tiles take at most one block's keys, so 16-token blocks cap them at
+    16 keys (H200: 12 heads B=64 L=32K 855-864 µs at 16 vs 654-666 at 64; 96 heads B=64 L=8K 1157 vs 556;
+    benchmarks/RESULTS.md runs 20-21; FlashMLA takes 64 too) —, 16 elsewhere (the CPU references)."""
+    return GPU_BLOCK_SIZE if device.type == "cuda" and ops_name in ("torch", "kernels") else CPU_BLOCK_SIZE
+
+
+def engine_block_size(manifest: dict) -> int | None:
+    """The latent block size fixed in an engine directory's optimization profiles (`manifest["profile_dims"]`,
+    the named-dim ranges engines/build.py recorded: every profile's "BS" with min = opt = max), or None when the
+    manifest records none (engines built before it did, or a block size left as a range). ValueError when the
+    profiles fix different block sizes."""
+    ranges = [tuple(d["BS"]) for d in manifest.get("profile_dims") or [] if "BS" in d]
+    if not ranges or any(len(set(r)) > 1 for r in ranges):
+        return None
+    sizes = sorted({r[0] for r in ranges})
+    if len(sizes) > 1:
+        raise ValueError(f"manifest.json: profile_dims fix different block sizes {sizes}; "
+                         "rebuild the engines with one --block-size")
+    return int(sizes[0])
 
 
 class Executor:
@@ -86,6 +113,10 @@ class Executor:
     def check_block_size(self, block_size: int) -> None:
         """Raise ValueError when this executor cannot use latent blocks of `block_size` tokens."""
         check_block_size(block_size, self.device, self.ops_name)
+
+    def preferred_block_size(self) -> int:
+        """Latent block size (tokens) for a cache when the caller gives none (`preferred_block_size`)."""
+        return preferred_block_size(self.device, self.ops_name)
 
     def forward(self, ids: torch.Tensor, batch: Batch, pools: dict, logits_index: torch.Tensor):
         """ids [T] int64 packed tokens, batch (`model.reference.Batch`), pools {layer: {name: tensor}},
@@ -350,6 +381,7 @@ class TensorRTExecutor(GraphExecutor):
         if not mpath.is_file():
             raise FileNotFoundError(f"{mpath}: missing; build engines with python -m engines.build")
         manifest = json.loads(mpath.read_text())
+        self.block_size = engine_block_size(manifest)
         # the same plugin forms as the build (engines built with --aot hold the AOT ops of every kimi op)
         register_tensorrt_plugins(trt, aot=any(e.get("aot_ops") for e in manifest.get("engines", {}).values()))
         self.index = read_index(onnx_dir or self.dir)
@@ -375,6 +407,17 @@ class TensorRTExecutor(GraphExecutor):
                     raise RuntimeError(f"{self.dir / plan}: cannot select optimization profile {profile}")
                 self.engines[g["id"]] = (engine, ctx)
         self.stream.synchronize()
+
+    def preferred_block_size(self) -> int:
+        """The block size the engines' profiles fix (`engine_block_size`); 16 for manifests that record none
+        (export/build_engines.py fixed 16 before it took --block-size)."""
+        return self.block_size or CPU_BLOCK_SIZE
+
+    def check_block_size(self, block_size: int) -> None:
+        """Raise ValueError when the engines' profiles fix another latent block size than `block_size`."""
+        if self.block_size is not None and block_size != self.block_size:
+            raise ValueError(f"block_size = {block_size}: the engines in {self.dir} were built for latent blocks of "
+                             f"{self.block_size} tokens; omit block_size or rebuild with --block-size {block_size}")
 
     @staticmethod
     def profile_for(graph: dict, num_profiles: int) -> int:

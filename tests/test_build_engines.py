@@ -84,15 +84,22 @@ def check_engines(out: Path) -> None:
     assert em["model_config_hash"] == index["config_hash"] == manifest["config_hash"]
     by_onnx = {e["onnx"]: e for e in em["engines"].values()}
     assert len(by_onnx) == len(index["graphs"])
+    mla_engines = 0
     for g in index["graphs"]:
         e = by_onnx[g["path"]]
         assert [i["name"] for i in e["inputs"]] == [i["name"] for i in g["inputs"]], g["id"]
         assert {o["name"] for o in e["outputs"]} == {o["name"] for o in g["outputs"]}, g["id"]
         assert len(e["options"]["profiles"]) == 2, g["id"]               # prefill and decode
+        if any(i["name"] == "cache" for i in e["inputs"]):                # an MLA layer: 64-token latent blocks
+            mla_engines += 1
+            assert all({shape[1] for shape in prof["cache"]} == {64} for prof in e["options"]["profiles"]), g["id"]
         assert e["compute_capability"] == ["sm86"]
         assert (out / "engines" / e.get("plan", g["path"].replace(".onnx", ".plan"))).is_file()
         # no plugin is registered with TensorRT-RTX: every kimi node was lowered through its function body
         assert all(p["impl"] == "function-body" for p in e["plugins"].values()), (g["id"], e["plugins"])
+    assert mla_engines > 0
+    from runtime.executor import engine_block_size
+    assert engine_block_size(em) == manifest["block_size"] == 64     # what LLM(backend="tensorrt") takes
     kimi = {op for e in by_onnx.values() for op in e["plugins"]}
     assert {"kimi::KdaDecode", "kimi::MlaDecode", "kimi::Mxfp4Moe"} <= kimi, kimi
 
@@ -209,7 +216,8 @@ def test_failed_rerun_leaves_nothing_looking_complete(tiny_build_tp1, tiny_ckpt,
 
 
 def test_bad_arguments():
-    for args, field in ((["--max-context", "0"], "--max-context"), (["--tp", "0"], "--tp"), (["--ep", "0"], "--ep")):
+    for args, field in ((["--max-context", "0"], "--max-context"), (["--tp", "0"], "--tp"), (["--ep", "0"], "--ep"),
+                        (["--block-size", "24"], "--block-size"), (["--block-size", "0"], "--block-size")):
         r = run_cli(*args)
         assert r.returncode == 2 and field in r.stderr, (args, r.stderr)
     h = run_cli("--help")

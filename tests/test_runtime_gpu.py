@@ -362,6 +362,10 @@ def test_block_size_not_multiple_of_16_is_refused_on_gpu(micro_ckpt):
     with pytest.raises(ValueError, match="multiple of 16"):
         LLM(micro_ckpt, device="cuda", block_size=8, max_context=64)
     LLM(micro_ckpt, device="cuda", ops="reference", block_size=8, max_context=64)     # the fp32 references can
+    for ops in ("torch", "kernels", "reference"):                 # the default: 64-token blocks for the kernels
+        with LLM(micro_ckpt, device="cuda", ops=ops, max_batch=2, max_context=200) as llm:
+            assert llm.cache.block_size == (16 if ops == "reference" else 64), ops
+            assert llm.cache.num_blocks == 1 + 2 * math.ceil(200 / llm.cache.block_size)
 
 
 def _generate(model, nproc: int, prompt: list[int], *extra) -> list[str]:
@@ -564,6 +568,25 @@ def test_block_size_rule_and_nccl_environment(monkeypatch):
         check_block_size(48, cuda, ops)
     check_block_size(8, cuda, "reference")
     check_block_size(8, torch.device("cpu"), "torch")
+    from runtime.executor import engine_block_size, preferred_block_size
+    assert [preferred_block_size(cuda, o) for o in ("torch", "kernels", "reference")] == [64, 64, 16]
+    assert preferred_block_size(torch.device("cpu"), "torch") == 16
+    fixed = lambda *bs: {"profile_dims": [{"M": (1, 4, 64), "BS": (b, b, b)} for b in bs]}  # noqa: E731
+    assert engine_block_size(fixed(64, 64)) == 64 and engine_block_size(fixed(16)) == 16
+    assert engine_block_size({}) is None                                  # a manifest from before profile_dims
+    assert engine_block_size({"profile_dims": [{"BS": (16, 32, 64)}]}) is None    # a range: not fixed
+    with pytest.raises(ValueError, match=r"different block sizes \[16, 64\]"):
+        engine_block_size(fixed(16, 64))
+    from runtime.executor import TensorRTExecutor                # its block-size rule needs no TensorRT
+    trt_ex = TensorRTExecutor.__new__(TensorRTExecutor)
+    trt_ex.dir, trt_ex.block_size = "engines", 64
+    assert trt_ex.preferred_block_size() == 64
+    trt_ex.check_block_size(64)
+    with pytest.raises(ValueError, match="built for latent blocks of 64 tokens; omit block_size or rebuild"):
+        trt_ex.check_block_size(16)
+    trt_ex.block_size = None                                     # an older manifest: 16, as those builds fixed
+    assert trt_ex.preferred_block_size() == 16
+    trt_ex.check_block_size(32)
     monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
     assert nccl_environment()["NCCL_NVLS_ENABLE"] == "0"
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")                         # the user's choice wins
