@@ -181,10 +181,12 @@ def run_variant(a, executor, prompts, rank: int, progress: bool) -> tuple[dict, 
     if a.cuda_graphs:
         prof = 0                                   # a replay runs no Python: Comm sees no collective
     decode_steps = a.warmup + a.steps + prof + a.kernel_profile
-    max_ctx = a.prompt_len + decode_steps + 2
+    # a request whose prompt is done decodes one token in each later prefill step (chunked prefill mixes them)
+    early = math.ceil(a.batch * a.prompt_len / a.max_num_tokens)
+    max_ctx = a.prompt_len + decode_steps + early + 2
     nblocks = 1 + a.batch * math.ceil(max_ctx / a.block_size)
     executor.check_block_size(a.block_size)
-    cache = HybridCache(cfg, a.batch + 1, nblocks, a.block_size, executor.tp, torch.float32, dev, max_ctx)
+    cache = HybridCache(cfg, a.batch + 1, nblocks, a.block_size, executor.tp, executor.act_dtype, dev, max_ctx)
     pool_bytes = sum(t.numel() * t.element_size() for p in cache.pools.values() for t in p.values())
     capture_s = None
     if a.cuda_graphs:
@@ -203,7 +205,7 @@ def run_variant(a, executor, prompts, rank: int, progress: bool) -> tuple[dict, 
                 errors.append(f"{rid}: {error}")
         return on_token
 
-    params = SamplingParams(max_tokens=decode_steps + 2, ignore_eos=True)
+    params = SamplingParams(max_tokens=decode_steps + early + 2, ignore_eos=True)
     for i, p in enumerate(prompts):
         sched.add(f"r{i}", p, params, collector(f"r{i}"))
     if dev.type == "cuda":
@@ -371,7 +373,7 @@ def teacher_forced_logits(executor, seqs: list[list[int]], k: int, block_size: i
         with torch.no_grad():
             out, _ = model.forward(ids, batch, allocate_pools(cfg, n + 1, n * mb + 1, block_size), idx)
         return out.float()
-    pools = allocate_pools(cfg, n + 1, n * mb + 1, block_size, executor.tp, torch.float32, executor.device)
+    pools = allocate_pools(cfg, n + 1, n * mb + 1, block_size, executor.tp, executor.act_dtype, executor.device)
     out, _ = executor.forward(ids, batch, pools, idx)
     return out.float().cpu()
 

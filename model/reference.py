@@ -440,12 +440,14 @@ class K3Model:
 
 class SequenceState:
     """Decode state of ONE sequence for the convenience forward: slot 1 of a 2-slot KDA pool and enough
-    latent blocks for `max_len` tokens. `context_len` counts the tokens already processed."""
+    latent blocks for `max_len` tokens. `context_len` counts the tokens already processed. act_dtype: the conv
+    history and latent cache dtype (§9: the model dtype, `K3Model.dense_dtype`; fp32 for the reference)."""
 
-    def __init__(self, cfg: K3Config, max_len: int, block_size: int = 16, tp: int = 1, device="cpu"):
+    def __init__(self, cfg: K3Config, max_len: int, block_size: int = 16, tp: int = 1, device="cpu",
+                 act_dtype: torch.dtype = torch.float32):
         nblk = -(-max_len // block_size)
         self.pools = allocate_pools(cfg, num_slots=2, num_blocks=nblk + 1, block_size=block_size, tp=tp,
-                                    device=device)
+                                    act_dtype=act_dtype, device=device)
         self.block_table = torch.arange(1, nblk + 1, dtype=torch.int32)[None]
         self.context_len = 0
         self.max_len = max_len

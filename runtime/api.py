@@ -190,7 +190,8 @@ class LLM:
     and onnxruntime only "cpu". ops (torch backend): "reference" | "torch" | "kernels" (runtime.executor.
     TorchExecutor; default "reference" on the CPU, "torch" = the Triton kernels on CUDA, which need a block_size
     multiple of 16). dense_dtype (torch backend): "float32" (default; the reference precision) or "bfloat16" (dense
-    weights and their GEMMs in bf16: half the bytes of the step's largest reads; K3Model). profile_comm: count and
+    weights and their GEMMs in bf16: half the bytes of the step's largest reads; K3Model; the KDA conv history and
+    MLA latent cache pools then hold bf16 too, MODEL.md §9, the KDA state stays fp32). profile_comm: count and
     time the TP collectives (`llm.executor.comm.stats()`).
     cuda_graphs (torch backend, CUDA, ops "kernels"): decode steps replay CUDA graphs captured at start-up, one per
     batch bucket up to max_batch (runtime/graphs.py; capture takes a few warm-up steps per bucket).
@@ -238,15 +239,16 @@ class LLM:
         self.executor.check_block_size(block_size)
         device = self.device = self.executor.device
         if memory_budget is not None:
-            plan = plan_memory(cfg, self.executor.tp, 1, memory_budget, max_batch, max_context, block_size, torch.float32)
+            plan = plan_memory(cfg, self.executor.tp, 1, memory_budget, max_batch, max_context, block_size,
+                               self.executor.act_dtype)
             self.plan = plan
             log.info("memory plan:\n%s", plan.table())
             cache = HybridCache.from_plan(cfg, plan, device)
         else:
             if num_blocks is None:
                 num_blocks = 1 + max_batch * math.ceil(max_context / block_size)
-            cache = HybridCache(cfg, max_batch + 1, num_blocks, block_size, self.executor.tp, torch.float32, device,
-                                max_context)
+            cache = HybridCache(cfg, max_batch + 1, num_blocks, block_size, self.executor.tp, self.executor.act_dtype,
+                                device, max_context)
         self.cache = cache
         self.scheduler = Scheduler(self.executor, cache, max_batch, max_num_tokens, cfg.eos_token_id,
                                    decode_pad_multiple)

@@ -137,7 +137,9 @@ class TorchExecutor(Executor):
     no per-call pool copy), or an ops class. On CUDA the dense weights are fp32 on the GPU (MXFP4 experts stay
     packed uint8) and the kernels use bf16/TF32 internally where their tests say so; the pools must be on
     `self.device` (HybridCache(..., device=executor.device)). dense_dtype: "bfloat16" keeps the dense weights
-    (projections, embedding, lm_head) in bf16 and runs those GEMMs in bf16 (K3Model; default fp32).
+    (projections, embedding, lm_head) in bf16 and runs those GEMMs in bf16 (K3Model; default fp32); `act_dtype`, the
+    dtype of the KDA conv history and MLA latent cache pools it expects, follows it (MODEL.md §9: the model dtype;
+    the KDA recurrent state stays fp32).
 
     With tp > 1 this process is TP rank `rank` of an initialized torch.distributed group of tp processes (gloo on
     CPU, NCCL on GPU; see runtime/distributed.py): it loads its shard and the model's RowLinear / latent
@@ -178,6 +180,7 @@ class TorchExecutor(Executor):
         if profile_comm:
             self.model.comm.profile = True
         self.cfg, self.tp, self.rank = self.model.cfg, self.model.comm.size, self.model.comm.rank
+        self.act_dtype = self.model.dense_dtype        # the pools' conv history and latent cache: the model dtype
         if self.device.type == "cuda":
             log.info("torch executor on %s, ops %s, tp %d rank %d", self.device, self.ops_name, self.tp, self.rank)
 

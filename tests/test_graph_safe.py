@@ -507,22 +507,26 @@ def test_mla_prefill_default_path_and_tiles():
     assert tiles(None, 4, 4) == (16, 4, 4) and tiles(9, 2, 64, block_m=32, block_n=32, num_warps=4) == (32, 32, 4)
 
 
-@pytest.mark.parametrize("cap,H,BS,limit", [(90, 96, 64, 232448), (90, 96, 16, 232448), (80, 96, 64, 166912),
-                                            (86, 96, 64, 101376), (89, 12, 64, 101376)])
-def test_mla_decode_default_tiles_fit_shared_memory(cap, H, BS, limit):
-    """`_decode_tiles`' default for each GPU generation compiles (no GPU needed) within its shared memory per block at
-    K3's R=512, Dr=64, bf16 cache (sm_90 64 x 64 x 2 stages, sm_80 64 x 32 x 3, sm_86 / 89 16-head groups: a 64-head
-    group would need 148 KiB there and fail at launch)."""
+@pytest.mark.parametrize("cap,H,BS,itemsize,limit", [
+    (90, 96, 64, 2, 232448), (90, 96, 16, 2, 232448), (80, 96, 64, 2, 166912), (86, 96, 64, 2, 101376),
+    (89, 12, 64, 2, 101376), (90, 96, 64, 4, 232448), (90, 12, 64, 4, 232448), (80, 96, 64, 4, 166912),
+    (80, 12, 64, 4, 166912)])
+def test_mla_decode_default_tiles_fit_shared_memory(cap, H, BS, itemsize, limit):
+    """`_decode_tiles`' default for each GPU generation and cache element size compiles (no GPU needed) within its
+    shared memory per block at K3's R=512, Dr=64 (bf16: sm_90 64 x 64 x 2 stages, sm_80 64 x 32 x 3, sm_86 / 89
+    16-head groups — a 64-head group would need 148 KiB there —; fp32, the runtime's default pools: sm_90 64 x 16
+    and 16 x 32, sm_80 16 x 16; the fp32 64 x 64 tile, 432 KiB, failed at launch on the H200 with 64-token blocks)."""
     code = f"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from plugins.mla import kernels as mk
-bh, bn, ns, nw = mk._decode_tiles(({cap // 10}, {cap % 10}), {H}, {BS})
+bh, bn, ns, nw = mk._decode_tiles(({cap // 10}, {cap % 10}), {H}, {BS}, itemsize={itemsize})
 fn = mk._mla_split_kernel
 names = fn.arg_names
 const = dict(BS={BS}, R=512, DR=64, BH=bh, BN=bn)
-sig = {{n: "constexpr" if n in const else "*bf16" if n in ("q_ptr", "cache_ptr") else "*fp32" if n in ("po_ptr",
+dt = "*bf16" if {itemsize} == 2 else "*fp32"
+sig = {{n: "constexpr" if n in const else dt if n in ("q_ptr", "cache_ptr") else "*fp32" if n in ("po_ptr",
         "plse_ptr") else "*i32" if n.endswith("_ptr") else "fp32" if n == "sm_scale" else "i32" for n in names}}
 attrs = {{(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*")}}
 src = ASTSource(fn=fn, signature=sig, constexprs={{(names.index(k),): v for k, v in const.items()}}, attrs=attrs)
@@ -531,9 +535,11 @@ print(k.metadata.shared, bh, bn, ns)
 """
     shared, bh, bn, ns = compile_in_subprocess(code)[-1]
     assert 0 < int(shared) <= limit
-    assert int(bh) == (16 if cap in (86, 89) or H <= 16 else 64)
+    assert int(bh) == (16 if cap in (86, 89) or H <= 16 or (itemsize == 4 and cap == 80) else 64)
     # 2 stages only for the 64 x 64 tile; a 16-token block caps the key tile and keeps 3 (H200: 1.07-1.23x faster)
     assert int(ns) == (2 if (int(bh), int(bn)) == (64, 64) else 3) and int(bn) <= BS
+    if itemsize == 4:
+        assert int(bn) == (32 if cap == 90 and H <= 16 else 16)
 
 
 @pytest.mark.parametrize("cap,itemsize,limit", [(90, 2, 232448), (90, 4, 232448), (80, 2, 166912), (80, 4, 166912),

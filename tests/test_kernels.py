@@ -420,7 +420,10 @@ def _mla_setup(B, H, R, DR, BS, MB, ctx, dt, seed):
 
 
 MLA_CASES = [(12, 64, 16, 16 if HAS_CUDA else 4, torch.float32)] + ([(12, 512, 64, 64, torch.bfloat16), (24, 512, 64, 64, torch.bfloat16),
-                                                 (48, 512, 64, 16, torch.bfloat16), (96, 512, 64, 64, torch.bfloat16)]
+                                                 (48, 512, 64, 16, torch.bfloat16), (96, 512, 64, 64, torch.bfloat16),
+                                                 # fp32 caches at K3's width (the runtime's default pools):
+                                                 # their own tiles (`_decode_tiles` itemsize)
+                                                 (12, 512, 64, 64, torch.float32), (96, 512, 64, 64, torch.float32)]
                                                 if HAS_CUDA else [])
 
 

@@ -106,7 +106,7 @@ def _with_ops(model: K3Model, ops) -> K3Model:
 
 def greedy_path(model: K3Model, prompt: list[int], n: int, max_len: int = 256) -> list[int]:
     """Greedy tokens of one request run alone (prefill, then one decode per token)."""
-    st = SequenceState(model.cfg, max_len, device=model.device)
+    st = SequenceState(model.cfg, max_len, device=model.device, act_dtype=model.dense_dtype)
     with torch.no_grad():
         logits, st = forward(model, prompt, st)
         out = []
@@ -932,6 +932,9 @@ def test_llm_bf16_dense_weights_and_their_errors(tiny_ckpt, tmp_path):
     p = [5, 17, 301, 42, 7]
     with LLM(tiny_ckpt, device="cpu", dense_dtype="bfloat16", max_batch=2, max_context=64) as llm:
         assert llm.executor.model.dense_dtype == torch.bfloat16
+        pools = llm.cache.pools.values()                  # §9: conv history and latents in the model dtype
+        assert {t.dtype for p in pools for n, t in p.items() if n != "state"} == {torch.bfloat16}
+        assert {p["state"].dtype for p in pools if "state" in p} == {torch.float32}
         got = llm.generate([p], SamplingParams(max_tokens=5, ignore_eos=True))[0].token_ids
         assert got == greedy_path(llm.executor.model, p, 5)
     with pytest.raises(ValueError, match="dense_dtype = 'float16'"):

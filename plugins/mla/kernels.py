@@ -193,7 +193,7 @@ def _device_cap(device) -> tuple[int, int] | None:
 
 def _decode_tiles(cap: tuple[int, int] | None, H: int, BS: int, block_h: int | None = None,
                   block_n: int | None = None, num_stages: int | None = None,
-                  num_warps: int | None = None) -> tuple[int, int, int, int]:
+                  num_warps: int | None = None, itemsize: int = 2) -> tuple[int, int, int, int]:
     """(BH heads per program, BN keys per tile, stages, warps) of `_mla_split_kernel` on a GPU of compute capability
     `cap` (None: the interpreter); explicit values win, BN is capped by the largest power of 2 dividing BS (a tile
     never straddles two paged blocks). H <= 16 (K3 at TP=8): 16 x 32, 3 stages, 4 warps (91 KiB of shared memory
@@ -201,20 +201,29 @@ def _decode_tiles(cap: tuple[int, int] | None, H: int, BS: int, block_h: int | N
     where they fit — sm_90 / sm_100: 64 x 64, 2 stages, 8 warps (216 KiB, wgmma; H200 run 21: 1.06-1.21x the 64 x
     32 x 3 tiles at 96 heads, B = 1-64, L = 8K-32K, 64-token blocks; 16- / 32-token blocks cap the key tile and keep
     3 stages), sm_80 / 87 and the interpreter: 64 x 32, 3 stages, 8 warps (148 KiB of sm_80's 163) —, else
-    (sm_86 / 89 / 120: 99 KiB per block) 16-head groups as for H <= 16."""
+    (sm_86 / 89 / 120: 99 KiB per block) 16-head groups as for H <= 16.
+    A cache of `itemsize` 4 (fp32: the runtime's pools unless cache_dtype is 16-bit) doubles every tile's bytes
+    (offline Triton 3.6, R=512): sm_90 / 100 take 16 x 32 (180 KiB) up to 16 heads and 64 x 16 (220 KiB) above,
+    sm_80 / 87 16 x 16 (108 KiB), the 99 KiB GPUs 16 x 16 with 2 stages (104 KiB: too big there at R=512; the
+    launch's out-of-resources error becomes a ValueError asking for a 16-bit cache, `mla_decode`)."""
+    wide = cap is not None and cap[0] in (9, 10)          # 227 KiB of shared memory per block
     if H <= 16:
         bh, bn = 16, 32
     elif cap is None or cap in ((8, 0), (8, 7)):
         bh, bn = 64, 32
-    elif cap[0] in (9, 10):
+    elif wide:
         bh, bn = 64, 64
     else:
         bh, bn = 16, 32
+    if itemsize > 2 and cap is not None:
+        bh, bn = (bh, 32 if bh <= 16 else 16) if wide else (16, 16)
     bh = block_h or bh
     bn = min(block_n or bn, _pow2_divisor(BS))
     # 2 stages only for the 64 x 64 tile (216 KiB); capped by a 16- or 32-token block it keeps 3 (a review on the
-    # H200, 96 heads, block 16: 2 stages 1.07-1.23x slower than 3)
-    return bh, bn, num_stages or (2 if bh >= 64 and bn >= 64 else 3), num_warps or (4 if bh <= 16 else 8)
+    # H200, 96 heads, block 16: 2 stages 1.07-1.23x slower than 3); 2 for fp32 on the 99 KiB GPUs
+    small = itemsize > 2 and cap is not None and not wide and cap not in ((8, 0), (8, 7))
+    stages = 2 if (bh >= 64 and bn >= 64) or small else 3
+    return bh, bn, num_stages or stages, num_warps or (4 if bh <= 16 else 8)
 
 
 def _default_device():
@@ -223,13 +232,16 @@ def _default_device():
 
 def mla_decode_workspace_bytes(batch: int, num_heads: int, kv_lora_rank: int, max_blocks: int, block_size: int, *,
                                device=None, num_splits: int | None = None, block_h: int | None = None,
-                               block_n: int | None = None, programs_per_sm: int | None = None) -> int:
+                               block_n: int | None = None, programs_per_sm: int | None = None,
+                               dtype: torch.dtype = torch.bfloat16) -> int:
     """Workspace bytes of :func:`mla_decode` (split partials `po [B*H*S, R]` fp32, `plse [B*H*S]` fp32) for every
     batch <= `batch` and block-table width <= `max_blocks` (the split count S shrinks as B grows, so the bound is
     the max over B' <= batch). device: where the kernel runs (its SM count and compute capability set the tiles and
-    S: `_decode_tiles`, `_split_policy`; default: CUDA if present)."""
+    S: `_decode_tiles`, `_split_policy`; default: CUDA if present); dtype: the latent cache's (its element size
+    sets the tiles too)."""
     dev = torch.device(device) if device is not None else _default_device()
-    BH, BN = _decode_tiles(_device_cap(dev), int(num_heads), int(block_size), block_h, block_n)[:2]
+    BH, BN = _decode_tiles(_device_cap(dev), int(num_heads), int(block_size), block_h, block_n,
+                           itemsize=dtype.itemsize)[:2]
     pps, min_tok = _split_policy(BH, BN)
     return _decode_ws_bytes(int(batch), int(num_heads), int(kv_lora_rank), int(max_blocks), int(block_size),
                             num_sms(dev), num_splits, BH, BN, programs_per_sm or pps, min_tok)
@@ -308,7 +320,8 @@ def mla_decode(q_abs, latent, cache, block_tables, context_lens, *, num_heads: i
     _write_latent_kernel[(B,)](latent, cache, bt, ctx, latent.stride(0), bt.stride(0),
                                BS=BS, DL=DL, BDL=triton.next_power_of_2(DL), num_warps=4)
     capacity = bt.shape[1] * BS
-    BH, BN, stages, warps = _decode_tiles(_device_cap(dev), H, BS, block_h, block_n, num_stages, num_warps)
+    BH, BN, stages, warps = _decode_tiles(_device_cap(dev), H, BS, block_h, block_n, num_stages, num_warps,
+                                          cache.element_size())
     if BN < 16 and dev.type == "cuda":
         raise ValueError(f"cache block_size = {BS}: the GPU decode kernel needs blocks of a multiple of 16 tokens "
                          "(tl.dot tiles); allocate the latent pool with block_size 16, 32 or 64")
@@ -322,9 +335,14 @@ def mla_decode(q_abs, latent, cache, block_tables, context_lens, *, num_heads: i
         nsplit, tok = _split_tokens(capacity, max(1, fit), BN)
     po = ws.empty((B * H * nsplit, R), torch.float32)
     plse = ws.empty((B * H * nsplit,), torch.float32)
-    _mla_split_kernel[(ngroups, nsplit, B)](
-        q_abs, cache, bt, ctx, po, plse, q_abs.stride(0), q_abs.stride(1), bt.stride(0), float(scale),
-        H, nsplit, BS=BS, R=R, DR=DR, BH=BH, BN=BN, num_warps=warps, num_stages=stages)
+    try:
+        _mla_split_kernel[(ngroups, nsplit, B)](
+            q_abs, cache, bt, ctx, po, plse, q_abs.stride(0), q_abs.stride(1), bt.stride(0), float(scale),
+            H, nsplit, BS=BS, R=R, DR=DR, BH=BH, BN=BN, num_warps=warps, num_stages=stages)
+    except triton.runtime.errors.OutOfResources as e:
+        raise ValueError(f"mla_decode: the {BH} x {BN} tiles over a {cache.dtype} latent cache of width {DL} do not "
+                         f"fit this GPU ({e}); use a 16-bit cache (LLM(cache_dtype='bfloat16')) or smaller "
+                         "block_h / block_n") from e
     _mla_combine_kernel[(B, H)](po, plse, out, H, nsplit, out.stride(0), out.stride(1),
                                 R=R, BSPLIT=min(16, max(2, triton.next_power_of_2(nsplit))), num_warps=4)
     return out, cache

@@ -35,7 +35,7 @@ def _decode_workspace(attrs, shapes, dtypes):
     from plugins.mla import kernels
 
     return kernels.mla_decode_workspace_bytes(shapes[0][0], int(attrs["num_heads"]), int(attrs["kv_lora_rank"]),
-                                              shapes[3][1], shapes[2][1])
+                                              shapes[3][1], shapes[2][1], dtype=torch_dtype(dtypes[2]))
 
 
 MLA_PREFILL = OpSpec(
