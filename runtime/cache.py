@@ -166,6 +166,18 @@ class _Alloc:
     slot: int
     blocks: list[int]
     num_tokens: int = 0          # tokens whose latents are (or are being) written
+    # `blocks` as int32 (first len(blocks) entries; capacity doubles): block_tables copies rows of it instead of
+    # converting a Python list per step, which costs O(context) host time at long contexts
+    table: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))
+
+    def add_blocks(self, ids: list[int]) -> None:
+        n, cap = len(self.blocks), self.table.numel()
+        if n + len(ids) > cap:
+            grown = torch.zeros(max(n + len(ids), 2 * cap), dtype=torch.int32)
+            grown[:n] = self.table[:n]
+            self.table = grown
+        self.table[n: n + len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        self.blocks += ids
 
 
 class HybridCache:
@@ -269,7 +281,7 @@ class HybridCache:
             raise CacheFull(f"request {rid!r}: needs {need} more latent blocks, {len(self._free_blocks)} free")
         if need:
             self._free_blocks.sort()
-            a.blocks += self._free_blocks[:need]
+            a.add_blocks(self._free_blocks[:need])
             del self._free_blocks[:need]
         start = a.num_tokens
         a.num_tokens += n
@@ -295,11 +307,12 @@ class HybridCache:
 
     def block_tables(self, rids: list[str | None]) -> torch.Tensor:
         """[N, MB] int32 block tables of `rids` (None = padding row), right-padded with sentinel block 0."""
-        tabs = [self._allocs[r].blocks if r is not None else [] for r in rids]
-        mb = max(1, max(len(t) for t in tabs))
+        allocs = [self._allocs[r] if r is not None else None for r in rids]
+        mb = max([1] + [len(a.blocks) for a in allocs if a is not None])
         out = torch.zeros(len(rids), mb, dtype=torch.int32)
-        for i, t in enumerate(tabs):
-            out[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        for i, a in enumerate(allocs):
+            if a is not None and a.blocks:
+                out[i, : len(a.blocks)] = a.table[: len(a.blocks)]
         return out
 
     def set_pools(self, pools: dict) -> None:

@@ -52,7 +52,23 @@ class Request:
 
     @property
     def all_ids(self) -> list[int]:
+        """prompt + output as a new list (O(tokens): the per-step paths use num_tokens / token_slice)."""
         return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """len(all_ids) without building it."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """all_ids[start:stop] (0 <= start <= stop) in O(stop - start): a decode step at a long context copies one
+        token, not the whole prompt."""
+        p = len(self.prompt_ids)
+        if stop <= p:
+            return self.prompt_ids[start:stop]
+        if start >= p:
+            return self.output_ids[start - p: stop - p]
+        return self.prompt_ids[start:] + self.output_ids[: stop - p]
 
     @property
     def is_decode(self) -> bool:
@@ -158,7 +174,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             rid = req.request_id
-            n = 1 if req.is_decode else min(len(req.all_ids) - req.num_computed, budget)
+            n = 1 if req.is_decode else min(req.num_tokens - req.num_computed, budget)
             while not self.cache.can_append(rid, n):
                 room = self.cache.room(rid)
                 if not req.is_decode and room > 0:
@@ -178,12 +194,12 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.max_batch and self.cache.free_slots
                and self.waiting[0].request_id not in preempted):
             req = self.waiting[0]
-            n = min(len(req.all_ids), budget, self.cache.room(None))
+            n = min(req.num_tokens, budget, self.cache.room(None))
             if n <= 0:
                 break
             self.waiting.pop(0)
             self.cache.allocate(req.request_id)
-            req.status, req.num_computed, req.prefill_end = "running", 0, len(req.all_ids)
+            req.status, req.num_computed, req.prefill_end = "running", 0, req.num_tokens
             self.running.append(req)
             self.cache.append(req.request_id, n)
             plan.append((req, n))
@@ -192,7 +208,7 @@ class Scheduler:
 
     def _batch(self, group: list[tuple[Request, int]], decode: bool) -> tuple[torch.Tensor, Batch, torch.Tensor]:
         rids: list[str | None] = [r.request_id for r, _ in group]
-        ids = [t for r, n in group for t in r.all_ids[r.num_computed: r.num_computed + n]]
+        ids = [t for r, n in group for t in r.token_slice(r.num_computed, r.num_computed + n)]
         lens = [n for _, n in group]
         slots = [self.cache.slot(r.request_id) for r, _ in group]
         ctx = [r.num_computed for r, _ in group]
@@ -221,7 +237,7 @@ class Scheduler:
                     self._finish(req, "error", f"{type(e).__name__}: {e}", notify_token=None)
             return
         self.cache.set_pools(pools)
-        rows = [row for row, (req, n) in enumerate(group) if req.num_computed + n >= len(req.all_ids)]
+        rows = [row for row, (req, n) in enumerate(group) if req.num_computed + n >= req.num_tokens]
         toks = {}
         if rows:                                       # one batched draw (logits may be on a GPU)
             sel = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=logits.device)]
@@ -231,7 +247,7 @@ class Scheduler:
             if req.status == "finished":               # cancelled by an earlier row's callback in this loop
                 continue
             req.num_computed += n
-            if req.num_computed < len(req.all_ids):
+            if req.num_computed < req.num_tokens:
                 continue                               # prefill not done yet: nothing to sample
             tok = toks[row]
             req.output_ids.append(tok)
@@ -239,7 +255,7 @@ class Scheduler:
             p = req.params
             if tok in p.stop_token_ids or (tok == self.eos_token_id and not p.ignore_eos):
                 self._finish(req, "stop", None, notify_token=tok)
-            elif len(req.output_ids) >= p.max_tokens or len(req.all_ids) >= self.max_context:
+            elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_context:
                 self._finish(req, "length", None, notify_token=tok)
             else:
                 self._notify(req, tok, False, None)
