@@ -452,6 +452,26 @@ def test_mla_decode_on_cpu_needs_the_interpreter(monkeypatch):
         mla_k.mla_decode(q, lat, cache, bt, ctx, num_heads=1, kv_lora_rank=32, scale=0.5)
 
 
+def test_mla_decode_tiles_too_big_for_the_gpu_name_the_fix(monkeypatch):
+    """A decode tile the GPU's shared memory cannot hold (fp32 latents at K3's width on sm_86 / 89 / 120: 104 of 99
+    KiB) fails at launch with Triton's OutOfResources; mla_decode turns it into one ValueError naming the cache dtype
+    and the fix."""
+    from triton.runtime.errors import OutOfResources
+
+    class TooBig:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                raise OutOfResources(106496, 101376, "shared memory")
+            return launch
+    monkeypatch.setattr(mla_k, "_mla_split_kernel", TooBig())
+    q, lat, cache = torch.zeros(1, 1, 36), torch.zeros(1, 36), torch.zeros(2, 16, 36)
+    bt, ctx = torch.ones(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"torch.float32 latent cache of width 36 do not fit this GPU .*"
+                                         r"shared memory.*dense_dtype='bfloat16'"):
+        mla_k.mla_decode(q.to(DEV), lat.to(DEV), cache.to(DEV), bt.to(DEV), ctx.to(DEV), num_heads=1,
+                         kv_lora_rank=32, scale=0.5)
+
+
 @pytest.mark.parametrize("R,DR,what", [(48, 16, "kv_lora_rank = 48"), (32, 12, "rope dim .* = 12")])
 def test_mla_kernels_name_a_latent_width_that_is_not_a_power_of_2(R, DR, what):
     """The Triton MLA kernels tile R and Dr with `tl.arange`: other widths get one ValueError naming the field (not an

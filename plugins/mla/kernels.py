@@ -202,7 +202,7 @@ def _decode_tiles(cap: tuple[int, int] | None, H: int, BS: int, block_h: int | N
     32 x 3 tiles at 96 heads, B = 1-64, L = 8K-32K, 64-token blocks; 16- / 32-token blocks cap the key tile and keep
     3 stages), sm_80 / 87 and the interpreter: 64 x 32, 3 stages, 8 warps (148 KiB of sm_80's 163) —, else
     (sm_86 / 89 / 120: 99 KiB per block) 16-head groups as for H <= 16.
-    A cache of `itemsize` 4 (fp32: the runtime's pools unless cache_dtype is 16-bit) doubles every tile's bytes
+    A cache of `itemsize` 4 (fp32: the runtime's pools unless dense_dtype is bf16) doubles every tile's bytes
     (offline Triton 3.6, R=512): sm_90 / 100 take 16 x 32 (180 KiB) up to 16 heads and 64 x 16 (220 KiB) above,
     sm_80 / 87 16 x 16 (108 KiB), the 99 KiB GPUs 16 x 16 with 2 stages (104 KiB: too big there at R=512; the
     launch's out-of-resources error becomes a ValueError asking for a 16-bit cache, `mla_decode`)."""
@@ -341,8 +341,8 @@ def mla_decode(q_abs, latent, cache, block_tables, context_lens, *, num_heads: i
             H, nsplit, BS=BS, R=R, DR=DR, BH=BH, BN=BN, num_warps=warps, num_stages=stages)
     except triton.runtime.errors.OutOfResources as e:
         raise ValueError(f"mla_decode: the {BH} x {BN} tiles over a {cache.dtype} latent cache of width {DL} do not "
-                         f"fit this GPU ({e}); use a 16-bit cache (LLM(cache_dtype='bfloat16')) or smaller "
-                         "block_h / block_n") from e
+                         f"fit this GPU ({e}); use a 16-bit cache (LLM(dense_dtype='bfloat16') allocates bf16 latents) "
+                         "or smaller block_h / block_n") from e
     _mla_combine_kernel[(B, H)](po, plse, out, H, nsplit, out.stride(0), out.stride(1),
                                 R=R, BSPLIT=min(16, max(2, triton.next_power_of_2(nsplit))), num_warps=4)
     return out, cache
