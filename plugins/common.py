@@ -36,3 +36,10 @@ def num_sms(device) -> int:
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _SM_COUNT[idx]
+
+
+def index_i32(t: torch.Tensor) -> torch.Tensor:
+    """An index tensor of the kernels (slots, cu_seqlens, context_lens, block_tables) as contiguous int32: they read
+    it with unit strides (the last one for block tables), so a strided view would index other rows. No copy when it
+    already is (nothing is allocated inside a CUDA graph then)."""
+    return t.to(torch.int32).contiguous()

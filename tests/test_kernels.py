@@ -535,6 +535,58 @@ def test_mla_prefill(H, R, DR, Dn, Dv, BS, monkeypatch):
     assert len(seen) == (1 if HAS_CUDA and BS % 16 == 0 else 0)    # the default's path; graph_safe=False never
 
 
+def _strided(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """t's values as a view with stride 2 along `dim` (the other entries hold garbage ids)."""
+    shape = list(t.shape)
+    shape[dim] *= 2
+    every_other = tuple(slice(None, None, 2) if d == dim else slice(None) for d in range(t.dim()))
+    big = torch.full(shape, 99, dtype=t.dtype, device=t.device)
+    big[every_other] = t
+    view = big[every_other]
+    assert torch.equal(view, t) and not view.is_contiguous()
+    return view
+
+
+def test_index_tensors_may_be_strided_views():
+    """slots / cu_seqlens / context_lens / block tables handed over as strided views (e.g. a column of a bigger
+    table) give exactly the results of contiguous copies, in every op (the kernels read them with unit strides:
+    they are made contiguous first, `plugins.common.index_i32`)."""
+    H, K, act = KDA_CASES[0]
+    slots = torch.tensor([5, 2, 7, 3], dtype=torch.int32)
+    d, state, conv = _kda_inputs(4, H, K, 9, act, seed=5)
+    dd = {k: v.to(DEV) for k, v in d.items()}
+    runs = []
+    for sl in (slots.to(DEV), _strided(slots.to(DEV))):
+        st, cv = state.clone().to(DEV), conv.clone().to(DEV)
+        runs.append(kda_k.kda_decode(**dd, state=st, conv=cv, slots=sl, num_heads=H, head_dim=K))
+    assert all(nan_equal(a, b) for a, b in zip(*runs))
+    lens = [3, 1, 5]
+    cu = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
+    d, state, conv = _kda_inputs(9, H, K, 9, act, seed=6)
+    dd = {k: v.to(DEV) for k, v in d.items()}
+    runs = []
+    for c, sl in ((cu.to(DEV), slots[:3].to(DEV)), (_strided(cu.to(DEV)), _strided(slots[:3].to(DEV)))):
+        st, cv = state.clone().to(DEV), conv.clone().to(DEV)
+        runs.append(kda_k.kda_prefill(**dd, state=st, conv=cv, cu_seqlens=c, slots=sl, num_heads=H, head_dim=K))
+    assert all(nan_equal(a, b) for a, b in zip(*runs)) and sum(lens) == 9
+    Hm, R, DR, BS, dt = MLA_CASES[0]
+    ctx = torch.tensor([0, 5, 2 * BS + 1, 3 * BS - 1], dtype=torch.int32)
+    cache, bt, g = _mla_setup(4, Hm, R, DR, BS, 3, ctx, dt, seed=7)
+    q, lat = torch.randn(4, Hm, R + DR, generator=g).to(dt), torch.randn(4, R + DR, generator=g).to(dt)
+    kw = dict(num_heads=Hm, kv_lora_rank=R, scale=0.1, **({} if HAS_CUDA else dict(num_splits=2, block_n=BS)))
+    runs = [mla_k.mla_decode(q.to(DEV), lat.to(DEV), cache.clone().to(DEV), b, c, **kw)
+            for b, c in ((bt.to(DEV), ctx.to(DEV)), (_strided(bt.to(DEV), 1), _strided(ctx.to(DEV))))]
+    assert all(nan_equal(a, b) for a, b in zip(*runs))
+    cu2, ctx2 = torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([3, 0], dtype=torch.int32)
+    qp, lp = torch.randn(5, Hm, 16 + DR, generator=g).to(dt), torch.randn(5, R + DR, generator=g).to(dt)
+    kv_b = (torch.randn(Hm * 32, R, generator=g) * R ** -0.5).to(dt)
+    kw = dict(num_heads=Hm, qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=R, scale=0.1, graph_safe=True)
+    runs = [mla_k.mla_prefill(qp.to(DEV), lp.to(DEV), kv_b.to(DEV), cache.clone().to(DEV), b, c, x, **kw)
+            for b, c, x in ((bt[:2].to(DEV), cu2.to(DEV), ctx2.to(DEV)),
+                            (_strided(bt[:2].to(DEV), 1), _strided(cu2.to(DEV)), _strided(ctx2.to(DEV))))]
+    assert all(nan_equal(a, b) for a, b in zip(*runs))
+
+
 # ------------------------------------------------------------------------------------------------- MoE
 _LUT = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
 

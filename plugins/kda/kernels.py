@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from plugins.common import index_i32
 from plugins.workspace import Workspace, plan_bytes
 
 _log = logging.getLogger(__name__)
@@ -239,7 +240,7 @@ def kda_decode(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slot
     assert conv.shape[1:] == (3 * P, 3) and slots.shape[0] == B
     assert K & (K - 1) == 0
     qkv, f, b, g = _check_last_contig(qkv, f, b, g)
-    conv_w = conv_w.contiguous()
+    conv_w, slots = conv_w.contiguous(), index_i32(slots)
     if out is None:
         out = torch.empty(B, P, dtype=qkv.dtype, device=qkv.device)
     if B == 0:
@@ -827,8 +828,8 @@ def kda_prefill(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, cu_
     assert cu_seqlens.shape[0] == N + 1
     dev = qkv.device
     qkv, f, b, g = _check_last_contig(qkv, f, b, g)
-    conv_w = conv_w.contiguous()
-    cu32 = cu_seqlens.to(torch.int32)
+    conv_w, slots = conv_w.contiguous(), index_i32(slots)
+    cu32 = index_i32(cu_seqlens)
     if out is None:
         out = torch.empty(T, P, dtype=qkv.dtype, device=dev)
     if T == 0:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from plugins.common import num_sms
+from plugins.common import index_i32, num_sms
 from plugins.workspace import WORKSPACE_ALIGN, Workspace, plan_bytes
 
 _LOG = logging.getLogger(__name__)
@@ -311,8 +311,7 @@ def mla_decode(q_abs, latent, cache, block_tables, context_lens, *, num_heads: i
     if q_abs.stride(-1) != 1:
         q_abs = q_abs.contiguous()
     latent = latent if latent.stride(-1) == 1 else latent.contiguous()
-    bt = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
-    ctx = context_lens if context_lens.dtype == torch.int32 else context_lens.to(torch.int32)
+    bt, ctx = index_i32(block_tables), index_i32(context_lens)
     if out is None:
         out = torch.empty(B, H, R, dtype=q_abs.dtype, device=dev)
     if B == 0:
@@ -767,9 +766,7 @@ def mla_prefill(q, latent, kv_b, cache, block_tables, cu_seqlens, context_lens, 
         _check_triton_inputs("mla_prefill", q.is_cuda, R, DL - R)
         if num_splits is not None and num_splits < 1:
             raise ValueError(f"mla_prefill: num_splits = {num_splits}: give 1 or more parts (None: the default)")
-        bt = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
-        cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
-        ctx = context_lens if context_lens.dtype == torch.int32 else context_lens.to(torch.int32)
+        bt, cu, ctx = index_i32(block_tables), index_i32(cu_seqlens), index_i32(context_lens)
         return _mla_prefill_graph_safe(q, latent, kv_b, cache, bt, cu, ctx, out, H, Dn, Dv, R, scale, workspace,
                                        block_m, block_n, num_warps, num_stages, cap_major, num_splits)
     _write_latents_prefill(latent, cache, block_tables, cu_seqlens, context_lens)
