@@ -167,9 +167,10 @@ def _generate_tp(out: Path, backend: str, tp: int, prompt: list[int], steps: int
     return [int(t) for t in r.stdout.split()]
 
 
-def smoke(out: Path, ckpt: Path, backend: str, steps: int = 8, tp: int = 1) -> dict:
+def smoke(out: Path, ckpt: Path, backend: str, steps: int = 8, tp: int = 1, **llm_kw) -> dict:
     """Greedy-generate `steps` tokens for two prompts with the runtime on `backend` (tp > 1: one process per rank
-    under torchrun) and with the unsharded reference (model.reference.forward); returns both and whether they match."""
+    under torchrun) and with the unsharded reference (model.reference.forward); returns both and whether they match.
+    llm_kw: the sizes the engines were built for (max_batch, max_num_tokens, max_context), passed to LLM."""
     import torch
 
     from model.reference import K3Model, SequenceState, forward
@@ -190,7 +191,7 @@ def smoke(out: Path, ckpt: Path, backend: str, steps: int = 8, tp: int = 1) -> d
     if tp > 1:
         got = [_generate_tp(out, backend, tp, p, steps) for p in prompts]
     else:
-        llm = LLM(str(out), backend=backend)
+        llm = LLM(str(out), backend=backend, **llm_kw)
         got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=steps, ignore_eos=True))]
     return {"backend": backend, "tp": tp, "prompts": prompts, "runtime": got, "reference": want, "match": got == want}
 
@@ -222,6 +223,9 @@ def build(args) -> int:
     ep = args.ep if args.ep is not None else 1
     check_parallel(cfg, args.tp, ep)
     max_context = args.max_context or min(cfg.max_position_embeddings, 4096)
+    if args.block_size > max(64, max_context):
+        raise BuildError(f"--block-size {args.block_size}: larger than a request (--max-context {max_context}); "
+                         "pass --block-size 64 (the default) or a multiple of 16 up to --max-context")
     plan = make_plan(cfg, args.tp, ep, max_batch=args.max_batch, max_context=max_context, block_size=args.block_size)
     from engines.build import parse_target_cc
     try:   # the spelling (sm86 / 86 / 8.6) is checked here, support by the installed RTX below
@@ -331,7 +335,8 @@ def build(args) -> int:
              [out / "manifest.json", out / "triton"], step_repository)
 
     def step_smoke():
-        res = smoke(out, ckpt, serve_backend, tp=args.tp)
+        res = smoke(out, ckpt, serve_backend, tp=args.tp, max_batch=args.max_batch,
+                    max_num_tokens=args.max_num_tokens, max_context=max_context)
         write_json_atomic(res, out / "smoke.json")
         verdict = "equal to the reference" if res["match"] else "DIFFER from the reference"
         return (f"{serve_backend} greedy tokens on {args.tp} rank(s) for {len(res['prompts'])} prompts {verdict}",
@@ -383,8 +388,8 @@ def parse_args(argv=None):
         if getattr(a, name) is not None and getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if a.block_size < 16 or a.block_size % 16:
-        ap.error(f"--block-size {a.block_size}: must be a multiple of 16 (16, 32, 64, ...; the MLA kernels' key "
-                 "tiles take 16 tokens at least)")
+        ap.error(f"--block-size {a.block_size}: must be a positive multiple of 16 (16, 32, 64, ...; the MLA "
+                 "kernels' key tiles take 16 tokens at least)")
     return a
 
 

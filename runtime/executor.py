@@ -86,19 +86,26 @@ def preferred_block_size(device: torch.device, ops_name: str) -> int:
     return GPU_BLOCK_SIZE if device.type == "cuda" and ops_name in ("torch", "kernels") else CPU_BLOCK_SIZE
 
 
-def engine_block_size(manifest: dict) -> int | None:
-    """The latent block size fixed in an engine directory's optimization profiles (`manifest["profile_dims"]`,
-    the named-dim ranges engines/build.py recorded: every profile's "BS" with min = opt = max), or None when the
-    manifest records none (engines built before it did, or a block size left as a range). ValueError when the
-    profiles fix different block sizes."""
-    ranges = [tuple(d["BS"]) for d in manifest.get("profile_dims") or [] if "BS" in d]
-    if not ranges or any(len(set(r)) > 1 for r in ranges):
-        return None
-    sizes = sorted({r[0] for r in ranges})
-    if len(sizes) > 1:
-        raise ValueError(f"manifest.json: profile_dims fix different block sizes {sizes}; "
-                         "rebuild the engines with one --block-size")
-    return int(sizes[0])
+POOL_DIMS = ("S", "NB", "BS", "MB")    # KDA slots, latent blocks, tokens per block, block-table width
+
+
+def engine_pool_dims(manifest: dict, where: str = "manifest.json") -> dict[str, tuple[int, int]]:
+    """{dim: (lo, hi)} of the pool dims S, NB, BS, MB that every optimization profile of an engine directory takes
+    (`manifest["profile_dims"]`, the named-dim (min, opt, max) ranges engines/build.py recorded; export/
+    build_engines.py fixes S = max_batch + 1, NB, BS and MB <= ceil(max_context / BS)). {} for manifests without
+    them (built before they were recorded). ValueError naming the dim when the profiles share no value."""
+    out: dict[str, tuple[int, int]] = {}
+    for prof in manifest.get("profile_dims") or []:
+        for name in POOL_DIMS:
+            if name in prof:
+                mn, _, mx = (int(v) for v in prof[name])
+                lo, hi = out.get(name, (mn, mx))
+                out[name] = (max(lo, mn), min(hi, mx))
+    for name, (lo, hi) in out.items():
+        if lo > hi:
+            raise ValueError(f"{where}: the engines' profiles share no value of {name}; rebuild them with one "
+                             f"{'--block-size' if name == 'BS' else 'set of pool sizes'}")
+    return out
 
 
 class Executor:
@@ -117,6 +124,17 @@ class Executor:
     def preferred_block_size(self) -> int:
         """Latent block size (tokens) for a cache when the caller gives none (`preferred_block_size`)."""
         return preferred_block_size(self.device, self.ops_name)
+
+    def default_max_context(self) -> int | None:
+        """Tokens per request this executor is built for (engines fix it), or None (the config's limit)."""
+        return None
+
+    def default_max_batch(self) -> int | None:
+        """Requests per step this executor is built for (engines fix it), or None (the runtime's default)."""
+        return None
+
+    def check_cache(self, num_slots: int, num_blocks: int, max_blocks: int) -> None:
+        """Raise ValueError when this executor cannot run pools of these sizes (engines fix them); here: any."""
 
     def forward(self, ids: torch.Tensor, batch: Batch, pools: dict, logits_index: torch.Tensor):
         """ids [T] int64 packed tokens, batch (`model.reference.Batch`), pools {layer: {name: tensor}},
@@ -139,7 +157,8 @@ class TorchExecutor(Executor):
     `self.device` (HybridCache(..., device=executor.device)). dense_dtype: "bfloat16" keeps the dense weights
     (projections, embedding, lm_head) in bf16 and runs those GEMMs in bf16 (K3Model; default fp32); `act_dtype`, the
     dtype of the KDA conv history and MLA latent cache pools it expects, follows it (MODEL.md §9: the model dtype;
-    the KDA recurrent state stays fp32).
+    the KDA recurrent state stays fp32), except for ops "kernels" on the CPU: the Triton interpreter (3.9)
+    computes bf16 `tl.dot` wrongly (MLA decode off by ~1e9), so fp32 pools there.
 
     With tp > 1 this process is TP rank `rank` of an initialized torch.distributed group of tp processes (gloo on
     CPU, NCCL on GPU; see runtime/distributed.py): it loads its shard and the model's RowLinear / latent
@@ -181,6 +200,8 @@ class TorchExecutor(Executor):
             self.model.comm.profile = True
         self.cfg, self.tp, self.rank = self.model.cfg, self.model.comm.size, self.model.comm.rank
         self.act_dtype = self.model.dense_dtype        # the pools' conv history and latent cache: the model dtype
+        if self.device.type != "cuda" and self.ops_name == "kernels":
+            self.act_dtype = torch.float32             # the Triton interpreter's bf16 tl.dot is wrong (Triton 3.9)
         if self.device.type == "cuda":
             log.info("torch executor on %s, ops %s, tp %d rank %d", self.device, self.ops_name, self.tp, self.rank)
 
@@ -384,7 +405,7 @@ class TensorRTExecutor(GraphExecutor):
         if not mpath.is_file():
             raise FileNotFoundError(f"{mpath}: missing; build engines with python -m engines.build")
         manifest = json.loads(mpath.read_text())
-        self.block_size = engine_block_size(manifest)
+        self.pool_dims = engine_pool_dims(manifest, str(mpath))
         # the same plugin forms as the build (engines built with --aot hold the AOT ops of every kimi op)
         register_tensorrt_plugins(trt, aot=any(e.get("aot_ops") for e in manifest.get("engines", {}).values()))
         self.index = read_index(onnx_dir or self.dir)
@@ -412,15 +433,43 @@ class TensorRTExecutor(GraphExecutor):
         self.stream.synchronize()
 
     def preferred_block_size(self) -> int:
-        """The block size the engines' profiles fix (`engine_block_size`); 16 for manifests that record none
-        (export/build_engines.py fixed 16 before it took --block-size)."""
-        return self.block_size or CPU_BLOCK_SIZE
+        """The (smallest) block size the engines' profiles take (`engine_pool_dims`); 16 for manifests that record
+        none (export/build_engines.py fixed 16 before it took --block-size)."""
+        return self.pool_dims.get("BS", (CPU_BLOCK_SIZE,))[0]
+
+    def default_max_batch(self) -> int | None:
+        """Requests per step the engines' KDA pools take (S - 1), when the manifest records them."""
+        return self.pool_dims["S"][1] - 1 if "S" in self.pool_dims else None
+
+    def default_max_context(self) -> int | None:
+        """Tokens per request the engines' block tables hold (MB x BS), when the manifest records them."""
+        if "MB" in self.pool_dims and "BS" in self.pool_dims:
+            return self.pool_dims["MB"][1] * self.pool_dims["BS"][0]
+        return None
+
+    def _check(self, dim: str, value: int, field: str, fix: str, offset: int = 0) -> None:
+        """ValueError naming `field` when `value` lies outside the engines' range of `dim` shifted by `offset`."""
+        lo, hi = (v + offset for v in self.pool_dims.get(dim, (value - offset, value - offset)))
+        if not lo <= value <= hi:
+            took = f"{lo}" if lo == hi else f"{lo}..{hi}"
+            raise ValueError(f"{field} = {value}: the engines in {self.dir} were built for {took}; {fix}")
 
     def check_block_size(self, block_size: int) -> None:
-        """Raise ValueError when the engines' profiles fix another latent block size than `block_size`."""
-        if self.block_size is not None and block_size != self.block_size:
-            raise ValueError(f"block_size = {block_size}: the engines in {self.dir} were built for latent blocks of "
-                             f"{self.block_size} tokens; omit block_size or rebuild with --block-size {block_size}")
+        """Raise ValueError when the engines' profiles take another latent block size than `block_size`."""
+        self._check("BS", block_size, "block_size", f"omit block_size or rebuild with --block-size {block_size}")
+
+    def check_cache(self, num_slots: int, num_blocks: int, max_blocks: int) -> None:
+        """Raise ValueError naming the LLM argument when the cache's slots (max_batch + 1), latent blocks or
+        block-table width (max_context / block_size) lie outside the engines' profiles (TensorRT would fail at the
+        first step otherwise)."""
+        self._check("S", num_slots - 1, "max_batch", "pass the build's --max-batch (default 8) or rebuild", -1)
+        if max_blocks > self.pool_dims.get("MB", (1, max_blocks))[1]:
+            ctx = self.default_max_context()
+            raise ValueError(f"max_context: {max_blocks} blocks per request exceed the engines' block tables in "
+                             f"{self.dir}; pass max_context <= {ctx} (or omit it) or rebuild with a larger "
+                             "--max-context")
+        self._check("NB", num_blocks, "num_blocks",
+                    "omit num_blocks / memory_budget and pass the build's --max-batch and --max-context")
 
     @staticmethod
     def profile_for(graph: dict, num_profiles: int) -> int:

@@ -69,7 +69,8 @@ def _main(argv: list[str] | None = None) -> int:
         if a.ep > 1 and world == 1:
             ap.error(f"--ep {a.ep}: expert parallelism needs one process per rank: run under "
                      f"torchrun --standalone --nproc-per-node {a.ep} -m runtime.generate ...")
-        llm = LLM(a.model, backend=a.backend, max_batch=1, max_context=a.max_context, ep=a.ep, device=a.device,
+        llm = LLM(a.model, backend=a.backend, max_batch=None if a.backend == "tensorrt" else 1,
+                  max_context=a.max_context, ep=a.ep, device=a.device,
                   ops=a.ops, cuda_graphs=a.cuda_graphs, dense_dtype=a.dense_dtype)
         if a.prompt is not None:
             if llm.tokenizer is None:

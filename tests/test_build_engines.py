@@ -98,8 +98,10 @@ def check_engines(out: Path) -> None:
         # no plugin is registered with TensorRT-RTX: every kimi node was lowered through its function body
         assert all(p["impl"] == "function-body" for p in e["plugins"].values()), (g["id"], e["plugins"])
     assert mla_engines > 0
-    from runtime.executor import engine_block_size
-    assert engine_block_size(em) == manifest["block_size"] == 64     # what LLM(backend="tensorrt") takes
+    from runtime.executor import engine_pool_dims                  # what LLM(backend="tensorrt") takes and checks
+    dims = engine_pool_dims(em)
+    assert dims["BS"] == (manifest["block_size"],) * 2 == (64, 64) and dims["S"] == (manifest["max_batch"] + 1,) * 2
+    assert dims["MB"][1] * 64 >= manifest["max_context"] and dims["NB"][0] == dims["NB"][1]
     kimi = {op for e in by_onnx.values() for op in e["plugins"]}
     assert {"kimi::KdaDecode", "kimi::MlaDecode", "kimi::Mxfp4Moe"} <= kimi, kimi
 
@@ -219,9 +221,15 @@ def test_bad_arguments():
     for args, field in ((["--max-context", "0"], "--max-context"), (["--tp", "0"], "--tp"), (["--ep", "0"], "--ep"),
                         (["--block-size", "24"], "--block-size"), (["--block-size", "0"], "--block-size")):
         r = run_cli(*args)
-        assert r.returncode == 2 and field in r.stderr, (args, r.stderr)
+        last = r.stderr.strip().splitlines()[-1]                   # argparse prints the usage (every flag) first
+        assert r.returncode == 2 and f"error: {field}" in last, (args, r.stderr)
     h = run_cli("--help")
     assert h.returncode == 0 and "--dry-run" in h.stdout and "--target-cc" in h.stdout
+
+
+def test_block_size_larger_than_a_request_is_refused(tiny_ckpt):
+    r = run_cli("--checkpoint", tiny_ckpt, "--block-size", "8192", "--max-context", "4096", "--dry-run")
+    assert r.returncode == 2 and "error: --block-size 8192: larger than a request (--max-context 4096)" in r.stderr
 
 
 def test_unwritable_out(tiny_ckpt, tmp_path):

@@ -210,7 +210,8 @@ def test_kernels_on_gpu_match_cpu_reference(micro_ckpt, micro_model, ops):
     from runtime.api import LLM, SamplingParams
     prompts = stable_prompts(micro_model, 3, [4, 7, 12], 6, KERNEL_TRIALS, 5e-2)
     want = [greedy_path(micro_model, p, 6) for p in prompts]
-    with LLM(micro_ckpt, device=DEV, ops=ops, max_batch=3, max_num_tokens=16, max_context=64) as llm:
+    # 16-token blocks: the 12-token prompt's tokens cross a block boundary (the CUDA default, 64, would not)
+    with LLM(micro_ckpt, device=DEV, ops=ops, max_batch=3, max_num_tokens=16, max_context=64, block_size=16) as llm:
         assert llm.executor.ops_name == ops
         got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))]
         m = llm.executor.model
@@ -421,7 +422,7 @@ def test_cuda_graph_decode_equals_eager_on_gpu(micro_ckpt, micro_model):
     prompts = stable_prompts(micro_model, 6, [4, 7, 12, 5, 9, 3], 6, KERNEL_TRIALS, 5e-2, seed=23)
     lens = [6, 2, 5, 3, 6, 4]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lens]
-    kw = dict(device=DEV, ops="kernels", max_batch=5, max_num_tokens=64, max_context=64)
+    kw = dict(device=DEV, ops="kernels", max_batch=5, max_num_tokens=64, max_context=64, block_size=16)  # 2 blocks
     with LLM(micro_ckpt, **kw) as llm:
         eager = [o.token_ids for o in llm.generate(prompts, params)]
     with LLM(micro_ckpt, cuda_graphs=True, **kw) as llm:
@@ -438,7 +439,7 @@ def test_bf16_dense_weights_on_gpu_graphs_equal_eager(micro_ckpt):
     replayed from CUDA graphs gives the eager bf16 run's tokens; the weights take about half the fp32 bytes."""
     from runtime.api import LLM, SamplingParams
     prompts, params = [[5, 17, 301, 42], [9, 8, 7]], SamplingParams(max_tokens=5, ignore_eos=True)
-    kw = dict(device=DEV, ops="kernels", max_batch=2, max_num_tokens=64, max_context=64)
+    kw = dict(device=DEV, ops="kernels", max_batch=2, max_num_tokens=64, max_context=64, block_size=16)  # 2 blocks
     with LLM(micro_ckpt, **kw) as llm:
         fp32 = sum(lin.weight.numel() * lin.weight.element_size() for layer in llm.executor.model.layers
                    for lin in layer.linears())
@@ -568,25 +569,36 @@ def test_block_size_rule_and_nccl_environment(monkeypatch):
         check_block_size(48, cuda, ops)
     check_block_size(8, cuda, "reference")
     check_block_size(8, torch.device("cpu"), "torch")
-    from runtime.executor import engine_block_size, preferred_block_size
+    from runtime.executor import engine_pool_dims, preferred_block_size
     assert [preferred_block_size(cuda, o) for o in ("torch", "kernels", "reference")] == [64, 64, 16]
     assert preferred_block_size(torch.device("cpu"), "torch") == 16
-    fixed = lambda *bs: {"profile_dims": [{"M": (1, 4, 64), "BS": (b, b, b)} for b in bs]}  # noqa: E731
-    assert engine_block_size(fixed(64, 64)) == 64 and engine_block_size(fixed(16)) == 16
-    assert engine_block_size({}) is None                                  # a manifest from before profile_dims
-    assert engine_block_size({"profile_dims": [{"BS": (16, 32, 64)}]}) is None    # a range: not fixed
-    with pytest.raises(ValueError, match=r"different block sizes \[16, 64\]"):
-        engine_block_size(fixed(16, 64))
-    from runtime.executor import TensorRTExecutor                # its block-size rule needs no TensorRT
+    from export.build_engines import engine_dims
+    prefill, decode = ({**engine_dims(None, 4, 256, 1000, 64), "M": m} for m in ((1, 64, 256), (1, 4, 4)))
+    dims = engine_pool_dims({"profile_dims": [prefill, decode]})
+    assert dims == {"S": (5, 5), "NB": (65, 65), "BS": (64, 64), "MB": (1, 16)}      # ceil(1000 / 64) = 16
+    assert engine_pool_dims({}) == {}                                     # a manifest from before profile_dims
+    with pytest.raises(ValueError, match="e/manifest.json: the engines' profiles share no value of BS; rebuild them "
+                                         "with one --block-size"):
+        engine_pool_dims({"profile_dims": [{"BS": (16, 16, 16)}, {"BS": (64, 64, 64)}]}, "e/manifest.json")
+    from runtime.executor import TensorRTExecutor                # its size rules need no TensorRT
     trt_ex = TensorRTExecutor.__new__(TensorRTExecutor)
-    trt_ex.dir, trt_ex.block_size = "engines", 64
-    assert trt_ex.preferred_block_size() == 64
+    trt_ex.dir, trt_ex.pool_dims = "engines", dims
+    assert (trt_ex.preferred_block_size(), trt_ex.default_max_batch(), trt_ex.default_max_context()) == (64, 4, 1024)
     trt_ex.check_block_size(64)
-    with pytest.raises(ValueError, match="built for latent blocks of 64 tokens; omit block_size or rebuild"):
-        trt_ex.check_block_size(16)
-    trt_ex.block_size = None                                     # an older manifest: 16, as those builds fixed
-    assert trt_ex.preferred_block_size() == 16
+    trt_ex.check_cache(5, 65, 16)
+    for call, msg in ((lambda: trt_ex.check_block_size(16), "block_size = 16: the engines in engines were built for "
+                       "64; omit block_size or rebuild with --block-size 16"),
+                      (lambda: trt_ex.check_cache(2, 65, 16), "max_batch = 1: .* built for 4; pass the build's "
+                       "--max-batch"),
+                      (lambda: trt_ex.check_cache(5, 65, 17), "max_context: 17 blocks per request exceed .* pass "
+                       "max_context <= 1024"),
+                      (lambda: trt_ex.check_cache(5, 60, 16), "num_blocks = 60: .* built for 65; omit num_blocks")):
+        with pytest.raises(ValueError, match=msg):
+            call()
+    trt_ex.pool_dims = {}                                        # an older manifest: 16, as those builds fixed
+    assert trt_ex.preferred_block_size() == 16 and trt_ex.default_max_batch() is None
     trt_ex.check_block_size(32)
+    trt_ex.check_cache(2, 7, 3)
     monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
     assert nccl_environment()["NCCL_NVLS_ENABLE"] == "0"
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")                         # the user's choice wins
@@ -924,7 +936,7 @@ def test_bench_decode_compare_mistakes_fail_before_the_run(tmp_path):
     assert r.returncode == 2 and "not a bench_decode --save-logits file" in r.stderr, r.stderr
 
 
-def test_llm_bf16_dense_weights_and_their_errors(tiny_ckpt, tmp_path):
+def test_llm_bf16_dense_weights_and_their_errors(tiny_ckpt, tmp_path, monkeypatch):
     """LLM(dense_dtype="bfloat16") on the CPU: the executor's model holds bf16 dense weights, and the runtime's greedy
     tokens (scheduler, cache, sampling) equal the bf16 model's own prefill-then-decode path; a bad name and a
     backend other than torch are one clear error each."""
@@ -937,8 +949,15 @@ def test_llm_bf16_dense_weights_and_their_errors(tiny_ckpt, tmp_path):
         assert {p["state"].dtype for p in pools if "state" in p} == {torch.float32}
         got = llm.generate([p], SamplingParams(max_tokens=5, ignore_eos=True))[0].token_ids
         assert got == greedy_path(llm.executor.model, p, 5)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")                 # ops "kernels" on CPU tensors
+    with LLM(tiny_ckpt, device="cpu", ops="kernels", dense_dtype="bfloat16", max_batch=1, max_context=16) as llm:
+        assert llm.executor.act_dtype == torch.float32     # Triton's interpreter: bf16 tl.dot is wrong there
+        assert {t.dtype for p in llm.cache.pools.values() for t in p.values()} == {torch.float32}
     with pytest.raises(ValueError, match="dense_dtype = 'float16'"):
         LLM(tiny_ckpt, dense_dtype="float16", max_batch=1, max_context=16)
+    for bad in (0, -16, 1.5, True):
+        with pytest.raises(ValueError, match=f"block_size = {bad!r}: give a positive int"):
+            LLM(tiny_ckpt, block_size=bad, max_batch=1, max_context=16)
     with pytest.raises(ValueError, match="only the torch backend takes dense_dtype"):
         LLM(tiny_ckpt, backend="onnxruntime", dense_dtype="bfloat16")
 

@@ -340,8 +340,8 @@ def mla_decode(q_abs, latent, cache, block_tables, context_lens, *, num_heads: i
             H, nsplit, BS=BS, R=R, DR=DR, BH=BH, BN=BN, num_warps=warps, num_stages=stages)
     except triton.runtime.errors.OutOfResources as e:
         raise ValueError(f"mla_decode: the {BH} x {BN} tiles over a {cache.dtype} latent cache of width {DL} do not "
-                         f"fit this GPU ({e}); use a 16-bit cache (LLM(dense_dtype='bfloat16') allocates bf16 latents) "
-                         "or smaller block_h / block_n") from e
+                         f"fit this GPU ({e}); use a 16-bit cache (the torch backend's "
+                         "LLM(dense_dtype='bfloat16') allocates bf16 latents) or smaller block_h / block_n") from e
     _mla_combine_kernel[(B, H)](po, plse, out, H, nsplit, out.stride(0), out.stride(1),
                                 R=R, BSPLIT=min(16, max(2, triton.next_power_of_2(nsplit))), num_warps=4)
     return out, cache
