@@ -122,6 +122,7 @@ class DeploymentPlan:
     latent_bytes_per_token: int
     max_batch_at_context: int
     smallest: tuple[int, WeightBytes] | None
+    max_context: int = 0
 
     @property
     def fits(self) -> bool:
@@ -152,7 +153,8 @@ class DeploymentPlan:
         lines.append(f"  latent per token per rank   {self.latent_bytes_per_token:,} B")
         lines.append(f"  one request at 1M context   {self.request_bytes_1m:,} B ({self.request_bytes_1m / GiB:.2f} GiB) per rank; "
                      f"whole model (TP=1) {self.request_bytes_1m_tp1:,} B ({self.request_bytes_1m_tp1 / GiB:.2f} GiB)")
-        lines.append(f"  max batch at max context    {self.max_batch_at_context}")
+        lines.append(f"  max batch at max context    {self.max_batch_at_context} (max_context {self.max_context:,} tokens, "
+                     "bf16 latents and conv history)")
         lines.append("-- cache plan (one rank)")
         lines.append(self.memory.table() if self.memory else f"  {self.memory_error}")
         g = graph_list(c, self.tp)
@@ -180,4 +182,5 @@ def make_plan(cfg: K3Config, tp: int = 1, ep: int = 1, *, gpu_bytes: int = H200_
     return DeploymentPlan(cfg, tp, ep, gpu_bytes, weights, memory, err,
                           request_bytes_1m=one.bytes_per_request, request_bytes_1m_tp1=one_tp1.bytes_per_request, kda_bytes_per_request=one.kda_bytes_per_request,
                           latent_bytes_per_token=one.latent_bytes_per_token, max_batch_at_context=int(max_b),
-                          smallest=None if weights.total < gpu_bytes else smallest_fit(cfg, gpu_bytes))
+                          smallest=None if weights.total < gpu_bytes else smallest_fit(cfg, gpu_bytes),
+                          max_context=max_context)
