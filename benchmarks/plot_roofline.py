@@ -1,4 +1,10 @@
-"""Roofline plot (% of the copy bandwidth measured in the same run) from bench_kernels.py JSON lines.
+"""Roofline plot from bench_kernels.py JSON lines: left, % of the copy bandwidth measured in the same run; right, the
+roofline itself — arithmetic intensity (FLOP per compulsory HBM byte) against achieved TFLOP/s, under the measured
+copy bandwidth's slope and the H200's bf16 dense tensor-core peak (989 TFLOP/s, NVIDIA's specification, not measured).
+FLOPs per record (`flops_of`; K3's shapes): KDA decode 7 x B x H x 128 x 128 (state decay, k^T S, the rank-1 update,
+S q), MLA absorbed decode 2 x B x H x L x (576 + 512) (scores over R + Dr, values over R), MXFP4 MoE 2 x 3 x pairs x
+I x R (w13 and w2; I x R from the record's weight bytes per touched expert at 0.53125 bytes per weight, pairs = the
+record's local_pairs, else T x 16 when every choice is local).
 
 Usage: python benchmarks/plot_roofline.py RUN.jsonl [RUN2.jsonl ...] [--only WHAT,..] [--drop WHAT:KEY=VALUE]
         [--final-defaults] [--title TEXT] [--out results/roofline.png]
@@ -28,8 +34,28 @@ def parse_drop(text: str) -> tuple[str, str, str]:
     return what, key, value
 
 
-def rows_of(path: str, only: set | None, final: bool, drop: tuple = ()) -> list[tuple[str, float]]:
-    """(label, % of copy) of the checked records of one run, minus those matching a `drop` (what, key, value)."""
+H200_BF16_TFLOPS = 989.0        # dense bf16 tensor-core peak, H200 SXM specification
+K3_HEAD_DIM, K3_TOP_K = 128, 16
+MXFP4_BYTES_PER_WEIGHT = 0.5 * (1 + 1 / 16)          # E2M1 nibbles + one E8M0 byte per 32 weights
+
+
+def flops_of(r: dict) -> float | None:
+    """FLOPs of one bench_kernels record (module docstring), None for a family without a count here."""
+    what = r["what"]
+    if what in ("kda_decode", "kda_decode_layers"):
+        return 7.0 * r["B"] * r["H"] * K3_HEAD_DIM * K3_HEAD_DIM
+    if what == "mla_decode" and "L" in r:
+        return 2.0 * r["B"] * r["H"] * r["L"] * (576 + 512)
+    if what == "mxfp4_moe" and r.get("experts_touched"):
+        pairs = r.get("local_pairs") or (r["T"] * K3_TOP_K if not r.get("global_experts") else None)
+        ir = r["bytes"] / r["experts_touched"] / (3 * MXFP4_BYTES_PER_WEIGHT)
+        return None if pairs is None else 2.0 * 3 * pairs * ir
+    return None
+
+
+def rows_of(path: str, only: set | None, final: bool, drop: tuple = ()) -> list[tuple[str, float, float, float]]:
+    """(label, % of copy, FLOP per byte or nan, TFLOP/s or nan) of the checked records of one run, minus those
+    matching a `drop` (what, key, value)."""
     recs = [json.loads(line) for line in open(path)]
     copy = next(r["GBps"] for r in recs if r["what"] == "copy")
     rows = []
@@ -46,8 +72,15 @@ def rows_of(path: str, only: set | None, final: bool, drop: tuple = ()) -> list[
         if final and r["what"] == "mxfp4_moe":
             us = r["variants"].get('{"impl": "legacy", "block_n13": 128, "block_n2": 128}', us)
         pct = 100 * r["bytes"] / us / 1e3 / copy
-        rows.append((r["what"] + " " + ",".join(f"{k}={r[k]}" for k in LABEL_KEYS if k in r), pct))
+        fl = flops_of(r)
+        ai, tf = (fl / r["bytes"], fl / us / 1e6) if fl else (float("nan"), float("nan"))
+        rows.append((r["what"] + " " + ",".join(f"{k}={r[k]}" for k in LABEL_KEYS if k in r), pct, ai, tf))
     return rows
+
+
+def copy_of(path: str) -> float:
+    """The copy bandwidth (GB/s) a bench_kernels run measured."""
+    return next(json.loads(line)["GBps"] for line in open(path) if json.loads(line)["what"] == "copy")
 
 
 def main():
@@ -81,22 +114,42 @@ def main():
         if not any(json.loads(line).get("what") == w and str(json.loads(line).get(k)) == v
                    for path in a.runs for line in open(path)):
             print(f"warning: --drop {w}:{k}={v} matched no record", file=sys.stderr)
-    fig, ax = plt.subplots(figsize=(10, 5))
-    ax.barh(range(len(rows)), [p for _, p in rows])
+    fig, (ax, rl) = plt.subplots(1, 2, figsize=(17, 6), gridspec_kw={"width_ratios": [1, 1]})
+    ax.barh(range(len(rows)), [r[1] for r in rows])
     ax.axvline(100, color="k", ls="--", lw=1)
     ax.axvline(85, color="g", ls=":", lw=1)
     ax.axvline(70, color="r", ls=":", lw=1)
     ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([label for label, _ in rows], fontsize=7)
+    ax.set_yticklabels([r[0] for r in rows], fontsize=7)
     ax.set_xlabel("% of the copy bandwidth measured in the same run; bytes = compulsory HBM traffic")
-    ax.set_title(a.title)
+    ax.set_title(a.title, fontsize=9)
+    copy = min(copy_of(p) for p in a.runs)                       # the slowest run's copy: the lowest roof drawn
+    pts = [r for r in rows if r[2] == r[2]]
+    xs = [0.1, max([r[2] for r in pts] + [10.0]) * 3]
+    knee = H200_BF16_TFLOPS * 1e3 / copy
+    rl.plot([xs[0], knee, xs[1]], [copy * xs[0] / 1e3, H200_BF16_TFLOPS, H200_BF16_TFLOPS], "k-", lw=1)
+    rl.text(xs[0] * 1.2, copy * xs[0] * 1.5 / 1e3, f"copy {copy / 1e3:.2f} TB/s (measured)", fontsize=7)
+    rl.text(knee * 1.1, H200_BF16_TFLOPS * 1.1, "bf16 dense 989 TFLOP/s (spec)", fontsize=7)
+    fams = sorted({r[0].split()[0] for r in pts})
+    for i, fam in enumerate(fams):
+        mine = [r for r in pts if r[0].split()[0] == fam]
+        rl.scatter([r[2] for r in mine], [r[3] for r in mine], s=14, label=fam, color=f"C{i}")
+        for r in mine:
+            rl.annotate(r[0].split(" ", 1)[1] if " " in r[0] else "", (r[2], r[3]), fontsize=5,
+                        xytext=(3, 2), textcoords="offset points")
+    rl.set_xscale("log")
+    rl.set_yscale("log")
+    rl.set_xlabel("arithmetic intensity, FLOP per compulsory HBM byte")
+    rl.set_ylabel("achieved TFLOP/s")
+    rl.set_title("roofline (FLOPs: module docstring)", fontsize=9)
+    rl.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     out = a.out or os.path.join(os.path.dirname(a.runs[0]), "roofline.png")
     tmp = out + ".tmp.png"
     fig.savefig(tmp, dpi=110)
     os.replace(tmp, out)
-    for label, pct in rows:
-        print(f"{pct:6.1f}%  {label}")
+    for label, pct, ai, tf in rows:
+        print(f"{pct:6.1f}%  {ai:8.2f} FLOP/B  {tf:7.2f} TFLOP/s  {label}")
 
 
 if __name__ == "__main__":
