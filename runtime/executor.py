@@ -490,7 +490,10 @@ class TensorRTExecutor(GraphExecutor):
             name = spec["name"]
             t = feeds[name].to(self.device, self._TORCH[spec["dtype"]]).contiguous()
             feeds[name] = t
-            ctx.set_input_shape(name, tuple(t.shape))
+            if not ctx.set_input_shape(name, tuple(t.shape)):
+                raise ValueError(f"{g['path']}: input {name} of shape {tuple(t.shape)} lies outside the engine's "
+                                 f"optimization profile {self.profile_for(g, engine.num_optimization_profiles)} "
+                                 f"(manifest.json in {self.dir} lists its ranges); rebuild the engines for these sizes")
             ctx.set_tensor_address(name, t.data_ptr())
         for spec in g["outputs"]:
             name = spec["name"]

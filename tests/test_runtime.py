@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -574,6 +575,16 @@ def test_tensorrt_decode_graphs_run_with_the_decode_profile():
     assert pick({"kind": "layer", "graph": "prefill"}, 2) == 0
     assert pick({"kind": "embed"}, 2) == 0 and pick({"kind": "head"}, 2) == 0
     assert pick({"kind": "layer", "graph": "decode"}, 1) == 0
+    # an input shape outside the profile (set_input_shape -> False) is one ValueError naming the input and profile
+    ex = TensorRTExecutor.__new__(TensorRTExecutor)
+    ex.dir, ex.device = "engines", torch.device("cpu")
+    ctx = types.SimpleNamespace(set_input_shape=lambda name, shape: False)
+    ex.engines = {"g": (types.SimpleNamespace(num_optimization_profiles=2), ctx)}
+    g = {"id": "g", "path": "rank0/layer0.decode.onnx", "kind": "layer", "graph": "decode",
+         "inputs": [{"name": "cache", "dtype": "float32"}], "outputs": []}
+    with pytest.raises(ValueError, match=r"rank0/layer0.decode.onnx: input cache of shape \(3, 4\) lies outside the "
+                                         r"engine's optimization profile 1 \(manifest.json in engines"):
+        ex._run(g, {"cache": torch.zeros(3, 4)})
 
 
 def test_graph_executor_rejects_a_zero_length_sequence():
