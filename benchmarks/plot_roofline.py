@@ -125,8 +125,8 @@ def main():
     ax.set_title(a.title, fontsize=9)
     copy = min(copy_of(p) for p in a.runs)                       # the slowest run's copy: the lowest roof drawn
     pts = [r for r in rows if r[2] == r[2]]
-    xs = [0.1, max([r[2] for r in pts] + [10.0]) * 3]
     knee = H200_BF16_TFLOPS * 1e3 / copy
+    xs = [0.1, max([r[2] for r in pts] + [knee]) * 3]       # past the knee: the flat roof is drawn to the right
     rl.plot([xs[0], knee, xs[1]], [copy * xs[0] / 1e3, H200_BF16_TFLOPS, H200_BF16_TFLOPS], "k-", lw=1)
     rl.text(xs[0] * 1.2, copy * xs[0] * 1.5 / 1e3, f"copy {copy / 1e3:.2f} TB/s (measured)", fontsize=7)
     rl.text(knee * 1.1, H200_BF16_TFLOPS * 1.1, "bf16 dense 989 TFLOP/s (spec)", fontsize=7)

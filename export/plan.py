@@ -123,6 +123,7 @@ class DeploymentPlan:
     max_batch_at_context: int
     smallest: tuple[int, WeightBytes] | None
     max_context: int = 0
+    act_dtype: torch.dtype = torch.bfloat16
 
     @property
     def fits(self) -> bool:
@@ -154,7 +155,7 @@ class DeploymentPlan:
         lines.append(f"  one request at 1M context   {self.request_bytes_1m:,} B ({self.request_bytes_1m / GiB:.2f} GiB) per rank; "
                      f"whole model (TP=1) {self.request_bytes_1m_tp1:,} B ({self.request_bytes_1m_tp1 / GiB:.2f} GiB)")
         lines.append(f"  max batch at max context    {self.max_batch_at_context} (max_context {self.max_context:,} tokens, "
-                     "bf16 latents and conv history)")
+                     f"{str(self.act_dtype).replace('torch.', '')} latents and conv history)")
         lines.append("-- cache plan (one rank)")
         lines.append(self.memory.table() if self.memory else f"  {self.memory_error}")
         g = graph_list(c, self.tp)
@@ -183,4 +184,4 @@ def make_plan(cfg: K3Config, tp: int = 1, ep: int = 1, *, gpu_bytes: int = H200_
                           request_bytes_1m=one.bytes_per_request, request_bytes_1m_tp1=one_tp1.bytes_per_request, kda_bytes_per_request=one.kda_bytes_per_request,
                           latent_bytes_per_token=one.latent_bytes_per_token, max_batch_at_context=int(max_b),
                           smallest=None if weights.total < gpu_bytes else smallest_fit(cfg, gpu_bytes),
-                          max_context=max_context)
+                          max_context=max_context, act_dtype=act_dtype)

@@ -1,6 +1,6 @@
 """The runtime API that serve/ builds on (docs/DESIGN.md "Runtime API").
 
-    llm = LLM(path, backend="torch" | "onnxruntime" | "tensorrt", max_batch=8, max_num_tokens=256, max_context=None)
+    llm = LLM(path, backend="torch" | "onnxruntime" | "tensorrt", max_batch=None, max_num_tokens=None, max_context=None)
     llm = LLM(path, backend="torch", device="cuda")          # the torch backend on a GPU (Triton kernels)
     outs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=8))   # -> list[RequestOutput]
     for tok in llm.stream([1, 2, 3], SamplingParams(max_tokens=8)): ...      # yields token ids
@@ -196,14 +196,15 @@ class LLM:
     cuda_graphs (torch backend, CUDA, ops "kernels"): decode steps replay CUDA graphs captured at start-up, one per
     batch bucket up to max_batch (runtime/graphs.py; capture takes a few warm-up steps per bucket).
     max_batch: requests running at once (KDA slots = max_batch + 1; default 8, tensorrt: the engines');
-    max_num_tokens: tokens per scheduler step;
+    max_num_tokens: tokens per scheduler step (default 256, tensorrt: the engines');
     max_context: tokens per request (default: the config's max_position_embeddings; tensorrt: what the engines'
     block tables hold). block_size / num_blocks / memory_budget size the latent pool (default:
     enough for max_batch requests at max_context; memory_budget in bytes goes through `plan_memory`); block_size
     (tokens per latent block) defaults to the executor's `preferred_block_size()`: 64 on CUDA with the torch /
     kernels ops (the MLA kernels' key tiles stay inside one block), the engines' profile value for tensorrt, 16
-    otherwise; num_blocks counts blocks of that size. The tensorrt backend checks block_size, max_batch, num_blocks
-    and max_context against the sizes its engines were built for (ValueError naming the argument).
+    otherwise; num_blocks counts blocks of that size. The tensorrt backend allocates the pools its engines fix
+    (slots, blocks, block size) and refuses a max_batch, max_num_tokens or max_context above the build's or another
+    block_size / num_blocks (ValueError naming the argument).
     decode_pad_multiple pads decode batches with sentinel rows. tp / ep: tensor / expert parallelism of the torch
     backend (default: the torch.distributed world size; this process is its rank — launch one process per rank with
     torchrun, runtime/distributed.py); the onnxruntime backend takes tp from the export. Raises FileNotFoundError when the backend's
@@ -212,7 +213,7 @@ class LLM:
     """
 
     def __init__(self, path: "str | Path", backend: str = "torch", max_batch: int | None = None,
-                 max_num_tokens: int = 256,
+                 max_num_tokens: int | None = None,
                  max_context: int | None = None, *, block_size: int | None = None, num_blocks: int | None = None,
                  memory_budget: int | None = None, decode_pad_multiple: int | None = None,
                  tp: int | None = None, ep: int = 1, device: "str | torch.device | None" = None,
@@ -237,9 +238,12 @@ class LLM:
         self.tp, self.ep, self.rank = tp or world, ep, rank
         self.executor = self._make_executor(backend, device, ops, profile_comm, dense_dtype)
         cfg = self.cfg = self.executor.cfg
-        max_context = max_context or self.executor.default_max_context() or cfg.max_position_embeddings
+        max_context = max_context or min(self.executor.default_max_context() or cfg.max_position_embeddings,
+                                         cfg.max_position_embeddings)
         if max_batch is None:
             max_batch = self.executor.default_max_batch() or 8
+        if max_num_tokens is None:
+            max_num_tokens = self.executor.default_max_num_tokens() or 256
         if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
                                        or block_size < 1):
             raise ValueError(f"block_size = {block_size!r}: give a positive int (tokens per latent block; a multiple "
@@ -253,13 +257,17 @@ class LLM:
                                self.executor.act_dtype)
             self.plan = plan
             log.info("memory plan:\n%s", plan.table())
-            self.executor.check_cache(plan.num_slots, plan.num_blocks, math.ceil(max_context / block_size))
+            self.executor.check_cache(plan.num_slots, plan.num_blocks, math.ceil(max_context / block_size),
+                                      max_batch, max_num_tokens)
             cache = HybridCache.from_plan(cfg, plan, device)
         else:
+            # engines fix the pools: their slots and blocks, whatever this LLM's (smaller) max_batch / max_context
+            slots = (self.executor.default_max_batch() or max_batch) + 1
             if num_blocks is None:
-                num_blocks = 1 + max_batch * math.ceil(max_context / block_size)
-            self.executor.check_cache(max_batch + 1, num_blocks, math.ceil(max_context / block_size))
-            cache = HybridCache(cfg, max_batch + 1, num_blocks, block_size, self.executor.tp, self.executor.act_dtype,
+                num_blocks = self.executor.default_num_blocks() or 1 + max_batch * math.ceil(max_context / block_size)
+            self.executor.check_cache(slots, num_blocks, math.ceil(max_context / block_size), max_batch,
+                                      max_num_tokens)
+            cache = HybridCache(cfg, slots, num_blocks, block_size, self.executor.tp, self.executor.act_dtype,
                                 device, max_context)
         self.cache = cache
         self.scheduler = Scheduler(self.executor, cache, max_batch, max_num_tokens, cfg.eos_token_id,

@@ -86,13 +86,14 @@ def preferred_block_size(device: torch.device, ops_name: str) -> int:
     return GPU_BLOCK_SIZE if device.type == "cuda" and ops_name in ("torch", "kernels") else CPU_BLOCK_SIZE
 
 
-POOL_DIMS = ("S", "NB", "BS", "MB")    # KDA slots, latent blocks, tokens per block, block-table width
+POOL_DIMS = ("S", "NB", "BS", "MB", "M")    # KDA slots, latent blocks, tokens per block, block-table width, tokens
 
 
 def engine_pool_dims(manifest: dict, where: str = "manifest.json") -> dict[str, tuple[int, int]]:
-    """{dim: (lo, hi)} of the pool dims S, NB, BS, MB that every optimization profile of an engine directory takes
+    """{dim: (lo, hi)} of the dims S, NB, BS, MB, M that every optimization profile of an engine directory takes
     (`manifest["profile_dims"]`, the named-dim (min, opt, max) ranges engines/build.py recorded; export/
-    build_engines.py fixes S = max_batch + 1, NB, BS and MB <= ceil(max_context / BS)). {} for manifests without
+    build_engines.py fixes S = max_batch + 1, NB, BS and caps MB <= ceil(max_context / BS) and the tokens of a step
+    M <= max_num_tokens). {} for manifests without
     them (built before they were recorded). ValueError naming the dim when the profiles share no value."""
     out: dict[str, tuple[int, int]] = {}
     for prof in manifest.get("profile_dims") or []:
@@ -133,8 +134,18 @@ class Executor:
         """Requests per step this executor is built for (engines fix it), or None (the runtime's default)."""
         return None
 
-    def check_cache(self, num_slots: int, num_blocks: int, max_blocks: int) -> None:
-        """Raise ValueError when this executor cannot run pools of these sizes (engines fix them); here: any."""
+    def default_num_blocks(self) -> int | None:
+        """Latent blocks this executor's pools must have (engines fix it), or None (sized from max_context)."""
+        return None
+
+    def default_max_num_tokens(self) -> int | None:
+        """Tokens per step this executor is built for (engines cap it), or None (the runtime's default)."""
+        return None
+
+    def check_cache(self, num_slots: int, num_blocks: int, max_blocks: int, max_batch: int | None = None,
+                    max_num_tokens: int | None = None) -> None:
+        """Raise ValueError when this executor cannot run pools of these sizes or these limits (engines fix them);
+        here: any."""
 
     def forward(self, ids: torch.Tensor, batch: Batch, pools: dict, logits_index: torch.Tensor):
         """ids [T] int64 packed tokens, batch (`model.reference.Batch`), pools {layer: {name: tensor}},
@@ -441,6 +452,14 @@ class TensorRTExecutor(GraphExecutor):
         """Requests per step the engines' KDA pools take (S - 1), when the manifest records them."""
         return self.pool_dims["S"][1] - 1 if "S" in self.pool_dims else None
 
+    def default_num_blocks(self) -> int | None:
+        """Latent blocks of the engines' pools (NB), when the manifest records them."""
+        return self.pool_dims["NB"][1] if "NB" in self.pool_dims else None
+
+    def default_max_num_tokens(self) -> int | None:
+        """Tokens per step the engines' profiles take at most (M), when the manifest records them."""
+        return self.pool_dims["M"][1] if "M" in self.pool_dims else None
+
     def default_max_context(self) -> int | None:
         """Tokens per request the engines' block tables hold (MB x BS), when the manifest records them."""
         if "MB" in self.pool_dims and "BS" in self.pool_dims:
@@ -458,10 +477,17 @@ class TensorRTExecutor(GraphExecutor):
         """Raise ValueError when the engines' profiles take another latent block size than `block_size`."""
         self._check("BS", block_size, "block_size", f"omit block_size or rebuild with --block-size {block_size}")
 
-    def check_cache(self, num_slots: int, num_blocks: int, max_blocks: int) -> None:
-        """Raise ValueError naming the LLM argument when the cache's slots (max_batch + 1), latent blocks or
-        block-table width (max_context / block_size) lie outside the engines' profiles (TensorRT would fail at the
-        first step otherwise)."""
+    def check_cache(self, num_slots: int, num_blocks: int, max_blocks: int, max_batch: int | None = None,
+                    max_num_tokens: int | None = None) -> None:
+        """Raise ValueError naming the LLM argument when the cache's slots, latent blocks or block-table width
+        (max_context / block_size) lie outside the engines' profiles, or max_batch / max_num_tokens exceed what they
+        take (TensorRT would fail at the first step otherwise)."""
+        for dim, value, field in (("S", max_batch, "max_batch"), ("M", max_num_tokens, "max_num_tokens")):
+            hi = self.pool_dims.get(dim, (0, None))[1]
+            if value is not None and hi is not None and value > hi - (dim == "S"):
+                flag = field.replace("_", "-")
+                raise ValueError(f"{field} = {value}: the engines in {self.dir} take at most {hi - (dim == 'S')}; "
+                                 f"pass {field} <= {hi - (dim == 'S')} (or omit it) or rebuild with --{flag} {value}")
         self._check("S", num_slots - 1, "max_batch", "pass the build's --max-batch (default 8) or rebuild", -1)
         if max_blocks > self.pool_dims.get("MB", (1, max_blocks))[1]:
             ctx = self.default_max_context()

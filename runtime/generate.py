@@ -39,7 +39,9 @@ def _main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=None, help="sampling seed (default: none)")
     ap.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
-    ap.add_argument("--max-context", type=int, default=None, help="tokens per request the cache holds (default: the config's max_position_embeddings)")
+    ap.add_argument("--max-context", type=int, default=None,
+                    help="tokens per request the cache holds (default: the config's max_position_embeddings; "
+                         "tensorrt: the engines')")
     ap.add_argument("--ep", type=int, default=1, help="expert parallelism under torchrun: 1 or the world size (torch backend)")
     ap.add_argument("--device", default=None,
                     help="cpu (default), cuda (= cuda:LOCAL_RANK under torchrun) or cuda:N (torch backend; tensorrt: cuda:N)")

@@ -169,7 +169,8 @@ def validate_config(text: str, expect_name: Optional[str] = None, *, where: str 
 
 
 def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backend: Optional[str] = None, *,
-                     name: str = DEFAULT_MODEL_NAME, max_batch: int = 8, max_num_tokens: int = 256,
+                     name: str = DEFAULT_MODEL_NAME, max_batch: Optional[int] = None,
+                     max_num_tokens: Optional[int] = None,
                      max_context: Optional[int] = None, instance_count: int = 1,
                      project_root: str | pathlib.Path = PROJECT_ROOT, overwrite: bool = False,
                      device: Optional[str] = None, ops: Optional[str] = None,
@@ -192,7 +193,7 @@ def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backe
         raise RepositoryError(f"--engines {engines} is not a directory; pass the checkpoint/engine directory "
                               "that runtime.api.LLM(path) loads")
     for field, v in (("max_batch", max_batch), ("max_num_tokens", max_num_tokens), ("instance_count", instance_count)):
-        if int(v) < 1:
+        if v is not None and int(v) < 1:
             raise RepositoryError(f"{field}={v} must be >= 1")
     if cuda_graphs and (ops != "kernels" or not str(device or "").startswith("cuda")):
         raise RepositoryError(f"cuda_graphs needs --device cuda[:N] and --ops kernels (got device={device!r}, "
@@ -227,8 +228,8 @@ def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backe
         "project_root": str(pathlib.Path(project_root).resolve()),
         "model_path": str(engines),
         "backend": resolved,
-        "max_batch": int(max_batch),
-        "max_num_tokens": int(max_num_tokens),
+        "max_batch": None if max_batch is None else int(max_batch),            # None: LLM's default (tensorrt:
+        "max_num_tokens": None if max_num_tokens is None else int(max_num_tokens),   # the engines' sizes)
         "max_context": None if max_context is None else int(max_context),
         "vocab_size": discover_vocab_size(engines),
         "device": device,
@@ -275,8 +276,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--backend", choices=BACKENDS, default=None,
                    help="runtime backend when the --engines directory's manifest.json has no 'backend' key (default torch)")
     p.add_argument("--name", default=DEFAULT_MODEL_NAME, help="model name (default %(default)s)")
-    p.add_argument("--max-batch", type=int, default=8, help="LLM(max_batch=...) (default %(default)s)")
-    p.add_argument("--max-num-tokens", type=int, default=256, help="LLM(max_num_tokens=...) (default %(default)s)")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="LLM(max_batch=...) (default: the runtime's, 8; for engines the build's)")
+    p.add_argument("--max-num-tokens", type=int, default=None,
+                   help="LLM(max_num_tokens=...) (default: the runtime's, 256; for engines the build's)")
     p.add_argument("--max-context", type=int, default=None, help="LLM(max_context=...) (default: runtime's)")
     p.add_argument("--instances", type=int, default=1, help="Python-backend instances (default %(default)s)")
     p.add_argument("--device", default=None, help="LLM(device=...): cpu, cuda or cuda:N (torch backend; default cpu)")

@@ -587,6 +587,42 @@ def test_tensorrt_decode_graphs_run_with_the_decode_profile():
         ex._run(g, {"cache": torch.zeros(3, 4)})
 
 
+def test_llm_sizes_its_cache_from_engine_profiles(tiny_ckpt, tiny_model, monkeypatch):
+    """The tensorrt backend's size rules, run through LLM with a torch executor that carries an engine manifest's
+    pool dims (no TensorRT here): the pools get the engines' slots, blocks and block size whatever this LLM's smaller
+    max_batch / max_context; defaults come from the engines; larger or other sizes are one ValueError naming the
+    argument; and the runtime still generates what the model generates alone."""
+    from export.build_engines import engine_dims
+    from runtime.api import LLM
+    from runtime.executor import TensorRTExecutor, TorchExecutor, engine_pool_dims
+
+    class Sized(TorchExecutor):
+        pass
+    for name in ("preferred_block_size", "default_max_context", "default_max_batch", "default_num_blocks",
+                 "default_max_num_tokens", "_check", "check_block_size", "check_cache"):
+        setattr(Sized, name, getattr(TensorRTExecutor, name))
+    ex = Sized(tiny_model)
+    prof = engine_dims(None, 4, 64, 256, 64)                     # --max-batch 4 --max-num-tokens 64 --max-context 256
+    ex.dir, ex.pool_dims = "ENG", engine_pool_dims({"profile_dims": [prof, prof]})
+    monkeypatch.setattr(LLM, "_make_executor", lambda self, *a, **k: ex)
+    llm = LLM(tiny_ckpt)
+    c = llm.cache
+    assert (c.num_slots, c.num_blocks, c.block_size, c.max_context) == (5, 17, 64, 256)
+    assert (llm.scheduler.max_batch, llm.scheduler.max_num_tokens) == (4, 64)
+    small = LLM(tiny_ckpt, max_batch=2, max_context=100)        # smaller limits: the engines' pools all the same
+    assert (small.cache.num_slots, small.cache.num_blocks, small.scheduler.max_batch) == (5, 17, 2)
+    p = prompt(9, 3)
+    assert small.generate([p], greedy(4))[0].token_ids == solo_greedy(tiny_model, p, 4)
+    for kw, msg in (({"max_batch": 5}, "max_batch = 5: the engines in ENG take at most 4; pass max_batch <= 4"),
+                    ({"max_num_tokens": 128}, "max_num_tokens = 128: .* at most 64; .* --max-num-tokens 128"),
+                    ({"max_context": 512}, "max_context: 8 blocks per request exceed the engines' block tables in "
+                                           "ENG; pass max_context <= 256"),
+                    ({"block_size": 16}, "block_size = 16: the engines in ENG were built for 64"),
+                    ({"num_blocks": 9}, "num_blocks = 9: the engines in ENG were built for 17")):
+        with pytest.raises(ValueError, match=msg):
+            LLM(tiny_ckpt, **kw)
+
+
 def test_graph_executor_rejects_a_zero_length_sequence():
     """The ONNX function bodies cannot raise, so the executor validates packed offsets before running graphs."""
     from model.reference import Batch

@@ -573,9 +573,9 @@ def test_block_size_rule_and_nccl_environment(monkeypatch):
     assert [preferred_block_size(cuda, o) for o in ("torch", "kernels", "reference")] == [64, 64, 16]
     assert preferred_block_size(torch.device("cpu"), "torch") == 16
     from export.build_engines import engine_dims
-    prefill, decode = ({**engine_dims(None, 4, 256, 1000, 64), "M": m} for m in ((1, 64, 256), (1, 4, 4)))
-    dims = engine_pool_dims({"profile_dims": [prefill, decode]})
-    assert dims == {"S": (5, 5), "NB": (65, 65), "BS": (64, 64), "MB": (1, 16)}      # ceil(1000 / 64) = 16
+    prefill, decode = ({**engine_dims(None, 4, 256, 1000, 64), "T": t} for t in ((1, 256, 256), (1, 4, 4)))
+    dims = engine_pool_dims({"profile_dims": [prefill, decode]})                # T differs per profile: not kept
+    assert dims == {"S": (5, 5), "NB": (65, 65), "BS": (64, 64), "MB": (1, 16), "M": (1, 256)}   # 16 = ceil(1000/64)
     assert engine_pool_dims({}) == {}                                     # a manifest from before profile_dims
     with pytest.raises(ValueError, match="e/manifest.json: the engines' profiles share no value of BS; rebuild them "
                                          "with one --block-size"):
