@@ -14,6 +14,7 @@ request's allocation). `plan_memory` derives slot/block counts from a memory bud
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import logging
 import math
 
@@ -201,7 +202,7 @@ class HybridCache:
         self.kda_layers = [l for l, p in self.pools.items() if "state" in p]
         self.mla_layers = [l for l, p in self.pools.items() if "cache" in p]
         self._free_slots = list(range(1, num_slots))
-        self._free_blocks = list(range(1, num_blocks))
+        self._free_blocks = list(range(1, num_blocks))     # a min-heap (heapq): the lowest free ids go first
         self._allocs: dict[str, _Alloc] = {}
 
     @classmethod
@@ -280,9 +281,7 @@ class HybridCache:
         if need > len(self._free_blocks):
             raise CacheFull(f"request {rid!r}: needs {need} more latent blocks, {len(self._free_blocks)} free")
         if need:
-            self._free_blocks.sort()
-            a.add_blocks(self._free_blocks[:need])
-            del self._free_blocks[:need]
+            a.add_blocks([heapq.heappop(self._free_blocks) for _ in range(need)])   # O(need log F), no sort
         start = a.num_tokens
         a.num_tokens += n
         return start
@@ -293,7 +292,8 @@ class HybridCache:
         if a is None:
             return
         self._free_slots.append(a.slot)
-        self._free_blocks.extend(a.blocks)
+        for blk in a.blocks:
+            heapq.heappush(self._free_blocks, blk)
 
     # -- views --
     def slot(self, rid: str) -> int:
