@@ -39,7 +39,8 @@ def num_sms(device) -> int:
 
 
 def index_i32(t: torch.Tensor) -> torch.Tensor:
-    """An index tensor of the kernels (slots, cu_seqlens, context_lens, block_tables) as contiguous int32: they read
-    it with unit strides (the last one for block tables), so a strided view would index other rows. No copy when it
-    already is (nothing is allocated inside a CUDA graph then)."""
+    """An index tensor of the kernels (slots [N], cu_seqlens [N+1], context_lens [N], block_tables [N, MB]; any
+    integer dtype, any device) as a contiguous int32 tensor of the same shape and device: the kernels read it with
+    unit strides (the last one for block tables), so a strided view would index other rows. No copy when it already
+    is (nothing is allocated inside a CUDA graph then). Values are not checked (int64 ids above 2^31 wrap)."""
     return t.to(torch.int32).contiguous()

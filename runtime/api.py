@@ -238,8 +238,7 @@ class LLM:
         self.tp, self.ep, self.rank = tp or world, ep, rank
         self.executor = self._make_executor(backend, device, ops, profile_comm, dense_dtype)
         cfg = self.cfg = self.executor.cfg
-        max_context = max_context or min(self.executor.default_max_context() or cfg.max_position_embeddings,
-                                         cfg.max_position_embeddings)
+        max_context = max_context or min(self.executor.default_max_context() or math.inf, cfg.max_position_embeddings)
         if max_batch is None:
             max_batch = self.executor.default_max_batch() or 8
         if max_num_tokens is None:

@@ -466,9 +466,9 @@ class TensorRTExecutor(GraphExecutor):
             return self.pool_dims["MB"][1] * self.pool_dims["BS"][0]
         return None
 
-    def _check(self, dim: str, value: int, field: str, fix: str, offset: int = 0) -> None:
-        """ValueError naming `field` when `value` lies outside the engines' range of `dim` shifted by `offset`."""
-        lo, hi = (v + offset for v in self.pool_dims.get(dim, (value - offset, value - offset)))
+    def _check(self, dim: str, value: int, field: str, fix: str) -> None:
+        """ValueError naming `field` when `value` lies outside the engines' range of `dim`."""
+        lo, hi = self.pool_dims.get(dim, (value, value))
         if not lo <= value <= hi:
             took = f"{lo}" if lo == hi else f"{lo}..{hi}"
             raise ValueError(f"{field} = {value}: the engines in {self.dir} were built for {took}; {fix}")
@@ -482,13 +482,12 @@ class TensorRTExecutor(GraphExecutor):
         """Raise ValueError naming the LLM argument when the cache's slots, latent blocks or block-table width
         (max_context / block_size) lie outside the engines' profiles, or max_batch / max_num_tokens exceed what they
         take (TensorRT would fail at the first step otherwise)."""
-        for dim, value, field in (("S", max_batch, "max_batch"), ("M", max_num_tokens, "max_num_tokens")):
-            hi = self.pool_dims.get(dim, (0, None))[1]
-            if value is not None and hi is not None and value > hi - (dim == "S"):
-                flag = field.replace("_", "-")
-                raise ValueError(f"{field} = {value}: the engines in {self.dir} take at most {hi - (dim == 'S')}; "
-                                 f"pass {field} <= {hi - (dim == 'S')} (or omit it) or rebuild with --{flag} {value}")
-        self._check("S", num_slots - 1, "max_batch", "pass the build's --max-batch (default 8) or rebuild", -1)
+        for field, value, most in (("max_batch", max_batch, self.default_max_batch()),
+                                   ("max_num_tokens", max_num_tokens, self.default_max_num_tokens())):
+            if value is not None and most is not None and value > most:
+                raise ValueError(f"{field} = {value}: the engines in {self.dir} take at most {most}; pass {field} "
+                                 f"<= {most} (or omit it) or rebuild with --{field.replace('_', '-')} {value}")
+        self._check("S", num_slots, "KDA slots (max_batch + 1)", "pass the build's --max-batch (default 8) or rebuild")
         if max_blocks > self.pool_dims.get("MB", (1, max_blocks))[1]:
             ctx = self.default_max_context()
             raise ValueError(f"max_context: {max_blocks} blocks per request exceed the engines' block tables in "

@@ -588,8 +588,9 @@ def test_block_size_rule_and_nccl_environment(monkeypatch):
     trt_ex.check_cache(5, 65, 16)
     for call, msg in ((lambda: trt_ex.check_block_size(16), "block_size = 16: the engines in engines were built for "
                        "64; omit block_size or rebuild with --block-size 16"),
-                      (lambda: trt_ex.check_cache(2, 65, 16), "max_batch = 1: .* built for 4; pass the build's "
-                       "--max-batch"),
+                      (lambda: trt_ex.check_cache(2, 65, 16), r"KDA slots \(max_batch \+ 1\) = 2: .* built for 5; pass "
+                       "the build's --max-batch"),
+                      (lambda: trt_ex.check_cache(5, 65, 16, max_batch=5), "max_batch = 5: .* take at most 4"),
                       (lambda: trt_ex.check_cache(5, 65, 17), "max_context: 17 blocks per request exceed .* pass "
                        "max_context <= 1024"),
                       (lambda: trt_ex.check_cache(5, 60, 16), "num_blocks = 60: .* built for 65; omit num_blocks")):
