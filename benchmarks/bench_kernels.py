@@ -160,6 +160,9 @@ del x, y
 
 try:
     from fla.ops.kda import chunk_kda, fused_recurrent_kda
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    from fla.modules.causal_conv1d.ops import causal_conv1d_update
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated
     HAVE_FLA = True
 except Exception as e:
     HAVE_FLA = False
@@ -196,6 +199,38 @@ def peer_kda_decode_call(B, H):
     be = torch.sigmoid(torch.randn(B, 1, H, device=dev)).bfloat16()
     h0 = torch.randn(B, H, K, K, device=dev) * 0.1
     return lambda: fused_recurrent_kda(q, kk, v, gg, be, initial_state=h0, output_final_state=True)
+
+
+def peer_full_kda_decode_call(d, state, conv, slots, H):
+    """A thunk running the whole KDA decode step with fla-core's ops, composed as a serving stack would (the peer of
+    our fused step, where `peer_kda_decode_call` is the recurrence alone): `causal_conv1d_update` + SiLU for q, k and
+    v (three launches, each on its own batch-ordered [B, P, 4] history: no slot gather, which favours the peer), then
+    `fused_recurrent_kda_fwd` updating `state` [S, H, K, K] in place through `ssm_state_indices` = slots (V-first
+    rows = our layout; L2 norm, lower-bound gate and beta sigmoid in its kernel), then `rms_norm_gated` (sigmoid
+    gate, eps 1e-5). Same inputs as ours (`kda_decode_inputs`); the thunk returns the bf16 [B, P] output. fla rounds
+    the conv outputs to bf16 before the recurrence (we keep fp32), so its state error is larger than ours."""
+    B, P = slots.shape[0], H * K
+    caches = [torch.zeros(B, P, 4, dtype=conv.dtype, device=conv.device) for _ in range(3)]
+    for i, c in enumerate(caches):
+        c[:, :, 1:] = conv[slots.long(), i * P:(i + 1) * P]
+    ws = [d["conv_w"][i * P:(i + 1) * P].contiguous() for i in range(3)]
+    idx = slots.to(torch.int32)
+
+    def step():
+        q, k, v = (causal_conv1d_update(d["qkv"][:, i * P:(i + 1) * P], caches[i], weight=ws[i], activation="silu")[0]
+                   for i in range(3))
+        o, _ = fused_recurrent_kda_fwd(
+            q.view(B, 1, H, K), k.view(B, 1, H, K), v.view(B, 1, H, K), d["f"].view(B, 1, H, K), d["b"].view(B, 1, H),
+            A_log=d["A_log"], dt_bias=d["dt_bias"], scale=K ** -0.5, initial_state=state, inplace_final_state=True,
+            ssm_state_indices=idx, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, state_v_first=True)
+        return rms_norm_gated(o.view(B * H, K), d["g"].view(B * H, K), d["o_norm_w"], None, activation="sigmoid",
+                              eps=1e-5).view(B, P)
+    return step
+
+
+PEER_FULL = ("fla causal_conv1d_update x3 + fused_recurrent_kda_fwd (slots, L2 norm, gate, beta in kernel) + "
+             "rms_norm_gated: the whole step, 5 launches")
 
 
 def torch_kda_decode(d, state, conv, slots, H):
@@ -243,8 +278,18 @@ if "kda_decode" in ONLY:
                                                                head_dim=K, **kw)
                 err_o, err_s = max(e[0] for e in errs.values()), max(e[1] for e in errs.values())
                 nbytes = kda_decode_bytes(B, H)
+                peer_full_err = None
                 if HAVE_FLA:
                     fns["peer"] = peer_kda_decode_call(B, H)
+                    try:   # the whole-step peer, checked like ours on pristine copies first
+                        stp = st0.clone()
+                        po = peer_full_kda_decode_call(d, stp, cv0, slots, H)()
+                        peer_full_err = (rel(po.float(), ro), rel(stp[slots.long()], rS))
+                        if peer_full_err[0] < 2e-2 and peer_full_err[1] < 2e-2:
+                            fns["peer_full"] = peer_full_kda_decode_call(d, state, conv, slots, H)
+                        del stp
+                    except Exception as e:
+                        peer_full_err = repr(e)[:300]
                 # microsecond kernels: ROUNDS interleaved rounds over all variants and the peer, median per variant
                 # (run 7 timed identical configurations 38-56 us apart within one pass)
                 times = {name: [] for name in fns}
@@ -253,6 +298,8 @@ if "kda_decode" in ONLY:
                         times[name].append(bench(fn_v, rep=50) * 1e3)
                 peer_ts = times.pop("peer", None)
                 peer = statistics.median(peer_ts) / 1e3 if peer_ts else float("nan")
+                full_ts = times.pop("peer_full", None)
+                peer_full = statistics.median(full_ts) / 1e3 if full_ts else float("nan")
                 spreads = {name: [min(ts), max(ts)] for name, ts in times.items()}
                 for name, ts in times.items():
                     res[name] = statistics.median(ts)
@@ -262,6 +309,8 @@ if "kda_decode" in ONLY:
                     best_variant=best[1] if best else None, us_best=best[0] * 1e3 if best else None,
                     peer="fla fused_recurrent_kda (recurrence only)", peer_us=peer * 1e3, ratio=peer / ms,
                     spreads=spreads, peer_spread=[min(peer_ts), max(peer_ts)] if peer_ts else None, rounds=ROUNDS,
+                    peer_full=PEER_FULL, peer_full_us=peer_full * 1e3, ratio_full=peer_full / ms,
+                    peer_full_err=peer_full_err,
                     bytes=nbytes, GBps=nbytes / ms / 1e6, pct_copy=100 * nbytes / ms / 1e6 / COPY)
                 del d, state, conv
             except Exception as e:
@@ -438,6 +487,13 @@ if "layers" in ONLY:
                     del pl
                 except Exception as e:
                     rec["peer_error"] = repr(e)[:300]
+                try:   # the whole step (checked in the kda_decode family)
+                    pl = [peer_full_kda_decode_call(*kda_decode_inputs(B, H), H) for _ in range(L)]
+                    rec.update(peer_full=PEER_FULL, peer_full_us=graph_us_per_call(pl))
+                    rec["ratio_full"] = rec["peer_full_us"] / us
+                    del pl
+                except Exception as e:
+                    rec["peer_full_error"] = repr(e)[:300]
             try:
                 rec.update(floors_us=state_floors(B, H, L, nbytes))
             except Exception as e:
@@ -541,25 +597,70 @@ if "mla" in ONLY:
     torch.cuda.empty_cache()
 
 # ------------------------------------------------------------------ CUDA graph decode step (one KDA + one MLA layer, B=1)
+# Issue 7 item 4. `us` ("cold", since run 23): one graph of N_STEP decode steps, each a KDA layer + an MLA layer
+# (8192-token context) on pools of its own (8 x 10-21 MB, more than the 50 MB L2, so no step finds its state or
+# latents in L2, as in a model whose layers each own their pools); per step = replay / N_STEP. `us_hot`: one step's
+# graph replayed over the same pools (they stay in L2: the method of runs 3-22). Checked first: the first KDA step
+# against the fp32 torch step, the first MLA step against fp32 attention over its cache.
+N_STEP = 8
+
+
+def mla_fp32_ref(q, cache, bt, L):
+    """fp32 softmax(q·Cᵀ·scale)·C[:, :, :R] over the first L latents of each sequence's blocks ([B, H, R])."""
+    BS = cache.shape[1]
+    pos = torch.arange(L, device=dev)
+    C = cache.view(-1, R + DR)[bt.long()[:, pos // BS] * BS + pos % BS].float()
+    return torch.softmax(torch.bmm(q.float(), C.transpose(1, 2)) * MLA_SCALE, -1) @ C[:, :, :R]
+
+
 if "graph" in ONLY:
     for H in (H8, H1):
         try:
-            d, state, conv, slots = kda_decode_inputs(1, H)
-            q, lat, cache, bt, ctx = mla_inputs(1, H, 8192)
-            kout = torch.empty(1, H * K, dtype=torch.bfloat16, device=dev)
-            mout = torch.empty(1, H, R, dtype=torch.bfloat16, device=dev)
-            kda_step = lambda: kda_k.kda_decode(**d, state=state, conv=conv, slots=slots, num_heads=H, head_dim=K, out=kout)
-            mla_step = lambda: mla_k.mla_decode(q, lat, cache, bt, ctx, num_heads=H, kv_lora_rank=R, scale=MLA_SCALE, out=mout)
-            res = {}
-            for name, fn in (("kda", kda_step), ("mla_L8192", mla_step), ("kda+mla", lambda: (kda_step(), mla_step()))):
-                gph = capture_graph([fn], warmup=3)
-                # time 100 replays of the captured step
-                n = 100
-                ms = bench(lambda: [gph.replay() for _ in range(n)], rep=300) / n
-                res[name] = ms * 1e3
-            out(what="cuda_graph_decode_step", H=H, B=1, us=res)
+            kins = [kda_decode_inputs(1, H) for _ in range(N_STEP)]
+            mins = [mla_inputs(1, H, 8192) for _ in range(N_STEP)]
+            d, state, conv, slots = kins[0]
+            st0, cv0 = state.clone(), conv.clone()   # pristine: the timed graphs update the pools
+            ro, rS = torch_kda_decode(d, st0.clone(), cv0.clone(), slots, H)
+            st = st0.clone()
+            o1, _, _ = kda_k.kda_decode(**d, state=st, conv=cv0.clone(), slots=slots, num_heads=H, head_dim=K)
+            q, lat, cache, bt, ctx = mins[0]
+            cc = cache.clone()
+            o2, _ = mla_k.mla_decode(q, lat, cc, bt, ctx, num_heads=H, kv_lora_rank=R, scale=MLA_SCALE)
+            err_kda = [rel(o1.float(), ro), rel(st[slots.long()], rS)]
+            err_mla = rel(o2.float(), mla_fp32_ref(q, cc, bt, int(ctx[0]) + 1))
+            ok = err_kda[0] < 2e-2 and err_kda[1] < 1e-3 and err_mla < 1e-2
+            del st, cc
+            kouts = [torch.empty(1, H * K, dtype=torch.bfloat16, device=dev) for _ in range(N_STEP)]
+            mouts = [torch.empty(1, H, R, dtype=torch.bfloat16, device=dev) for _ in range(N_STEP)]
+            kda_steps = [lambda x=x, o=o: kda_k.kda_decode(**x[0], state=x[1], conv=x[2], slots=x[3], num_heads=H,
+                                                           head_dim=K, out=o) for x, o in zip(kins, kouts)]
+            mla_steps = [lambda x=x, o=o: mla_k.mla_decode(*x, num_heads=H, kv_lora_rank=R, scale=MLA_SCALE, out=o)
+                         for x, o in zip(mins, mouts)]
+            both = [f for pair in zip(kda_steps, mla_steps) for f in pair]
+            us, us_hot = {}, {}
+            for name, calls in (("kda", kda_steps), ("mla_L8192", mla_steps), ("kda+mla", both)):
+                if ok:
+                    us[name] = bench(capture_graph(calls).replay, rep=100) * 1e3 / N_STEP
+                    gph = capture_graph(calls[:len(calls) // N_STEP], warmup=3)
+                    n = 100   # 100 replays of the one step
+                    us_hot[name] = bench(lambda: [gph.replay() for _ in range(n)], rep=300) / n * 1e3
+            # the KDA step's V tile, cold (the B=1 default was chosen on the hot graph: runs 3-12)
+            kda_variants = {}
+            for bv in (16, 32, 64, 128):
+                st = st0.clone()
+                o3, _, _ = kda_k.kda_decode(**d, state=st, conv=cv0.clone(), slots=slots, num_heads=H, head_dim=K,
+                                            block_v=bv)
+                if ok and rel(o3.float(), ro) < 2e-2 and rel(st[slots.long()], rS) < 1e-3:
+                    kda_variants[f"block_v={bv}"] = bench(capture_graph(
+                        [lambda x=x, o=o, bv=bv: kda_k.kda_decode(**x[0], state=x[1], conv=x[2], slots=x[3],
+                                                                 num_heads=H, head_dim=K, out=o, block_v=bv)
+                         for x, o in zip(kins, kouts)]).replay, rep=100) * 1e3 / N_STEP
+            out(what="cuda_graph_decode_step", H=H, B=1, L=8192, correct=ok, err_kda=err_kda, err_mla=err_mla,
+                us=us, us_hot=us_hot, kda_variants=kda_variants, steps_per_graph=N_STEP)
+            del kins, mins, kouts, mouts, kda_steps, mla_steps, both
         except Exception as e:
             out(what="cuda_graph_decode_step", H=H, error=repr(e)[:400])
+    torch.cuda.empty_cache()
 
 # ------------------------------------------------------------------ MLA prefill: SDPA vs the graph-safe Triton path
 # `mla_prefill`'s CUDA default, the graph-safe path (absorbed Triton kernels, fixed grids, workspace: also what CUDA

@@ -842,6 +842,41 @@ def test_bench_kernels_cli_errors():
             "error: bench_kernels.py needs a CUDA GPU (torch.cuda.is_available() is False here)"], r.stderr
 
 
+def test_sweep_kda_decode_tiles_cli_errors(tmp_path):
+    """benchmarks/sweep_kda_decode_tiles.py: a bad --shapes item is one argparse error naming it; without a GPU the
+    script exits 2 with one line saying so and writes nothing."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    script = root / "benchmarks" / "sweep_kda_decode_tiles.py"
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    r = subprocess.run([sys.executable, str(script), "--shapes", "12x1,96-4"], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 2 and "--shapes '96-4': expected HEADSxBATCH" in r.stderr, r.stderr
+    if not torch.cuda.is_available():
+        out = tmp_path / "t.jsonl"
+        r = subprocess.run([sys.executable, str(script), "--out", str(out)], capture_output=True, text=True,
+                           timeout=300, env=env)
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+            "error: sweep_kda_decode_tiles.py needs a CUDA GPU (torch.cuda.is_available() is False here)"], r.stderr
+        assert not out.exists()
+
+
+def test_kda_decode_default_tile_rule():
+    """`_decode_block_v` (H200 run 23, each step on its own pools): 16 up to 48 (token, head) items, 32 up to 1024,
+    64 above; a head dim below 128 keeps the whole tile (no counter scratch); the workspace bound covers every
+    batch's default."""
+    assert [kda_k._decode_block_v(n, 128) for n in (1, 12, 48, 49, 96, 192, 1024, 1025, 6144)] == \
+        [16, 16, 16, 32, 32, 32, 32, 64, 64]
+    assert kda_k._decode_block_v(96, 64) == 64 and kda_k._decode_block_v(96, 16) == 16
+    for H in (12, 96):
+        for B in (1, 4, 5, 85, 86, 300):
+            need = max(kda_k.kda_decode_workspace_bytes(b, H, 128, kda_k._decode_block_v(b * H, 128))
+                       for b in range(1, B + 1))
+            assert kda_k.kda_decode_workspace_bytes(B, H, 128) >= need
+
+
 def test_plot_roofline_rows_and_drop(tmp_path):
     """benchmarks/plot_roofline.py's rows: % of the file's own copy bandwidth, unchecked records left out, --drop
     removing one family's records by field value (no matplotlib needed for the rows)."""

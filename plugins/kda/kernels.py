@@ -2,7 +2,9 @@
 
 kda_decode : ONE fused kernel per layer step: conv-history update + SiLU, L2 norm q/k, q scale, lower-bound
              gate, beta sigmoid, delta rule on the fp32 state in place through slot indices ([S,H,V,K] = S^T per
-             head), gated output RMSNorm. One program per (token, head) holds the whole 128x128 state tile.
+             head), gated output RMSNorm. Each (token, head)'s state is split into V tiles of 16 / 32 / 64 rows
+             (`_decode_block_v`), one program each; the last program of a (token, head) to finish (atomic counter)
+             does the output norm over all V and the q/k conv-history store.
 kda_prefill: Triton conv pass over the packed tokens + a fix-up of each sequence's first three tokens from the
              slot's conv history (L2 norm of q/k fused) + conv-history update + beta = sigmoid(b); then fla-core's
              chunk stages (gate cumsum, intra-chunk WY solve, inter-chunk state pass; one sequence: dense, several:
@@ -179,9 +181,10 @@ def _check_last_contig(*xs):
 
 
 def _decode_block_v(n_items: int, K: int) -> int:
-    """Default V tile of the split kernel (measured on H200, benchmarks/RESULTS.md): few programs -> small
-    tiles; mid -> whole tile; many -> 64."""
-    return K if K < 128 else (32 if n_items <= 16 else 128 if n_items <= 256 else 32 if n_items <= 1024 else 64)
+    """Default V tile of the split kernel for n_items = tokens x heads (H200, benchmarks/RESULTS.md run 23: each
+    layer's pools its own, as deployed): <= 48 items 16, <= 1024 items 32, more 64. (Until run 23 the whole tile
+    between 17 and 256 items, chosen on one pool replayed from L2: 1.1-1.4x slower on distinct pools.)"""
+    return K if K < 128 else (16 if n_items <= 48 else 32 if n_items <= 1024 else 64)
 
 
 def _decode_num_warps(block_v: int, head_dim: int) -> int:
@@ -211,7 +214,7 @@ def kda_decode_workspace_bytes(batch: int, num_heads: int, head_dim: int, block_
     counters. With block_v None the bound covers the default choice for every batch up to `batch`."""
     if block_v is None:
         return max(plan_bytes(_decode_scratch(bt, num_heads, head_dim, None)) for bt in
-                   sorted({batch, *(b for b in (16 // num_heads, 256 // num_heads, 1024 // num_heads) if 0 < b < batch)}))
+                   sorted({batch, *(b for b in (48 // num_heads, 1024 // num_heads) if 0 < b < batch)}))
     return plan_bytes(_decode_scratch(batch, num_heads, head_dim, block_v))
 
 
