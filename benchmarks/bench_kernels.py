@@ -160,13 +160,19 @@ del x, y
 
 try:
     from fla.ops.kda import chunk_kda, fused_recurrent_kda
-    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
-    from fla.modules.causal_conv1d.ops import causal_conv1d_update
-    from fla.modules.norm.fused_norm_gate import rms_norm_gated
     HAVE_FLA = True
 except Exception as e:
     HAVE_FLA = False
     out(what="fla_import", error=repr(e)[:300])
+
+try:   # the whole-step KDA decode peer's ops (fla-core 0.6.0)
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    from fla.modules.causal_conv1d.ops import causal_conv1d_update
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated
+    HAVE_FLA_FULL = True
+except Exception as e:
+    HAVE_FLA_FULL = False
+    out(what="fla_full_step_import", error=repr(e)[:300])
 
 K = CFG.kda_head_dim
 
@@ -281,6 +287,7 @@ if "kda_decode" in ONLY:
                 peer_full_err = None
                 if HAVE_FLA:
                     fns["peer"] = peer_kda_decode_call(B, H)
+                if HAVE_FLA_FULL:
                     try:   # the whole-step peer, checked like ours on pristine copies first
                         stp = st0.clone()
                         po = peer_full_kda_decode_call(d, stp, cv0, slots, H)()
@@ -487,11 +494,20 @@ if "layers" in ONLY:
                     del pl
                 except Exception as e:
                     rec["peer_error"] = repr(e)[:300]
-                try:   # the whole step (checked in the kda_decode family)
-                    pl = [peer_full_kda_decode_call(*kda_decode_inputs(B, H), H) for _ in range(L)]
-                    rec.update(peer_full=PEER_FULL, peer_full_us=graph_us_per_call(pl))
-                    rec["ratio_full"] = rec["peer_full_us"] / us
-                    del pl
+            if HAVE_FLA_FULL:
+                try:   # the whole step, layer 0 checked against the fp32 torch step first
+                    ins = [kda_decode_inputs(B, H) for _ in range(L)]
+                    d1, st1, cv1, sl1 = ins[0]
+                    ro1, rS1 = torch_kda_decode(d1, st1.clone(), cv1.clone(), sl1, H)
+                    stc = st1.clone()
+                    po = peer_full_kda_decode_call(d1, stc, cv1, sl1, H)()
+                    rec["peer_full_err"] = err = [rel(po.float(), ro1), rel(stc[sl1.long()], rS1)]
+                    if err[0] < 2e-2 and err[1] < 2e-2:
+                        pl = [peer_full_kda_decode_call(*x, H) for x in ins]
+                        rec.update(peer_full=PEER_FULL, peer_full_us=graph_us_per_call(pl))
+                        rec["ratio_full"] = rec["peer_full_us"] / us
+                        del pl
+                    del ins, stc
                 except Exception as e:
                     rec["peer_full_error"] = repr(e)[:300]
             try:
@@ -598,10 +614,11 @@ if "mla" in ONLY:
 
 # ------------------------------------------------------------------ CUDA graph decode step (one KDA + one MLA layer, B=1)
 # Issue 7 item 4. `us` ("cold", since run 23): one graph of N_STEP decode steps, each a KDA layer + an MLA layer
-# (8192-token context) on pools of its own (8 x 10-21 MB, more than the 50 MB L2, so no step finds its state or
-# latents in L2, as in a model whose layers each own their pools); per step = replay / N_STEP. `us_hot`: one step's
-# graph replayed over the same pools (they stay in L2: the method of runs 3-22). Checked first: the first KDA step
-# against the fp32 torch step, the first MLA step against fp32 attention over its cache.
+# (8192-token context) on pools of its own, as in a model whose layers each own their pools: a replay touches each
+# pool once and do_bench clears L2 before each replay, so no step finds its state or latents in L2; per step =
+# replay / N_STEP. `us_hot`: 100 replays of one step's graph over the same pools per timed run (after the first, its
+# 1.5-12 MB of pools are in L2: the method of runs 3-22). Checked first: the first KDA step against the fp32 torch
+# step, the first MLA step against fp32 attention over its cache.
 N_STEP = 8
 
 

@@ -2,7 +2,8 @@
 
 Times `plugins.kda.kernels.kda_decode` with each V tile (`block_v` 16, 32, 64, 128 = K) and with the default
 (`_decode_block_v`) as a decode step is deployed: one CUDA graph of N steps, each on pools of its own (K3's 69 KDA
-layers each own their state and conv pools, so a step never finds its state in L2), per step = replay / N. Rounds
+layers each own their state and conv pools; a replay touches each pool once and `do_bench` clears L2 before each
+replay, so a step never finds its state in L2), per step = replay / N. Rounds
 interleave the tiles; the median per tile. One JSON line per (heads, batch) on stdout and appended to --out:
 `us` {tile: µs per step}, `best` (the fastest tile), `default_tile` (what `_decode_block_v` picks). Timing only: the
 tiles' results are checked against the reference in tests/test_kernels.py (`test_kda_decode`, GPU cases) and by

@@ -89,6 +89,18 @@ def preferred_block_size(device: torch.device, ops_name: str) -> int:
 POOL_DIMS = ("S", "NB", "BS", "MB", "M")    # KDA slots, latent blocks, tokens per block, block-table width, tokens
 
 
+def check_workspace_rules(manifest: dict, where: str = "manifest.json") -> None:
+    """ValueError unless the engines' plugin workspaces were sized by this code's rules (`manifest["workspace_rules"]`,
+    1 when absent, against plugins.workspace.WORKSPACE_RULES): a plugin's enqueue carves its scratch by the running
+    rules out of the bytes TensorRT reserved at build time, so older engines could be written past their workspace."""
+    from plugins.workspace import WORKSPACE_RULES
+    got = manifest.get("workspace_rules", 1)
+    if got != WORKSPACE_RULES:
+        raise ValueError(f"{where}: engines built with plugin workspace rules {got}, this k3deploy uses "
+                         f"{WORKSPACE_RULES} (the kimi plugins' scratch sizes changed); rebuild the engines: "
+                         "python export/build_engines.py (or python -m engines.build)")
+
+
 def engine_pool_dims(manifest: dict, where: str = "manifest.json") -> dict[str, tuple[int, int]]:
     """{dim: (lo, hi)} of the dims S, NB, BS, MB, M that every optimization profile of an engine directory takes
     (`manifest["profile_dims"]`, the named-dim (min, opt, max) ranges engines/build.py recorded; export/
@@ -416,6 +428,7 @@ class TensorRTExecutor(GraphExecutor):
         if not mpath.is_file():
             raise FileNotFoundError(f"{mpath}: missing; build engines with python -m engines.build")
         manifest = json.loads(mpath.read_text())
+        check_workspace_rules(manifest, str(mpath))
         self.pool_dims = engine_pool_dims(manifest, str(mpath))
         # the same plugin forms as the build (engines built with --aot hold the AOT ops of every kimi op)
         register_tensorrt_plugins(trt, aot=any(e.get("aot_ops") for e in manifest.get("engines", {}).values()))

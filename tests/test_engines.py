@@ -418,6 +418,10 @@ def test_build_all_sm86_two_profiles(tmp_path):
     assert e["onnx_sha256"] != manifest["engines"]["rank0/layer1.plan"]["onnx_sha256"]  # weights differ
     assert (out / "timing.cache").is_file()
     assert not list(out.rglob("*.tmp"))
+    from plugins.workspace import WORKSPACE_RULES
+    from runtime.executor import check_workspace_rules
+    assert manifest["workspace_rules"] == WORKSPACE_RULES
+    check_workspace_rules(manifest)                      # what TensorRTExecutor checks first: these engines pass
 
 
 def test_rebuild_skip_force_and_timing_cache(tmp_path):
@@ -449,6 +453,15 @@ def test_rebuild_skip_force_and_timing_cache(tmp_path):
     fourth = build_all(onnx_dir, out, **{**kw, "max_num_tokens": 32})
     assert fourth["engines"]["rank0/layer0.plan"]["config_hash"] != first["engines"]["rank0/layer0.plan"]["config_hash"]
     assert fourth["engines"]["rank0/layer0.plan"]["profiles"][0]["x"][2] == [32, 8]
+
+    # engines of other plugin workspace rules (or of a manifest from before they were recorded) -> all rebuilt
+    from engines.manifest import read_manifest, write_manifest
+    old = read_manifest(out)
+    old.pop("workspace_rules")
+    write_manifest(out, old)
+    inodes = {p: (out / p).stat().st_ino for p in fourth["engines"]}
+    fifth = build_all(onnx_dir, out, **{**kw, "max_num_tokens": 32})
+    assert all((out / p).stat().st_ino != ino for p, ino in inodes.items()) and "workspace_rules" in fifth
 
     # plan deleted -> rebuilt
     (out / "rank0" / "layer0.plan").unlink()

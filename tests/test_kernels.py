@@ -56,12 +56,14 @@ KDA_CASES = [(2, 16, torch.float32)] + ([(12, 128, torch.bfloat16), (24, 128, to
 
 
 @pytest.mark.parametrize("bv", [None, "quarter", "half", "quarter+workspace", "half+workspace", "sentinel",
-                                "quarter+tokens-fast"])
+                                "quarter+tokens-fast", "whole", "whole+sentinel", "default+workspace"])
 @pytest.mark.parametrize("H,K,act", KDA_CASES)
 def test_kda_decode(H, K, act, bv):
     """Kernel = reference on the used slots; unused slots untouched (NaN-poisoned). "sentinel": row 1 is a padding
-    row on slot 0, which the kernel must not write (its output row is not checked)."""
-    slots = torch.tensor([5, 0 if bv == "sentinel" else 2, 7, 3], dtype=torch.int32)
+    row on slot 0, which the kernel must not write (its output row is not checked). "whole": one program per (token,
+    head), no counter (the tile the AOT plugin is fixed to; no default picks it at K = 128 since run 23);
+    "default+workspace": the default tile with scratch sized by `kda_decode_workspace_bytes`' default rule."""
+    slots = torch.tensor([5, 0 if bv and bv.endswith("sentinel") else 2, 7, 3], dtype=torch.int32)
     S = 9
     d, state, conv = _kda_inputs(len(slots), H, K, S, act, seed=H)
     _poison(state, conv, set(slots.tolist()) - {0})
@@ -70,7 +72,8 @@ def test_kda_decode(H, K, act, bv):
     dd = {k: G(v.to(DEV)) for k, v in d.items()}
     st, cv = G(state.to(DEV)), G(conv.to(DEV))
     # "half": the V tile of 64 that the default picks for K = 128 above 1024 (token, head) items (the large batches)
-    kw = dict(block_v=K // 4 if bv and bv.startswith("quarter") else K // 2 if bv and bv.startswith("half") else None)
+    kw = dict(block_v=K // 4 if bv and bv.startswith("quarter") else K // 2 if bv and bv.startswith("half") else
+              K if bv and bv.startswith("whole") else None)
     if bv and bv.endswith("+workspace"):  # scratch carved from a caller buffer filled with garbage (CUDA graph / TRT)
         n = kda_k.kda_decode_workspace_bytes(len(slots), H, K, kw["block_v"])
         kw["workspace"] = G(torch.full((n,), 0xAB, dtype=torch.uint8, device=DEV))
@@ -88,6 +91,17 @@ def test_kda_decode(H, K, act, bv):
     assert relerr(cv[u], rc[u]) < 1e-6
     unused = [s for s in range(S) if s not in set(slots[real].tolist())]
     assert torch.isnan(st[unused].cpu()).all() and torch.isnan(cv[unused].cpu().float()).all()
+
+
+def test_kda_decode_counters_grow_without_freeing(monkeypatch):
+    """The split kernel's arrival counters: zeroed, at least n, reused while large enough; a larger need allocates a
+    new buffer and keeps the old one alive (a CUDA graph captured before may still point at it)."""
+    monkeypatch.setattr(kda_k, "_COUNTERS", {})
+    monkeypatch.setattr(kda_k, "_COUNTERS_RETIRED", [])
+    a = kda_k._counters(torch.device("cpu"), 10)
+    assert a.numel() == 4096 and not a.any() and kda_k._counters(torch.device("cpu"), 4096) is a
+    b = kda_k._counters(torch.device("cpu"), 5000)
+    assert b is not a and b.numel() == 5000 and not b.any() and kda_k._COUNTERS_RETIRED == [a]
 
 
 def test_kda_decode_grid_order_and_batch_limit():

@@ -587,6 +587,20 @@ def test_tensorrt_decode_graphs_run_with_the_decode_profile():
         ex._run(g, {"cache": torch.zeros(3, 4)})
 
 
+def test_engines_of_other_workspace_rules_are_refused():
+    """TensorRTExecutor's first check: a manifest whose plugin workspaces were sized by other rules (or that predates
+    the field) is one ValueError naming the manifest, both rule versions and the rebuild command."""
+    from plugins.workspace import WORKSPACE_RULES
+    from runtime.executor import check_workspace_rules
+    check_workspace_rules({"workspace_rules": WORKSPACE_RULES})
+    for manifest, got in (({}, 1), ({"workspace_rules": WORKSPACE_RULES + 1}, WORKSPACE_RULES + 1)):
+        with pytest.raises(ValueError) as e:
+            check_workspace_rules(manifest, "ENG/manifest.json")
+        msg = str(e.value)
+        assert msg.startswith(f"ENG/manifest.json: engines built with plugin workspace rules {got}, this k3deploy "
+                              f"uses {WORKSPACE_RULES}") and "python export/build_engines.py" in msg, msg
+
+
 def test_llm_sizes_its_cache_from_engine_profiles(tiny_ckpt, tiny_model, monkeypatch):
     """The tensorrt backend's size rules, run through LLM with a torch executor that carries an engine manifest's
     pool dims (no TensorRT here): the pools get the engines' slots, blocks and block size whatever this LLM's smaller

@@ -166,11 +166,21 @@ def _kda_decode_kernel(
 
 
 _COUNTERS = {}
+_COUNTERS_RETIRED = []    # outgrown buffers stay allocated: a CUDA graph captured earlier may still use them
 
 
 def _counters(device, n):
+    """int32 [>= n] zeroed arrival counters of the split decode kernel on `device` (calls without a workspace), kept
+    zero by the kernel. Grows only outside CUDA-graph capture: RuntimeError when a capture would need a larger one
+    (run the largest batch eagerly first, or pass `workspace=`)."""
     buf = _COUNTERS.get(str(device))
     if buf is None or buf.numel() < n:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"kda_decode: {n} counters needed during CUDA-graph capture, "
+                               f"{0 if buf is None else buf.numel()} allocated; run the largest batch eagerly "
+                               "before capturing, or pass workspace= (kda_decode_workspace_bytes)")
+        if buf is not None:
+            _COUNTERS_RETIRED.append(buf)
         buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
         _COUNTERS[str(device)] = buf
     return buf
