@@ -4,6 +4,8 @@
 #   bash benchmarks/h200_session.sh tests|bench|profile|ncu|decode|tp   (results under $OUT, default /tmp/out)
 # tests : GPU pytest of the kernels, CUDA-graph capture and the GPU runtime -> $OUT/junit.xml, $OUT/pytest.log
 #         (PYTEST_ARGS overrides the files; it is re-parsed by the shell: PYTEST_ARGS='tests/a.py -k "x and not y"')
+#         On a fresh H200 the default files take longer than one 600 s device call (run 23: test_kernels.py's
+#         first 92 of 135 GPU tests in 570 s, compiles and fla autotuning included): split them over calls
 # bench : benchmarks/bench_kernels.py (KDA decode/prefill, graph, MLA, MoE) -> $OUT/bench.jsonl + roofline.png
 # profile: benchmarks/profile_kda_prefill.py: per-kernel GPU time of KDA prefill, ours vs chunk_kda -> $OUT/profile.jsonl
 #         (PROFILE_ARGS overrides its arguments)
