@@ -21,7 +21,7 @@
 # Never feed tests' results to bench: fla's tuning keys omit T, so picks made at test sizes (T ~ 100) would be reused
 # at T=32768 (run 8 measured chunk_kda 1.3x slower that way).
 set -u -o pipefail          # a failing benchmark fails the script through its `| tee | tail`
-usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; }
 case "${1:-}" in
   tests|bench|profile|ncu|decode|tp) ;;
   -h|--help) usage; exit 0 ;;
