@@ -34,8 +34,8 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    head, _, rest = __doc__.partition("\n\n")
+    ap = argparse.ArgumentParser(description=head, epilog=rest, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=SHAPES, help="comma-separated HEADSxBATCH (default: %(default)s)")
     ap.add_argument("--head-dim", type=int, default=128, help="K = V per head (K3: %(default)s)")
     ap.add_argument("--steps", type=int, default=8, help="decode steps per graph, each on its own pools "

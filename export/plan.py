@@ -154,9 +154,10 @@ class DeploymentPlan:
         lines.append(f"  latent per token per rank   {self.latent_bytes_per_token:,} B")
         lines.append(f"  one request at 1M context   {self.request_bytes_1m:,} B ({self.request_bytes_1m / GiB:.2f} GiB) per rank; "
                      f"whole model (TP=1) {self.request_bytes_1m_tp1:,} B ({self.request_bytes_1m_tp1 / GiB:.2f} GiB)")
-        lines.append(f"  max batch at max context    {self.max_batch_at_context} (max_context "
-                     f"{self.max_context:,} tokens, {str(self.act_dtype).replace('torch.', '')} latents and conv "
-                     "history)")
+        lines.append(f"  max batch at max context    {self.max_batch_at_context} (requests of max_context "
+                     f"{self.max_context:,} tokens that the memory left after the weights and the activation reserve "
+                     f"holds, {str(self.act_dtype).replace('torch.', '')} latents and conv history: a bound, not the "
+                     "engines' slots, which are max_batch, below)")
         lines.append("-- cache plan (one rank)")
         lines.append(self.memory.table() if self.memory else f"  {self.memory_error}")
         g = graph_list(c, self.tp)
