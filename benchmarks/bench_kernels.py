@@ -118,6 +118,7 @@ if not torch.cuda.is_available():
 from plugins.kda import kernels as kda_k   # noqa: E402
 from plugins.mla import kernels as mla_k   # noqa: E402
 from plugins.moe import kernels as moe_k   # noqa: E402
+from cuda_graph import capture_graph      # noqa: E402  (benchmarks/, this script's folder)
 
 os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 dev = "cuda"
@@ -330,23 +331,6 @@ if "kda_decode" in ONLY:
 # norm). Checked: layer 0's output and state of one eager call, for the defaults and each timed variant, against the
 # fp32 torch step (and the kda_decode tests of a --junit run). Beside each: `floors_us` (state_floors), what the
 # same bytes cost in the same graph form without the fused math.
-
-
-def capture_graph(calls, warmup=1):
-    """One CUDA graph of `calls` (a list of thunks) in order, after `warmup` eager passes on a side stream (Triton
-    compiles and fla autotunes there, not during capture)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(warmup):
-            for fn in calls:
-                fn()
-    torch.cuda.current_stream().wait_stream(s)
-    gph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gph):
-        for fn in calls:
-            fn()
-    return gph
 
 
 def graph_us_per_call(calls, rep=20):

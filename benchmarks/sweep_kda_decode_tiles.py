@@ -56,6 +56,7 @@ def main(argv=None) -> int:
         return 2
     from triton.testing import do_bench
 
+    from cuda_graph import capture_graph          # benchmarks/, this script's folder
     from plugins.kda import kernels as kda_k
     K, N, dev = args.head_dim, args.steps, "cuda"
 
@@ -68,25 +69,12 @@ def main(argv=None) -> int:
         return (d, torch.randn(B + 1, H, K, K, device=dev) * 0.1, torch.randn(B + 1, 3 * P, 3, device=dev).to(act),
                 (torch.randperm(B, device=dev) + 1).int())
 
-    def graph(calls):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):          # compile outside the capture
-            for f in calls:
-                f()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for f in calls:
-                f()
-        return g
-
     with open(args.out, "a") as fout:
         for H, B in shapes:
             steps = [pools(B, H) for _ in range(N)]
             outs = [torch.empty(B, H * K, dtype=torch.bfloat16, device=dev) for _ in range(N)]
             tiles = [t for t in TILES if t <= K and K % t == 0]
-            graphs = {str(t) if t else "default": graph([
+            graphs = {str(t) if t else "default": capture_graph([
                 lambda x=x, o=o, t=t: kda_k.kda_decode(**x[0], state=x[1], conv=x[2], slots=x[3], num_heads=H,
                                                        head_dim=K, out=o, block_v=t or None)
                 for x, o in zip(steps, outs)]) for t in tiles + [0]}
