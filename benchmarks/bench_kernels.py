@@ -118,7 +118,8 @@ if not torch.cuda.is_available():
 from plugins.kda import kernels as kda_k   # noqa: E402
 from plugins.mla import kernels as mla_k   # noqa: E402
 from plugins.moe import kernels as moe_k   # noqa: E402
-from cuda_graph import capture_graph      # noqa: E402  (benchmarks/, this script's folder)
+import bench_common                        # noqa: E402  (benchmarks/, this script's folder)
+from bench_common import capture_graph     # noqa: E402
 
 os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 dev = "cuda"
@@ -179,16 +180,8 @@ K = CFG.kda_head_dim
 
 
 def kda_decode_inputs(B, H, act=torch.bfloat16):
-    P = H * K
-    S = B + 1
-    d = dict(qkv=torch.randn(B, 3 * P, device=dev).to(act), f=torch.randn(B, P, device=dev).to(act),
-             b=torch.randn(B, H, device=dev).to(act), g=torch.randn(B, P, device=dev).to(act),
-             conv_w=torch.randn(3 * P, 4, device=dev) * 0.5, A_log=torch.randn(H, device=dev) * 0.5,
-             dt_bias=torch.randn(P, device=dev) * 0.3, o_norm_w=torch.rand(K, device=dev) + 0.5)
-    state = torch.randn(S, H, K, K, device=dev) * 0.1
-    conv = torch.randn(S, 3 * P, 3, device=dev).to(act)
-    slots = (torch.randperm(B, device=dev) + 1).int()
-    return d, state, conv, slots
+    """`bench_common.kda_decode_inputs` at this config's head width on the GPU."""
+    return bench_common.kda_decode_inputs(B, H, K, dev, act)
 
 
 def kda_decode_bytes(B, H):

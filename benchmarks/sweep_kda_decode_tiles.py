@@ -56,22 +56,13 @@ def main(argv=None) -> int:
         return 2
     from triton.testing import do_bench
 
-    from cuda_graph import capture_graph          # benchmarks/, this script's folder
+    from bench_common import capture_graph, kda_decode_inputs   # benchmarks/, this script's folder
     from plugins.kda import kernels as kda_k
     K, N, dev = args.head_dim, args.steps, "cuda"
 
-    def pools(B, H):
-        P, act = H * K, torch.bfloat16
-        d = dict(qkv=torch.randn(B, 3 * P, device=dev).to(act), f=torch.randn(B, P, device=dev).to(act),
-                 b=torch.randn(B, H, device=dev).to(act), g=torch.randn(B, P, device=dev).to(act),
-                 conv_w=torch.randn(3 * P, 4, device=dev) * 0.5, A_log=torch.randn(H, device=dev) * 0.5,
-                 dt_bias=torch.randn(P, device=dev) * 0.3, o_norm_w=torch.rand(K, device=dev) + 0.5)
-        return (d, torch.randn(B + 1, H, K, K, device=dev) * 0.1, torch.randn(B + 1, 3 * P, 3, device=dev).to(act),
-                (torch.randperm(B, device=dev) + 1).int())
-
     with open(args.out, "a") as fout:
         for H, B in shapes:
-            steps = [pools(B, H) for _ in range(N)]
+            steps = [kda_decode_inputs(B, H, K, dev) for _ in range(N)]
             outs = [torch.empty(B, H * K, dtype=torch.bfloat16, device=dev) for _ in range(N)]
             tiles = [t for t in TILES if t <= K and K % t == 0]
             graphs = {str(t) if t else "default": capture_graph([

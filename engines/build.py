@@ -47,7 +47,7 @@ from typing import Any, Mapping, Sequence
 from engines import manifest as mf
 from engines.trt import TrtInfo, cuda_device_count, load_trt
 from plugins.trt_common import eval_dim  # noqa: F401  (one dim-expression evaluator; re-exported)
-from plugins.workspace import WORKSPACE_RULES
+from plugins.workspace import WORKSPACE_RULES, workspace_rules_of
 
 logger = logging.getLogger(__name__)
 
@@ -571,8 +571,8 @@ def build_all(onnx_dir: str | Path, out_dir: str | Path, *, target_cc: str | Seq
     if old is not None and old["tensorrt"] != {"flavor": info.flavor, "version": info.version}:
         logger.info("TensorRT changed (%s -> %s %s): rebuilding everything", old["tensorrt"], info.flavor, info.version)
         old = None
-    if old is not None and old.get("workspace_rules", 1) != WORKSPACE_RULES:
-        logger.info("plugin workspace rules changed (%s -> %s): rebuilding everything", old.get("workspace_rules", 1),
+    if old is not None and workspace_rules_of(old) != WORKSPACE_RULES:
+        logger.info("plugin workspace rules changed (%s -> %s): rebuilding everything", workspace_rules_of(old),
                     WORKSPACE_RULES)
         old = None
     manifest = mf.new_manifest(info.flavor, info.version)

@@ -25,6 +25,11 @@ WORKSPACE_ALIGN = 256
 WORKSPACE_RULES = 2
 
 
+def workspace_rules_of(manifest: dict) -> int:
+    """The `WORKSPACE_RULES` an engine manifest's engines were sized by (1: recorded before the field existed)."""
+    return int(manifest.get("workspace_rules", 1))
+
+
 def align_up(n: int, align: int = WORKSPACE_ALIGN) -> int:
     """Smallest multiple of ``align`` >= n."""
     return (int(n) + align - 1) // align * align

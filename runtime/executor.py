@@ -33,6 +33,7 @@ import torch
 
 from model.config import K3Config, load_config
 from model.reference import Batch, K3Model
+from plugins.workspace import WORKSPACE_RULES, workspace_rules_of
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +94,7 @@ def check_workspace_rules(manifest: dict, where: str = "manifest.json") -> None:
     """ValueError unless the engines' plugin workspaces were sized by this code's rules (`manifest["workspace_rules"]`,
     1 when absent, against plugins.workspace.WORKSPACE_RULES): a plugin's enqueue carves its scratch by the running
     rules out of the bytes TensorRT reserved at build time, so older engines could be written past their workspace."""
-    from plugins.workspace import WORKSPACE_RULES
-    got = manifest.get("workspace_rules", 1)
+    got = workspace_rules_of(manifest)
     if got != WORKSPACE_RULES:
         raise ValueError(f"{where}: engines built with plugin workspace rules {got}, this k3deploy uses "
                          f"{WORKSPACE_RULES} (the kimi plugins' scratch sizes changed); rebuild the engines: "

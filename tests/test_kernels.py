@@ -877,6 +877,28 @@ def test_sweep_kda_decode_tiles_cli_errors(tmp_path):
         assert not out.exists()
 
 
+def test_bench_common_kda_inputs_drive_the_kernel():
+    """benchmarks/bench_common.py's KDA decode inputs (what bench_kernels.py and the tile sweep time): the shapes and
+    dtypes its docstring gives, slots a permutation of 1..B, and the kernel on them equals the fp32 reference."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location(
+        "bench_common", Path(__file__).resolve().parents[1] / "benchmarks" / "bench_common.py")
+    bc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bc)
+    B, H, K = 3, 2, 16
+    d, state, conv, slots = bc.kda_decode_inputs(B, H, K, "cpu", torch.float32)
+    P = H * K
+    assert {k: tuple(v.shape) for k, v in d.items()} == {"qkv": (B, 3 * P), "f": (B, P), "b": (B, H), "g": (B, P),
+                                                         "conv_w": (3 * P, 4), "A_log": (H,), "dt_bias": (P,),
+                                                         "o_norm_w": (K,)}
+    assert state.shape == (B + 1, H, K, K) and conv.shape == (B + 1, 3 * P, 3) and slots.dtype == torch.int32
+    assert sorted(slots.tolist()) == [1, 2, 3]
+    ro, rs, _ = kda_ref.kda_decode(**d, state=state.clone(), conv=conv.clone(), slots=slots, num_heads=H, head_dim=K)
+    o, st, _ = kda_k.kda_decode(**d, state=state.clone(), conv=conv.clone(), slots=slots, num_heads=H, head_dim=K)
+    assert relerr(o, ro) < 1e-5 and relerr(st[slots.long()], rs[slots.long()]) < 1e-5
+
+
 def test_kda_decode_default_tile_rule():
     """`_decode_block_v` (H200 run 23, each step on its own pools): 16 up to 48 (token, head) items, 32 up to 1024,
     64 above; a head dim below 128 keeps the whole tile (no counter scratch); the workspace bound covers every

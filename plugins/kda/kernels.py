@@ -220,11 +220,9 @@ def _decode_scratch(batch: int, num_heads: int, head_dim: int, block_v: int | No
 
 def kda_decode_workspace_bytes(batch: int, num_heads: int, head_dim: int, block_v: int | None = None) -> int:
     """Scratch bytes `kda_decode` needs for `batch` tokens (plugins/workspace.py convention): 0 for the
-    whole-tile V split; else an fp32 [batch*H*K] accumulator + int32 [batch*H]
-    counters. With block_v None the bound covers the default choice for every batch up to `batch`."""
-    if block_v is None:
-        return max(plan_bytes(_decode_scratch(bt, num_heads, head_dim, None)) for bt in
-                   sorted({batch, *(b for b in (48 // num_heads, 1024 // num_heads) if 0 < b < batch)}))
+    whole-tile V split; else an fp32 [batch*H*K] accumulator + int32 [batch*H] counters. With block_v None the
+    default tile (`_decode_block_v`) either splits at every batch (K >= 128) or never (K < 128), so the bytes at
+    `batch` bound every smaller batch too (`test_kda_decode_default_tile_rule` checks it)."""
     return plan_bytes(_decode_scratch(batch, num_heads, head_dim, block_v))
 
 

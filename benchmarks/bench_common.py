@@ -1,0 +1,38 @@
+"""Helpers shared by the benchmark scripts (bench_kernels.py, sweep_kda_decode_tiles.py): CUDA-graph capture and
+the KDA decode step's inputs. Imported from the scripts' own folder (``python benchmarks/<script>.py``)."""
+from __future__ import annotations
+
+import torch
+
+
+def capture_graph(calls, warmup=1):
+    """One CUDA graph of `calls` (a list of thunks) in order, after `warmup` eager passes on a side stream (Triton
+    compiles and fla autotunes there, not during capture)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            for fn in calls:
+                fn()
+    torch.cuda.current_stream().wait_stream(s)
+    gph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gph):
+        for fn in calls:
+            fn()
+    return gph
+
+
+def kda_decode_inputs(B: int, H: int, K: int, device, act: torch.dtype = torch.bfloat16):
+    """Random inputs of one KDA decode step (`plugins.kda.kernels.kda_decode`, MODEL.md §4) for B tokens, H heads of
+    width K, P = H*K: (d, state, conv, slots) with d = {qkv [B, 3P], f [B, P], b [B, H], g [B, P] in `act`; conv_w
+    [3P, 4], A_log [H], dt_bias [P], o_norm_w [K] fp32}, state [B+1, H, K, K] fp32, conv [B+1, 3P, 3] `act` and
+    slots [B] int32 = a permutation of 1..B (slot 0, the padding sentinel, unused)."""
+    P = H * K
+    d = dict(qkv=torch.randn(B, 3 * P, device=device).to(act), f=torch.randn(B, P, device=device).to(act),
+             b=torch.randn(B, H, device=device).to(act), g=torch.randn(B, P, device=device).to(act),
+             conv_w=torch.randn(3 * P, 4, device=device) * 0.5, A_log=torch.randn(H, device=device) * 0.5,
+             dt_bias=torch.randn(P, device=device) * 0.3, o_norm_w=torch.rand(K, device=device) + 0.5)
+    state = torch.randn(B + 1, H, K, K, device=device) * 0.1
+    conv = torch.randn(B + 1, 3 * P, 3, device=device).to(act)
+    slots = (torch.randperm(B, device=device) + 1).int()
+    return d, state, conv, slots
