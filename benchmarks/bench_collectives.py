@@ -134,8 +134,8 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import torch.distributed as dist
-    from model.config import load_config
-    from runtime.distributed import init_from_env, resolve_device, shutdown
+    from k3deploy.model.config import load_config
+    from k3deploy.runtime.distributed import init_from_env, resolve_device, shutdown
     device_arg = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         rank, world = init_from_env(device_arg)

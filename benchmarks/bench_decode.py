@@ -66,7 +66,7 @@ log = logging.getLogger("bench_decode")
 
 def parse_args(argv=None):
     """The command line (see the module docstring); argparse exits with status 2 on a bad value."""
-    from model.layers import DENSE_DTYPES, dense_dtype_name
+    from k3deploy.model.layers import DENSE_DTYPES, dense_dtype_name
     ap = argparse.ArgumentParser(prog="benchmarks/bench_decode.py", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n\n".join(__doc__.split("\n\n")[1:]))
@@ -149,8 +149,8 @@ def _gib(n: float) -> float:
 
 def build_model(a, cfg, rank: int, tp: int, device: torch.device, keep_full):
     """The rank's K3Model on `device` (ops set later by the executor)."""
-    from model.layers import Comm
-    from model.reference import K3Model
+    from k3deploy.model.layers import Comm
+    from k3deploy.model.reference import K3Model
     comm = Comm(rank, tp)
     if a.checkpoint is not None:
         return K3Model.from_checkpoint(a.checkpoint, rank=rank, tp=tp, ep=a.ep, comm=comm, device=device,
@@ -172,9 +172,9 @@ def prompts_for(a, vocab: int) -> list[list[int]]:
 
 def run_variant(a, executor, prompts, rank: int, progress: bool) -> tuple[dict, dict[str, list[int]]]:
     """Prefill + decode timing with a fresh cache; returns (record fields, tokens per request id)."""
-    from runtime.cache import HybridCache
-    from runtime.sampling import SamplingParams
-    from runtime.scheduler import Scheduler
+    from k3deploy.runtime.cache import HybridCache
+    from k3deploy.runtime.sampling import SamplingParams
+    from k3deploy.runtime.scheduler import Scheduler
     cfg, dev = executor.cfg, executor.device
     comm = executor.comm
     prof = a.profile_steps if a.profile_steps is not None else (min(a.steps, 8) if executor.tp > 1 else 0)
@@ -355,7 +355,7 @@ def teacher_forced_logits(executor, seqs: list[list[int]], k: int, block_size: i
     """One prefill of `seqs` (fresh pools) through `executor` (every rank must call it) or, with `model`, through
     that model's own forward (the CPU reference). Returns fp32 CPU logits [len(seqs) * (k + 1), vocab]: for each
     sequence, the predictions of its last k + 1 positions (= of generated tokens 0..k)."""
-    from model.reference import Batch, allocate_pools
+    from k3deploy.model.reference import Batch, allocate_pools
     cfg = executor.cfg
     n, lens = len(seqs), [len(s) for s in seqs]
     rows, off = [], 0
@@ -482,7 +482,7 @@ def save_run(path: Path, a, rec: dict, executor, prompts, tokens) -> None:
     run (e.g. TP=2 against TP=1). Written to a temp file, then renamed (engines.manifest.atomic_write_bytes).
     Raises ValueError when `path` exists but is not such a file."""
     import io
-    from engines.manifest import atomic_write_bytes
+    from k3deploy.engines.manifest import atomic_write_bytes
     seqs, k = _check_sequences(a, prompts, tokens)
     logits = teacher_forced_logits(executor, seqs, k, a.block_size)
     if executor.comm.rank != 0:
@@ -559,8 +559,8 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from model.config import load_config
-    from runtime.distributed import init_from_env, resolve_device, shutdown
+    from k3deploy.model.config import load_config
+    from k3deploy.runtime.distributed import init_from_env, resolve_device, shutdown
     device_arg = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         rank, world = init_from_env(device_arg, a.dist_backend)
@@ -576,13 +576,13 @@ def main(argv=None) -> int:
             raise ValueError(f"--tp {tp}: launch {tp} processes (torchrun --nproc-per-node {tp}); world size is {world}")
         if a.checkpoint is not None and not (a.checkpoint / "config.json").is_file():
             raise FileNotFoundError(f"--checkpoint {a.checkpoint}: not a checkpoint directory (no config.json); write "
-                                    "one with python -m model.synthetic or leave it out to draw --preset's weights")
+                                    "one with python -m k3deploy.model.synthetic or leave it out to draw --preset's weights")
         cfg = load_config(a.checkpoint if a.checkpoint is not None else a.preset)
         variants = (a.ops or ("torch" if device.type == "cuda" else "reference")).split(",")
         if a.block_size is None:                    # one size for every variant: their logits are compared
-            from runtime.executor import preferred_block_size
+            from k3deploy.runtime.executor import preferred_block_size
             a.block_size = preferred_block_size(device, "kernels")
-        from model.sharding import check_parallel
+        from k3deploy.model.sharding import check_parallel
         check_parallel(cfg, tp, a.ep)
         if a.compare_to is not None and not a.compare_to.is_file():
             raise FileNotFoundError(f"--compare-to {a.compare_to}: no such file (write it with --save-logits first)")
@@ -592,7 +592,7 @@ def main(argv=None) -> int:
         if a.compare_tokens and a.compare_to is None:
             raise ValueError("--compare-tokens needs --compare-to FILE")
         for v in variants:
-            from runtime.executor import resolve_ops
+            from k3deploy.runtime.executor import resolve_ops
             resolve_ops(v, device)
         if a.cuda_graphs and (device.type != "cuda" or variants != ["kernels"]):
             raise ValueError("--cuda-graphs: needs a CUDA device and --ops kernels (the pools are updated in place)")
@@ -620,7 +620,7 @@ def main(argv=None) -> int:
     log.info("model built in %.1f s%s", build_s, f" ({weights_gib} GiB on the device)" if weights_gib is not None else "")
     ref_model = None
     if a.check and rank == 0:
-        from model.reference import K3Model, ReferenceOps
+        from k3deploy.model.reference import K3Model, ReferenceOps
         if a.checkpoint is not None:
             ref_model = K3Model.from_checkpoint(a.checkpoint, ops=ReferenceOps)
         else:
@@ -662,7 +662,7 @@ def bench_variant(a, v: str, model, ref_model, prompts, base: dict, rank: int, w
     this variant) / --check; rank 0 prints and appends the record. Returns 0, or 1 when a comparison failed. The
     executor (and its CUDA graphs) is closed before returning, also on errors (a graph holding NCCL kernels must go
     before the process group). ValueError from the runtime (e.g. an unusable --block-size)."""
-    from runtime.executor import TorchExecutor
+    from k3deploy.runtime.executor import TorchExecutor
     executor = TorchExecutor(model, ops=v)
     status = 0
     try:

@@ -53,7 +53,7 @@ ap.add_argument("--config", default="k3-slice",
                      "(TP=1). Expert counts come from --moe-experts")
 args = ap.parse_args()
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from model.config import load_config   # noqa: E402
+from k3deploy.model.config import load_config   # noqa: E402
 try:
     CFG = load_config(args.config)
 except Exception as e:       # unknown preset, missing or bad config.json
@@ -115,9 +115,9 @@ except ImportError as e:
 if not torch.cuda.is_available():
     ap.exit(2, "error: bench_kernels.py needs a CUDA GPU (torch.cuda.is_available() is False here)\n")
 
-from plugins.kda import kernels as kda_k   # noqa: E402
-from plugins.mla import kernels as mla_k   # noqa: E402
-from plugins.moe import kernels as moe_k   # noqa: E402
+from k3deploy.plugins.kda import kernels as kda_k   # noqa: E402
+from k3deploy.plugins.mla import kernels as mla_k   # noqa: E402
+from k3deploy.plugins.moe import kernels as moe_k   # noqa: E402
 import bench_common                        # noqa: E402  (benchmarks/, this script's folder)
 from bench_common import capture_graph     # noqa: E402
 
@@ -989,9 +989,9 @@ if "kda_prefill" in ONLY and HAVE_FLA:
 # launched by Triton with the same configs as their PTX, vs the JIT ops; both captured in CUDA graphs (GPU time).
 if "aot_prefill" in ONLY:
     from onnx import helper as onnx_helper
-    from plugins import aot_ops
-    from plugins.kda import trt_aot_prefill as kda_pre
-    from plugins.mla import trt_aot_prefill as mla_pre
+    from k3deploy.plugins import aot_ops
+    from k3deploy.plugins.kda import trt_aot_prefill as kda_pre
+    from k3deploy.plugins.mla import trt_aot_prefill as mla_pre
 
     def chain(mod, op_type, names, outs, env, **attrs):
         node = onnx_helper.make_node(op_type, list(names), list(outs), name="n0", domain="kimi", **attrs)

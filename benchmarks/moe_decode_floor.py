@@ -65,7 +65,7 @@ def relay_word(codes: list[int]) -> int:
 def dq_asm14(folded: bool) -> str:
     """PTX of the decode of a re-laid word (module docstring, ``dec14``; `relay_word`): $4 the word, $5 the factor
     bits as in kernels_gluon._dq_asm; $0..$3 the four bf16x2 operands (n_i, n_{i+4}) x the factor."""
-    from plugins.moe.kernels_gluon import _dq_finish
+    from k3deploy.plugins.moe.kernels_gluon import _dq_finish
 
     def fin(out):
         return _dq_finish(out, folded)
@@ -130,12 +130,12 @@ def capture_graphs(mods: dict, call, ws_bytes: int, out_shape: tuple, dev) -> tu
     captured with that module as plugins.moe.kernels_gluon (`mxfp4_moe` imports it at every call; the unchanged
     module is put back afterwards, also on errors). out: fp32 `out_shape`, workspace: uint8 [ws_bytes], one pair
     per graph. Returns ({name: graph}, the tensors the graphs write into: keep them alive while replaying)."""
-    import plugins.moe as pm
+    import k3deploy.plugins.moe as pm
     unchanged = pm.kernels_gluon
     graphs, keep = {}, []
     try:
         for name, mod in mods.items():
-            pm.kernels_gluon = sys.modules["plugins.moe.kernels_gluon"] = mod
+            pm.kernels_gluon = sys.modules["k3deploy.plugins.moe.kernels_gluon"] = mod
             out = torch.empty(out_shape, device=dev)
             ws = torch.zeros(ws_bytes, dtype=torch.uint8, device=dev)
             keep.append((out, ws))
@@ -147,7 +147,7 @@ def capture_graphs(mods: dict, call, ws_bytes: int, out_shape: tuple, dev) -> tu
                     call(out, ws)
             graphs[name] = g
     finally:
-        pm.kernels_gluon = sys.modules["plugins.moe.kernels_gluon"] = unchanged
+        pm.kernels_gluon = sys.modules["k3deploy.plugins.moe.kernels_gluon"] = unchanged
     return graphs, keep
 
 
@@ -190,8 +190,8 @@ def main(argv=None) -> int:
         log.error("needs a CUDA GPU of compute capability >= 9.0 (the Gluon kernels' bf16x2 decode)")
         return 2
     try:
-        from plugins.moe import kernels as mk
-        from plugins.moe import kernels_gluon as kg0
+        from k3deploy.plugins.moe import kernels as mk
+        from k3deploy.plugins.moe import kernels_gluon as kg0
     except ImportError as e:
         log.error("needs Triton with Gluon (pip install -e '.[gpu]'): %s", e)
         return 2

@@ -64,7 +64,7 @@ def drive(tokens: int, configs: list[dict]) -> None:
         raise SystemExit(2)
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from plugins.moe import kernels as moe_k
+    from k3deploy.plugins.moe import kernels as moe_k
 
     dev = "cuda"
     E, D, I, K = 112, 3584, 3072, 16

@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     import io
     import sys
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from engines.manifest import atomic_write_bytes
+    from k3deploy.engines.manifest import atomic_write_bytes
     buf = io.BytesIO()
     fig.savefig(buf, dpi=110, format="png")
     atomic_write_bytes(a.out, buf.getbuffer())

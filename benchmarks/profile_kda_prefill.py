@@ -49,7 +49,7 @@ except ImportError as e:
 if not torch.cuda.is_available():
     ap.exit(2, "error: profile_kda_prefill.py needs a CUDA GPU (torch.cuda.is_available() is False here)\n")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from plugins.kda import kernels as kda_k  # noqa: E402
+from k3deploy.plugins.kda import kernels as kda_k  # noqa: E402
 
 K = 128
 dev = "cuda"

@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     from triton.testing import do_bench
 
     from bench_common import capture_graph, kda_decode_inputs   # benchmarks/, this script's folder
-    from plugins.kda import kernels as kda_k
+    from k3deploy.plugins.kda import kernels as kda_k
     K, N, dev = args.head_dim, args.steps, "cuda"
 
     with open(args.out, "a") as fout:

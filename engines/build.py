@@ -2,12 +2,12 @@
 
 Library::
 
-    from engines.build import build_all, build_engine, profiles_from_dims
+    from k3deploy.engines.build import build_all, build_engine, profiles_from_dims
     manifest = build_all("out/onnx", "out/engines", target_cc="sm86", max_batch=8, max_num_tokens=256)
 
 CLI::
 
-    python -m engines.build --onnx-dir out/onnx --out out/engines --target-cc sm86 --max-batch 8 --max-num-tokens 256
+    python -m k3deploy.engines.build --onnx-dir out/onnx --out out/engines --target-cc sm86 --max-batch 8 --max-num-tokens 256
 
 Every ``**/*.onnx`` under ``--onnx-dir`` becomes ``<same relative path>.plan`` under ``--out`` (``rank0/layer003.decode.onnx`` ->
 ``rank0/layer003.decode.plan``); external data must sit next to its ONNX. ``manifest.json`` (engines/manifest.py) records what
@@ -44,10 +44,10 @@ import warnings
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from engines import manifest as mf
-from engines.trt import TrtInfo, cuda_device_count, load_trt
-from plugins.trt_common import eval_dim  # noqa: F401  (one dim-expression evaluator; re-exported)
-from plugins.workspace import WORKSPACE_RULES, workspace_rules_of
+from k3deploy.engines import manifest as mf
+from k3deploy.engines.trt import TrtInfo, cuda_device_count, load_trt
+from k3deploy.plugins.trt_common import eval_dim  # noqa: F401  (one dim-expression evaluator; re-exported)
+from k3deploy.plugins.workspace import WORKSPACE_RULES, workspace_rules_of
 
 logger = logging.getLogger(__name__)
 
@@ -70,9 +70,9 @@ def register_build_plugins(info: TrtInfo, aot: bool = False) -> list[str]:
             raise ValueError("aot (--aot): TensorRT-RTX has no tensorrt.plugin AOT plugins; build with full TensorRT "
                              "(engines.build --flavor tensorrt, build_engines.py --backend tensorrt) or drop --aot")
         return []
-    from plugins.kda import trt_aot as kda_aot
-    from plugins.mla import trt_aot as mla_aot
-    from plugins.trt_common import register_tensorrt_plugins
+    from k3deploy.plugins.kda import trt_aot as kda_aot
+    from k3deploy.plugins.mla import trt_aot as mla_aot
+    from k3deploy.plugins.trt_common import register_tensorrt_plugins
 
     register_tensorrt_plugins(info.module, aot=aot)
     if not aot:
@@ -91,9 +91,9 @@ def register_build_plugins(info: TrtInfo, aot: bool = False) -> list[str]:
 
 
 # op type -> (module, rewrite function): ops whose AOT form is a chain of single-launch ops
-_DECOMPOSED = {"Mxfp4Moe": ("plugins.moe.trt_aot", "decompose_mxfp4_moe"),
-               "KdaPrefill": ("plugins.kda.trt_aot_prefill", "decompose_kda_prefill"),
-               "MlaPrefill": ("plugins.mla.trt_aot_prefill", "decompose_mla_prefill")}
+_DECOMPOSED = {"Mxfp4Moe": ("k3deploy.plugins.moe.trt_aot", "decompose_mxfp4_moe"),
+               "KdaPrefill": ("k3deploy.plugins.kda.trt_aot_prefill", "decompose_kda_prefill"),
+               "MlaPrefill": ("k3deploy.plugins.mla.trt_aot_prefill", "decompose_mla_prefill")}
 
 
 def aot_sources_sha256() -> str:
@@ -104,9 +104,9 @@ def aot_sources_sha256() -> str:
     import triton
 
     h = hashlib.sha256(f"triton {triton.__version__}".encode())   # Triton generates every AOT kernel's PTX
-    for mod in ("plugins.aot_common", "plugins.aot_ops", "plugins.kda.trt_aot", "plugins.kda.trt_aot_prefill",
-                "plugins.kda.kernels", "plugins.mla.trt_aot", "plugins.mla.trt_aot_prefill", "plugins.mla.kernels",
-                "plugins.moe.trt_aot", "plugins.moe.kernels"):
+    for mod in ("k3deploy.plugins.aot_common", "k3deploy.plugins.aot_ops", "k3deploy.plugins.kda.trt_aot", "k3deploy.plugins.kda.trt_aot_prefill",
+                "k3deploy.plugins.kda.kernels", "k3deploy.plugins.mla.trt_aot", "k3deploy.plugins.mla.trt_aot_prefill", "k3deploy.plugins.mla.kernels",
+                "k3deploy.plugins.moe.trt_aot", "k3deploy.plugins.moe.kernels"):
         h.update(Path(importlib.import_module(mod).__file__).read_bytes())
     try:   # the KdaPrefill chain compiles fla-core's stage kernels in, with machine-dependent choices
         import fla
@@ -640,8 +640,8 @@ def _parse_dim(text: str) -> tuple[str, Triple]:
     return name.strip(), (mn, op, mx)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m engines.build", description=__doc__.split("\n\n")[0],
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=prog or "python -m k3deploy.engines.build", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Plans mirror the ONNX tree (rank0/layer003.decode.onnx -> rank0/layer003.decode.plan); "
                                         "manifest.json records sources, options and I/O. Exit status: 0 built, 1 a "

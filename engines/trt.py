@@ -2,7 +2,7 @@
 
 ``K3DEPLOY_TRT=tensorrt`` or ``K3DEPLOY_TRT=tensorrt-rtx`` forces one flavor.
 
-    from engines.trt import load_trt
+    from k3deploy.engines.trt import load_trt
     info = load_trt()          # TrtInfo(module, flavor, version)
     trt = info.module
 

@@ -30,11 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: import from the repository root, not from export/ (its onnx.py
-    sys.path[0] = str(Path(__file__).resolve().parents[1])  # would shadow the onnx package)
-
-from model.checkpoint import Checkpoint, CheckpointError  # noqa: E402
-from model.config import ConfigError, load_config  # noqa: E402
+from k3deploy.model.checkpoint import Checkpoint, CheckpointError
+from k3deploy.model.config import ConfigError, load_config
 
 log = logging.getLogger("build_engines")
 DEFAULT_PRESET = "k3-tiny"
@@ -52,7 +49,7 @@ def cache_dir() -> Path:
 
 def default_checkpoint() -> Path:
     """The embedded default: a synthetic k3-tiny checkpoint, generated on first use."""
-    from model.synthetic import write_synthetic
+    from k3deploy.model.synthetic import write_synthetic
     path = cache_dir() / f"{DEFAULT_PRESET}-seed0"
     if (path / "model.safetensors.index.json").is_file():
         log.info("using the embedded default checkpoint %s (synthetic %s)", path, DEFAULT_PRESET)
@@ -131,7 +128,7 @@ class Pipeline:
 
 def pick_backend(requested: str | None) -> str:
     """The engine builder: the requested one, else full TensorRT, else TensorRT-RTX, else onnxruntime (no engines)."""
-    from engines.trt import load_trt
+    from k3deploy.engines.trt import load_trt
     if requested == "onnxruntime":
         return requested
     flavors = [requested] if requested else ["tensorrt", "tensorrt-rtx"]
@@ -159,7 +156,7 @@ def _generate_tp(out: Path, backend: str, tp: int, prompt: list[int], steps: int
     """Greedy tokens from `tp` runtime processes (torchrun, one per TP rank, gloo on CPU / NCCL on GPU)."""
     import subprocess
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}", "-m",
-           "runtime.generate", "--model", str(out), "--backend", backend, "--prompt-ids", ",".join(map(str, prompt)),
+           "k3deploy.runtime.generate", "--model", str(out), "--backend", backend, "--prompt-ids", ",".join(map(str, prompt)),
            "--max-tokens", str(steps), "--ignore-eos"]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     if r.returncode != 0:
@@ -173,8 +170,8 @@ def smoke(out: Path, ckpt: Path, backend: str, steps: int = 8, tp: int = 1, **ll
     llm_kw: the sizes the engines were built for (max_batch, max_num_tokens, max_context), passed to LLM."""
     import torch
 
-    from model.reference import K3Model, SequenceState, forward
-    from runtime.api import LLM, SamplingParams
+    from k3deploy.model.reference import K3Model, SequenceState, forward
+    from k3deploy.runtime.api import LLM, SamplingParams
     cfg = load_config(ckpt)
     prompts = [[(7 * i + 3) % cfg.vocab_size for i in range(n)] for n in (5, 11)]
     ref_model = K3Model.from_checkpoint(ckpt)
@@ -203,7 +200,7 @@ def build(args) -> int:
         try:
             aot_backend = args.backend if args.backend not in (None, "tensorrt") else pick_backend(args.backend)
         except BuildError:   # --backend tensorrt requested, not importable
-            from engines.trt import FLAVOR_HINT
+            from k3deploy.engines.trt import FLAVOR_HINT
             raise BuildError(f"--aot: ahead-of-time plugins need full TensorRT >= 10.9; {FLAVOR_HINT['tensorrt']}; "
                              "or drop --aot") from None
         if aot_backend != "tensorrt":
@@ -218,8 +215,8 @@ def build(args) -> int:
         raise BuildError(f"--checkpoint {ckpt}: no config.json there; point it at a K3 checkpoint directory")
     cfg = load_config(ckpt)
     config_only = not (ckpt / "model.safetensors.index.json").is_file()
-    from export.plan import make_plan
-    from model.sharding import check_parallel
+    from k3deploy.export.plan import make_plan
+    from k3deploy.model.sharding import check_parallel
     ep = args.ep if args.ep is not None else 1
     check_parallel(cfg, args.tp, ep)
     max_context = args.max_context or min(cfg.max_position_embeddings, 4096)
@@ -227,7 +224,7 @@ def build(args) -> int:
         raise BuildError(f"--block-size {args.block_size}: larger than a request (--max-context {max_context}); "
                          "pass --block-size 64 (the default) or a multiple of 16 up to --max-context")
     plan = make_plan(cfg, args.tp, ep, max_batch=args.max_batch, max_context=max_context, block_size=args.block_size)
-    from engines.build import parse_target_cc
+    from k3deploy.engines.build import parse_target_cc
     try:   # the spelling (sm86 / 86 / 8.6) is checked here, support by the installed RTX below
         targets = parse_target_cc(args.target_cc)
     except ValueError as e:
@@ -248,7 +245,7 @@ def build(args) -> int:
     except OSError as e:
         raise BuildError(f"--out {out}: not writable ({e.strerror}); choose a directory you can write") from e
     if backend == "tensorrt-rtx" and targets:   # refuse an unbuildable target now, not at step 5
-        from engines.build import check_target_cc, load_trt
+        from k3deploy.engines.build import check_target_cc, load_trt
         try:
             check_target_cc(load_trt(backend), targets)
         except ValueError as e:
@@ -271,7 +268,7 @@ def build(args) -> int:
 
     pipe.run(2, "plan", [fp, args.tp, ep, args.max_batch, max_context], [out / "plan.txt"], step_plan)
 
-    from export.onnx import code_hash, export_model
+    from k3deploy.export.onnx_export import code_hash, export_model
     onnx_dir = out / "onnx"
     exp_inputs = [fp, args.tp, ep, code_hash()]
 
@@ -282,7 +279,7 @@ def build(args) -> int:
     pipe.run(3, "export", exp_inputs, [onnx_dir / "index.json"], step_export)
 
     def step_verify():
-        from export.verify import verify
+        from k3deploy.export.verify import verify
         report = verify(onnx_dir, ckpt)
         (out / "verify").mkdir(exist_ok=True)
         write_json_atomic(report, out / "verify" / "report.json")
@@ -306,7 +303,7 @@ def build(args) -> int:
         if backend == "onnxruntime":
             return ("skipped: no TensorRT installed here (install the `rtx` extra for ahead-of-time RTX builds, or "
                     "TensorRT on a GPU host); the runtime serves the ONNX graphs with onnxruntime"), {"built": False}
-        from engines.build import build_all
+        from k3deploy.engines.build import build_all
         m = build_all(onnx_dir, eng_dir, target_cc=target, max_batch=args.max_batch, max_num_tokens=args.max_num_tokens,
                       extra_dims=dims, force=args.force, trt_flavor=backend, aot=args.aot)
         return f"{len(m['engines'])} {backend} engines in {eng_dir} (target {target or 'this GPU'})", {"built": True}
@@ -318,7 +315,7 @@ def build(args) -> int:
     serve_backend = "tensorrt" if backend == "tensorrt" else "onnxruntime"
 
     def step_repository():
-        from serve.repository import write_repository
+        from k3deploy.serve.repository import write_repository
         manifest = {"format": "k3deploy.build/1", "checkpoint": str(ckpt.resolve()), "onnx": "onnx",
                     "engines_dir": "engines" if engines and engines.get("built") else None,
                     "engine_flavor": backend if engines and engines.get("built") else None,
@@ -351,9 +348,9 @@ def build(args) -> int:
     return 0
 
 
-def parse_args(argv=None):
+def parse_args(argv=None, prog=None):
     """The CLI's arguments; exits 2 with a message naming the flag for a value < 1."""
-    ap = argparse.ArgumentParser(prog="python export/build_engines.py", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog=prog or "python export/build_engines.py", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", help="K3 checkpoint directory (config.json, index, shards). Default: the embedded "
                                          "k3-tiny synthetic checkpoint, generated on first use. A directory with only "
@@ -393,9 +390,9 @@ def parse_args(argv=None):
     return a
 
 
-def main(argv=None) -> int:
+def main(argv=None, prog=None) -> int:
     """CLI entry: every failure becomes one `error: ...` line and exit status 2 (1 for a mismatch)."""
-    args = parse_args(argv)
+    args = parse_args(argv, prog)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
     if not args.verbose:   # onnxscript / onnx_ir log each graph rewrite at INFO: hundreds of lines per export
         for name in ("onnxscript", "onnx_ir"):

@@ -11,10 +11,10 @@ import math
 
 import torch
 
-from model.config import K3Config
-from model.sharding import check_parallel
-from model.weights import all_tensors
-from runtime.cache import MemoryPlan, plan_memory
+from k3deploy.model.config import K3Config
+from k3deploy.model.sharding import check_parallel
+from k3deploy.model.weights import all_tensors
+from k3deploy.runtime.cache import MemoryPlan, plan_memory
 
 GB, GiB, MiB = 10 ** 9, 2 ** 30, 2 ** 20
 H200_BYTES = 141 * GB  # HBM3e per H200 (the product's nominal 141 GB)

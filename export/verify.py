@@ -14,7 +14,7 @@ Inputs are realistic: a two-sequence scenario (non-contiguous slots and blocks) 
 prefill, then a second prefill chunk continuing both sequences (captured), then a decode step (captured) — so the
 captured layer inputs carry non-zero KDA state, conv history and cached latents.
 
-CLI: `python -m export.verify --onnx-dir DIR --checkpoint DIR [--report PATH] [--write-polygraphy-data DIR]`;
+CLI: `python -m k3deploy.export.verify --onnx-dir DIR --checkpoint DIR [--report PATH] [--write-polygraphy-data DIR]`;
 with `--write-polygraphy-data`, every graph gets `<id>.inputs.json` and `<id>.outputs.json` (Polygraphy JSON: a
 list of feed dicts and RunResults) so that
 `polygraphy run DIR/<id>.onnx --onnxrt --load-inputs <id>.inputs.json --load-outputs <id>.outputs.json
@@ -41,9 +41,9 @@ from polygraphy.common import TensorMetadata
 from polygraphy.comparator import Comparator, CompareFunc, IterationResult, RunResults
 from polygraphy.json import save_json
 
-from model.config import K3Config, load_config
-from model.reference import Batch, K3Model, ReferenceOps, allocate_pools
-from export.onnx import INDEX_NAME, GraphSpec, WeightSource, build_graph
+from k3deploy.model.config import K3Config, load_config
+from k3deploy.model.reference import Batch, K3Model, ReferenceOps, allocate_pools
+from k3deploy.export.onnx_export import INDEX_NAME, GraphSpec, WeightSource, build_graph
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def compare_func(names) -> CompareFunc:
 # ---- runners ---------------------------------------------------------------------------------------------------
 
 class TorchReferenceRunner(BaseRunner):
-    """Polygraphy runner for one graph's PyTorch reference (CPU, fp32). `module` is an export.onnx.GraphModule
+    """Polygraphy runner for one graph's PyTorch reference (CPU, fp32). `module` is an export.onnx_export.GraphModule
     built with ReferenceOps; inputs/outputs keep the ONNX graph's names."""
 
     def __init__(self, module, input_meta: TensorMetadata, name: str | None = None):
@@ -140,7 +140,7 @@ class OrtModel:
         self.dir = Path(onnx_dir)
         p = self.dir / INDEX_NAME
         if not p.is_file():
-            raise FileNotFoundError(f"{p}: no index.json; export first (python -m export.onnx --out {self.dir})")
+            raise FileNotFoundError(f"{p}: no index.json; export first (python -m k3deploy.export.onnx_export --out {self.dir})")
         self.index = json.loads(p.read_text())
         self.cfg: K3Config = load_config(self.index["config"])
         self.tp = self.index["tp"]
@@ -438,8 +438,8 @@ def write_polygraphy_data(out: Path, entry: dict, ref: TorchReferenceRunner, fee
     return inp, outp
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m export.verify",
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=prog or "python -m k3deploy.export.verify",
                                  description="Compare an ONNX export against the PyTorch reference with Polygraphy.")
     ap.add_argument("--onnx-dir", required=True, type=Path, help="export directory (index.json)")
     ap.add_argument("--checkpoint", required=True, type=Path, help="checkpoint the export was made from")

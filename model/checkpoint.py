@@ -27,8 +27,8 @@ from typing import Callable, Iterable, Mapping
 import numpy as np
 import torch
 
-from model.config import K3Config, load_config
-from model.weights import BYTES, PREFIX, TensorSpec, all_tensors, layer_tensors, model_tensors
+from k3deploy.model.config import K3Config, load_config
+from k3deploy.model.weights import BYTES, PREFIX, TensorSpec, all_tensors, layer_tensors, model_tensors
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from plugins.common import acc
+from k3deploy.plugins.common import acc
 
 
 @dataclasses.dataclass

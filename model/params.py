@@ -5,7 +5,7 @@ logical weight (scales count 0 params but their bytes); A_log counts as stored (
 token" = every non-routed text parameter + top-k routed experts in each MoE layer, including lm_head but
 excluding the input embedding table (the "104B"), also reported with the embedding (Q8).
 
-CLI: `python -m model.params PRESET|DIR` prints one `name: value` line per count.
+CLI: `python -m k3deploy.model.params PRESET|DIR` prints one `name: value` line per count.
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import json
 import sys
 from pathlib import Path
 
-from model.config import K3Config, load_config
-from model.weights import PREFIX, TensorSpec, all_tensors
+from k3deploy.model.config import K3Config, load_config
+from k3deploy.model.weights import PREFIX, TensorSpec, all_tensors
 
 # Vision tower + projector bytes of the release (§11); they are not part of the text inventory.
 K3_VISION_BYTES = 894_717_952
@@ -81,7 +81,7 @@ def meta_weights(cfg: K3Config):
         shape = (cfg.kda_num_heads,) if spec.name.endswith("A_log") else spec.shape
         return torch.empty(shape, dtype=dt[spec.dtype], device="meta")
 
-    from model.weights import layer_tensors, model_tensors
+    from k3deploy.model.weights import layer_tensors, model_tensors
     model_w = {s.name.rsplit(".", 2)[-2] + ".weight" if "lm_head" in s.name or "embed_tokens" in s.name
                else s.name[len(PREFIX + "model."):]: t(s) for s in model_tensors(cfg)}
 
@@ -98,8 +98,8 @@ def module_params(cfg: K3Config) -> int:
     loader trims (69 x 32 for K3), which is what the release's count includes (§11)."""
     import torch
 
-    from model.reference import K3Model
-    from plugins.common import compute_dtype
+    from k3deploy.model.reference import K3Model
+    from k3deploy.plugins.common import compute_dtype
     model_w, layer_w = meta_weights(cfg)
     with compute_dtype(torch.float32):
         model = K3Model(cfg, model_w, layer_w)
@@ -132,7 +132,7 @@ def report_for(source: str) -> dict[str, int]:
     tensor data in the shard headers) and `index_total_size` (the index's metadata.total_size)."""
     p = Path(source)
     if (p / "model.safetensors.index.json").is_file():
-        from model.checkpoint import Checkpoint
+        from k3deploy.model.checkpoint import Checkpoint
         ck = Checkpoint(p)
         out = param_report(ck.config)
         out["file_data_bytes"] = ck.data_bytes()
@@ -142,12 +142,13 @@ def report_for(source: str) -> dict[str, int]:
     return param_report(load_config(source))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    prog = prog or "python -m k3deploy.model.params"
     modules = "--modules" in argv
     argv = [a for a in argv if a != "--modules"]
     if len(argv) != 1 or argv[0] in ("-h", "--help"):
-        print("usage: python -m model.params PRESET|DIR [--modules]\n"
+        print(f"usage: {prog} PRESET|DIR [--modules]\n"
               "Print parameter and byte counts (MODEL.md §11) of a preset (k3, k3-tiny, k3-slice), a config.json\n"
               "or a checkpoint directory, one 'name: value' line each. --modules also builds the reference model on\n"
               "the meta device (no memory; ~30 s for K3) and prints the parameters its modules hold.")

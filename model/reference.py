@@ -16,14 +16,14 @@ import math
 
 import torch
 
-from plugins.common import acc
+from k3deploy.plugins.common import acc
 
-from model.config import K3Config
-from model.layers import ColumnLinear, Comm, Linear, RowLinear, attn_res, matmul_t, rms_norm
-from model.layers import dense_dtype as dense_dtype_of
-from plugins.kda import reference as kda_ref
-from plugins.mla import reference as mla_ref
-from plugins.moe import reference as moe_ref
+from k3deploy.model.config import K3Config
+from k3deploy.model.layers import ColumnLinear, Comm, Linear, RowLinear, attn_res, matmul_t, rms_norm
+from k3deploy.model.layers import dense_dtype as dense_dtype_of
+from k3deploy.plugins.kda import reference as kda_ref
+from k3deploy.plugins.mla import reference as mla_ref
+from k3deploy.plugins.moe import reference as moe_ref
 
 
 # ---- batch metadata and decode-state declaration -------------------------------------------------
@@ -353,8 +353,8 @@ class K3Model:
         at a time pass through host memory); dense weights in `dense_dtype` (default fp32; see `dense_dtype`).
         Raises CheckpointError on a bad checkpoint, ValueError for a bad dense_dtype."""
         dense_dtype_of(dense_dtype)                        # a bad name fails before any loading
-        from model.checkpoint import Checkpoint
-        from model.sharding import shard_layer, shard_model
+        from k3deploy.model.checkpoint import Checkpoint
+        from k3deploy.model.sharding import shard_layer, shard_model
         ck = Checkpoint(path)
         cfg = ck.config
         return cls(cfg, _to_device(shard_model(cfg, ck.model_weights(), rank, tp), device),
@@ -372,8 +372,8 @@ class K3Model:
         weights ({"model": {...}, "layers": {l: {...}}}) to build a TP=1 reference from the same values (small
         configs only). `dense_dtype` as in `from_checkpoint`. Raises ValueError when tp/ep cannot shard cfg or for a
         bad dense_dtype."""
-        from model.sharding import check_parallel, shard_layer, shard_model
-        from model.synthetic import synthetic_layer_weights, synthetic_model_weights
+        from k3deploy.model.sharding import check_parallel, shard_layer, shard_model
+        from k3deploy.model.synthetic import synthetic_layer_weights, synthetic_model_weights
         check_parallel(cfg, tp, ep)
         dense_dtype_of(dense_dtype)
         per = cfg.num_experts // ep

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from model.config import K3Config
-from model.weights import PREFIX, layer_tensors, model_tensors
+from k3deploy.model.config import K3Config
+from k3deploy.model.weights import PREFIX, layer_tensors, model_tensors
 
 
 def check_parallel(cfg: K3Config, tp: int, ep: int) -> None:

@@ -12,7 +12,7 @@ forward finite and non-degenerate:
 * router e_score_correction_bias ~ 0.01 N(0, 1) (f32);
 * routed experts: logical weights ~ N(0, 1/in), packed with `pack_mxfp4` when the config says MXFP4.
 
-CLI: `python -m model.synthetic --preset k3-tiny --out DIR [--seed S] [--force]` streams one shard (layer)
+CLI: `python -m k3deploy.model.synthetic --preset k3-tiny --out DIR [--seed S] [--force]` streams one shard (layer)
 at a time through `model.checkpoint.CheckpointWriter`, so k3-slice (~17 GB on disk) never sits in memory.
 """
 from __future__ import annotations
@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from model.checkpoint import CheckpointWriter
-from model.config import PRESETS, ConfigError, K3Config, load_config
-from model.weights import PREFIX, TensorSpec, a_log_stored_size, all_tensors, layer_tensors, model_tensors
-from plugins.moe.mxfp4 import pack_mxfp4
+from k3deploy.model.checkpoint import CheckpointWriter
+from k3deploy.model.config import PRESETS, ConfigError, K3Config, load_config
+from k3deploy.model.weights import PREFIX, TensorSpec, a_log_stored_size, all_tensors, layer_tensors, model_tensors
+from k3deploy.plugins.moe.mxfp4 import pack_mxfp4
 
 log = logging.getLogger(__name__)
 
@@ -186,8 +186,8 @@ def write_synthetic(cfg: K3Config, out: "str | Path", seed: int = 0, overwrite: 
     return Path(out)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m model.synthetic",
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=prog or "python -m k3deploy.model.synthetic",
                                  description="Write a deterministic synthetic Kimi K3 checkpoint (MODEL.md §8 layout).")
     ap.add_argument("--preset", required=True, help=f"config preset ({', '.join(PRESETS)}) or a config.json / checkpoint dir")
     ap.add_argument("--out", required=True, type=Path, help="output directory (must be empty or absent unless --force)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from model.config import K3Config
+from k3deploy.model.config import K3Config
 
 PREFIX = "language_model."
 BYTES = {"BF16": 2, "F32": 4, "U8": 1, "F16": 2}

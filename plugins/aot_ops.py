@@ -30,7 +30,7 @@ from typing import Any, Callable, Tuple
 
 import numpy as np
 
-from plugins.aot_common import ACT_NAMES, TRT_TYPE_NAMES, compile_entry, register_qdp, scalar
+from k3deploy.plugins.aot_common import ACT_NAMES, TRT_TYPE_NAMES, compile_entry, register_qdp, scalar
 
 POINTER_CLASSES = ("act", "y", "f32", "i32", "u8")
 

@@ -37,7 +37,7 @@ KIMI = onnxscript.values.Opset(DOMAIN, DOMAIN_VERSION)
 ACT_TYPES = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
 
 # op modules that register ops (op type -> module path); each defines SPECS: dict[str, OnnxOpSpec]
-OP_MODULES = ("plugins.kda.onnx", "plugins.mla.onnx", "plugins.moe.onnx")
+OP_MODULES = ("k3deploy.plugins.kda.onnx", "k3deploy.plugins.mla.onnx", "k3deploy.plugins.moe.onnx")
 
 _ATTR_TYPES = {int: OpSchema.AttrType.INT, float: OpSchema.AttrType.FLOAT, str: OpSchema.AttrType.STRING}
 
@@ -126,7 +126,7 @@ def translation_table() -> dict:
     Imports plugins/<op>/op.py so the torch ops exist."""
     import torch
 
-    import plugins.torch_ops  # noqa: F401  (registers torch.ops.kimi.*)
+    import k3deploy.plugins.torch_ops  # noqa: F401  (registers torch.ops.kimi.*)
     return {getattr(torch.ops.kimi, s.torch_op).default: s.translate for s in specs().values()}
 
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-import plugins.kda.op  # noqa: F401  (registers torch.ops.kimi.kda_*)
-import plugins.mla.op  # noqa: F401
-import plugins.moe.op  # noqa: F401
+import k3deploy.plugins.kda.op  # noqa: F401  (registers torch.ops.kimi.kda_*)
+import k3deploy.plugins.mla.op  # noqa: F401
+import k3deploy.plugins.moe.op  # noqa: F401
 
 
 class TorchOps:
@@ -67,7 +67,7 @@ class TorchOps:
 
 
 def _moe_ref():
-    from plugins.moe import reference
+    from k3deploy.plugins.moe import reference
     return reference
 
 

@@ -542,9 +542,9 @@ def make_plugin_classes(spec: OpSpec, trt) -> tuple[type, type]:
 
 def all_specs() -> list[OpSpec]:
     """Every ``kimi`` op spec (KdaPrefill, KdaDecode, MlaPrefill, MlaDecode, Mxfp4Moe)."""
-    from plugins.kda import trt as kda
-    from plugins.mla import trt as mla
-    from plugins.moe import trt as moe
+    from k3deploy.plugins.kda import trt as kda
+    from k3deploy.plugins.mla import trt as mla
+    from k3deploy.plugins.moe import trt as moe
 
     return [kda.KDA_PREFILL, kda.KDA_DECODE, mla.MLA_PREFILL, mla.MLA_DECODE, moe.MXFP4_MOE]
 
@@ -577,12 +577,12 @@ def register_tensorrt_plugins(trt=None, aot: bool = False) -> list[str]:
     if id(trt) not in _REGISTERED:
         aot_names: list[str] = []
         if aot:
-            from plugins.kda import trt_aot as kda_aot
-            from plugins.mla import trt_aot as mla_aot
-            from plugins.moe import trt_aot as moe_aot
+            from k3deploy.plugins.kda import trt_aot as kda_aot
+            from k3deploy.plugins.mla import trt_aot as mla_aot
+            from k3deploy.plugins.moe import trt_aot as moe_aot
 
-            from plugins.kda import trt_aot_prefill as kda_pre
-            from plugins.mla import trt_aot_prefill as mla_pre
+            from k3deploy.plugins.kda import trt_aot_prefill as kda_pre
+            from k3deploy.plugins.mla import trt_aot_prefill as mla_pre
 
             aot_names = kda_aot.register() + mla_aot.register()
             # new op names (MoeSortPairs, KdaConvBeta, MlaAbsorbQ, ...): the IPluginV3s of Mxfp4Moe, KdaPrefill and

@@ -32,9 +32,9 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from runtime.cache import HybridCache, plan_memory
-from runtime.sampling import SamplingParams
-from runtime.scheduler import Scheduler
+from k3deploy.runtime.cache import HybridCache, plan_memory
+from k3deploy.runtime.sampling import SamplingParams
+from k3deploy.runtime.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ class LLM:
                  tp: int | None = None, ep: int = 1, device: "str | torch.device | None" = None,
                  ops: str | None = None, profile_comm: bool = False, cuda_graphs: bool = False,
                  dense_dtype: str | None = None):
-        from runtime.distributed import parse_device
+        from k3deploy.runtime.distributed import parse_device
         self.paths = resolve_model_dir(path)
         self.backend = backend
         dev = parse_device(device)                          # ValueError for a malformed string, before any loading
@@ -303,7 +303,7 @@ class LLM:
             if p["checkpoint"] is None:
                 raise FileNotFoundError(f"backend 'torch' needs a checkpoint (config.json + model.safetensors.index.json); "
                                         f"found none ({self._found()})")
-            from runtime.executor import TorchExecutor
+            from k3deploy.runtime.executor import TorchExecutor
             return TorchExecutor(p["checkpoint"], tp=self.tp, ep=self.ep, rank=self.rank, device=device, ops=ops,
                                  profile_comm=profile_comm, dense_dtype=dense_dtype)
         if backend == "onnxruntime":
@@ -311,13 +311,13 @@ class LLM:
                 raise FileNotFoundError(f"backend 'onnxruntime' needs an ONNX export directory with index.json; found none "
                                         f"({self._found()}); give the directory export/build_engines.py wrote "
                                         "(out/<name>/), or the torch backend with a checkpoint")
-            from runtime.executor import OnnxRuntimeExecutor
+            from k3deploy.runtime.executor import OnnxRuntimeExecutor
             return OnnxRuntimeExecutor(p["onnx"], rank=self.rank)
         if backend == "tensorrt":
-            from runtime.executor import TensorRTExecutor
+            from k3deploy.runtime.executor import TensorRTExecutor
             if p["engines"] is None:
                 raise FileNotFoundError(f"backend 'tensorrt' needs an engine directory with manifest.json; found none ({self._found()})")
-            from runtime.distributed import resolve_device
+            from k3deploy.runtime.distributed import resolve_device
             idx = resolve_device(device).index if device is not None else 0
             return TensorRTExecutor(p["engines"], p["onnx"], device=idx or 0, rank=self.rank)
         raise ValueError(f"backend = {backend!r}: choose 'torch', 'onnxruntime' or 'tensorrt'")
@@ -326,7 +326,7 @@ class LLM:
     def tokenizer(self):
         """The checkpoint's tokenizer (runtime.tokenizer.Tokenizer), or None when no tiktoken.model is present."""
         if self._tokenizer is None and self.paths["tokenizer"] is not None:
-            from runtime.tokenizer import Tokenizer
+            from k3deploy.runtime.tokenizer import Tokenizer
             self._tokenizer = Tokenizer.from_file(self.paths["tokenizer"])
         return self._tokenizer
 
@@ -359,7 +359,7 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"params: expected SamplingParams, got {type(p).__name__}")
             p.validate()
-        from runtime.sampling import validate_prompt
+        from k3deploy.runtime.sampling import validate_prompt
         prompts = [validate_prompt(pr, self.cfg.vocab_size, self.cache.max_context) for pr in prompts]
         outs: list[RequestOutput] = []
         done = threading.Semaphore(0)

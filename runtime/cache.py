@@ -20,9 +20,9 @@ import math
 
 import torch
 
-from model.config import K3Config
-from model.reference import allocate_pools, state_spec
-from model.sharding import check_parallel
+from k3deploy.model.config import K3Config
+from k3deploy.model.reference import allocate_pools, state_spec
+from k3deploy.model.sharding import check_parallel
 
 log = logging.getLogger(__name__)
 

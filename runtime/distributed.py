@@ -1,7 +1,7 @@
 """Devices and tensor-parallel process groups for the runtime (SPMD: one process per TP rank, all running the same
 scheduler).
 
-Launch with torchrun, e.g. `torchrun --nproc-per-node 2 -m runtime.generate --model DIR --backend torch ...`:
+Launch with torchrun, e.g. `torchrun --nproc-per-node 2 -m k3deploy.runtime.generate --model DIR --backend torch ...`:
 `init_from_env(device)` reads RANK / WORLD_SIZE / LOCAL_RANK and initializes torch.distributed: gloo for the CPU,
 NCCL for CUDA (rank r on GPU LOCAL_RANK; NVLink multicast off, `NCCL_NVLS_ENABLE=0`, unless the environment sets
 it). `resolve_device` turns the user's device string into a torch.device with the errors a user can act on.

@@ -31,9 +31,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from model.config import K3Config, load_config
-from model.reference import Batch, K3Model
-from plugins.workspace import WORKSPACE_RULES, workspace_rules_of
+from k3deploy.model.config import K3Config, load_config
+from k3deploy.model.reference import Batch, K3Model
+from k3deploy.plugins.workspace import WORKSPACE_RULES, workspace_rules_of
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +52,12 @@ def resolve_ops(ops, device: torch.device) -> tuple[str, object]:
     if name not in OPS:
         raise ValueError(f"ops = {ops!r}: choose {', '.join(map(repr, OPS))}")
     if name == "reference":
-        from model.reference import ReferenceOps
+        from k3deploy.model.reference import ReferenceOps
         return name, ReferenceOps
     if name == "kernels" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("ops = 'kernels': the Triton kernels need a CUDA device (or TRITON_INTERPRET=1); "
                          "use ops 'reference' or 'torch' on the CPU")
-    from plugins.torch_ops import KernelOps, TorchOps
+    from k3deploy.plugins.torch_ops import KernelOps, TorchOps
     return name, TorchOps if name == "torch" else KernelOps
 
 
@@ -98,7 +98,7 @@ def check_workspace_rules(manifest: dict, where: str = "manifest.json") -> None:
     if got != WORKSPACE_RULES:
         raise ValueError(f"{where}: engines built with plugin workspace rules {got}, this k3deploy uses "
                          f"{WORKSPACE_RULES} (the kimi plugins' scratch sizes changed); rebuild the engines: "
-                         "python export/build_engines.py (or python -m engines.build)")
+                         "python export/build_engines.py (or python -m k3deploy.engines.build)")
 
 
 def engine_pool_dims(manifest: dict, where: str = "manifest.json") -> dict[str, tuple[int, int]]:
@@ -193,9 +193,9 @@ class TorchExecutor(Executor):
     def __init__(self, model: "K3Model | str | Path", tp: int = 1, ep: int = 1, rank: int = 0, *,
                  device: "str | torch.device | None" = None, ops=None, profile_comm: bool = False,
                  dense_dtype: "str | torch.dtype | None" = None):
-        from runtime.distributed import resolve_device
+        from k3deploy.runtime.distributed import resolve_device
         if isinstance(model, K3Model):
-            from model.layers import dense_dtype as dense_dtype_of
+            from k3deploy.model.layers import dense_dtype as dense_dtype_of
             if dense_dtype is not None and (dense_dtype_of(dense_dtype) or torch.float32) != model.dense_dtype:
                 raise ValueError(f"dense_dtype = {dense_dtype!r}: the model passed in holds {model.dense_dtype} "
                                  "dense weights; give dense_dtype when loading it (K3Model.from_checkpoint / "
@@ -209,12 +209,12 @@ class TorchExecutor(Executor):
             else:
                 self.ops_name = ops_name(model.ops)
         else:
-            from model.layers import Comm
+            from k3deploy.model.layers import Comm
             self.device = resolve_device(device)
             self.ops_name, ops_cls = resolve_ops(ops, self.device)
             comm = None
             if tp > 1:
-                from runtime.distributed import check_group
+                from k3deploy.runtime.distributed import check_group
                 check_group(tp, rank)
                 comm = Comm(rank, tp)
             self.model = K3Model.from_checkpoint(model, rank=rank, tp=tp, ep=ep, comm=comm, ops=ops_cls,
@@ -240,7 +240,7 @@ class TorchExecutor(Executor):
         max_batch, block tables max_blocks wide, the cache's `pools` by address); decode forwards replay them from
         then on. Needs ops "kernels" on CUDA (capture=False: the same padded path run eagerly, any device).
         Collective timing (`comm.profile`) does not see replayed collectives. Raises ValueError otherwise."""
-        from runtime.graphs import DecodeGraphs
+        from k3deploy.runtime.graphs import DecodeGraphs
         if self.comm.profile:
             raise ValueError("profile_comm and CUDA graphs exclude each other (a replay runs no Python); "
                              "time the graphs' collectives with a kernel profile instead")
@@ -274,7 +274,7 @@ def read_index(onnx_dir: "str | Path") -> dict:
     p = Path(onnx_dir) / "index.json"
     if not p.is_file():
         raise FileNotFoundError(f"{p}: missing; the ONNX export is incomplete or {onnx_dir} is not an export directory "
-                                "(run python -m export.onnx --checkpoint CKPT --out DIR)")
+                                "(run python -m k3deploy.export.onnx_export --checkpoint CKPT --out DIR)")
     index = json.loads(p.read_text())
     if index.get("format") != "k3deploy.onnx" or index.get("format_version") != 1:
         raise ValueError(f"{p}: format {index.get('format')!r} version {index.get('format_version')!r}; "
@@ -300,8 +300,8 @@ class GraphExecutor(Executor):
         ValueError when a graph is missing or the group does not match the export's tp."""
         self.tp, self.rank = int(index.get("tp", 1)), rank
         if self.tp > 1:
-            from model.layers import Comm
-            from runtime.distributed import check_group
+            from k3deploy.model.layers import Comm
+            from k3deploy.runtime.distributed import check_group
             check_group(self.tp, rank)
             self.comm = Comm(rank, self.tp)
         segments: dict[tuple, list[dict]] = {}
@@ -336,7 +336,7 @@ class GraphExecutor(Executor):
         """ids [T] int64, batch (model.reference.Batch), pools (per layer) -> (logits [M, vocab] fp32 on the CPU,
         new pools). The graphs' function bodies cannot raise, so the batch is validated here: ValueError for a
         zero-length sequence or offsets that do not cover the T tokens."""
-        from plugins.kda.reference import check_cu_seqlens
+        from k3deploy.plugins.kda.reference import check_cu_seqlens
         if not batch.decode:
             check_cu_seqlens(batch.cu_seqlens, int(ids.shape[0]))
         meta = {"cu_seqlens": batch.cu_seqlens, "slots": batch.slots, "block_tables": batch.block_tables,
@@ -421,12 +421,12 @@ class TensorRTExecutor(GraphExecutor):
                               f"it is not importable here ({e}). Use backend='onnxruntime' or 'torch' instead.") from e
         if not torch.cuda.is_available():
             raise RuntimeError("backend 'tensorrt' needs a CUDA GPU; torch sees none. Use 'onnxruntime' or 'torch'.")
-        from plugins.trt_common import register_tensorrt_plugins
+        from k3deploy.plugins.trt_common import register_tensorrt_plugins
         self.trt, self.device = trt, torch.device("cuda", device)
         self.dir = Path(engine_dir)
         mpath = self.dir / "manifest.json"
         if not mpath.is_file():
-            raise FileNotFoundError(f"{mpath}: missing; build engines with python -m engines.build")
+            raise FileNotFoundError(f"{mpath}: missing; build engines with python -m k3deploy.engines.build")
         manifest = json.loads(mpath.read_text())
         check_workspace_rules(manifest, str(mpath))
         self.pool_dims = engine_pool_dims(manifest, str(mpath))

@@ -1,10 +1,10 @@
 """CLI: generate tokens for one prompt and print the generated ids on one line, space-separated.
 
-    python -m runtime.generate --model DIR --backend torch|onnxruntime|tensorrt --prompt-ids 1,2,3 --max-tokens N
-    python -m runtime.generate --model DIR --prompt "text"        # needs tiktoken.model in DIR (or the checkpoint)
-    torchrun --nproc-per-node 2 -m runtime.generate --model DIR --backend torch --ep 2 --prompt-ids 1,2,3
+    python -m k3deploy.runtime.generate --model DIR --backend torch|onnxruntime|tensorrt --prompt-ids 1,2,3 --max-tokens N
+    python -m k3deploy.runtime.generate --model DIR --prompt "text"        # needs tiktoken.model in DIR (or the checkpoint)
+    torchrun --nproc-per-node 2 -m k3deploy.runtime.generate --model DIR --backend torch --ep 2 --prompt-ids 1,2,3
         # tensor parallel: one process per TP rank (gloo on CPU, NCCL on GPU); rank 0 prints
-    python -m runtime.generate --model DIR --backend torch --device cuda --prompt-ids 1,2,3
+    python -m k3deploy.runtime.generate --model DIR --backend torch --device cuda --prompt-ids 1,2,3
         # the torch backend on a GPU (Triton kernels; --ops kernels: in place, --ops reference: fp32 references)
 """
 from __future__ import annotations
@@ -13,11 +13,11 @@ import argparse
 import logging
 import sys
 
-from runtime.api import LLM, SamplingParams
-from runtime.distributed import init_from_env, shutdown
+from k3deploy.runtime.api import LLM, SamplingParams
+from k3deploy.runtime.distributed import init_from_env, shutdown
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     try:
         return _main(argv)
     finally:
@@ -25,8 +25,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    from model.layers import DENSE_DTYPES, dense_dtype_name
-    ap = argparse.ArgumentParser(prog="python -m runtime.generate", description=__doc__.split("\n\n")[0])
+    from k3deploy.model.layers import DENSE_DTYPES, dense_dtype_name
+    ap = argparse.ArgumentParser(prog=prog or "python -m k3deploy.runtime.generate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="checkpoint, ONNX export, engine or build output directory")
     ap.add_argument("--backend", default="torch", choices=["torch", "onnxruntime", "tensorrt"],
                     help="executor: torch (checkpoint), onnxruntime or tensorrt (export/engine dir; default: %(default)s)")
@@ -70,7 +70,7 @@ def _main(argv: list[str] | None = None) -> int:
         rank, world = init_from_env(a.device if a.backend == "torch" else None, a.dist_backend)
         if a.ep > 1 and world == 1:
             ap.error(f"--ep {a.ep}: expert parallelism needs one process per rank: run under "
-                     f"torchrun --standalone --nproc-per-node {a.ep} -m runtime.generate ...")
+                     f"torchrun --standalone --nproc-per-node {a.ep} -m k3deploy.runtime.generate ...")
         llm = LLM(a.model, backend=a.backend, max_batch=None if a.backend == "tensorrt" else 1,
                   max_context=a.max_context, ep=a.ep, device=a.device,
                   ops=a.ops, cuda_graphs=a.cuda_graphs, dense_dtype=a.dense_dtype)

@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from model.reference import Batch
+from k3deploy.model.reference import Batch
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class DecodeGraphs:
                 self._capture_all()
 
     def _check_in_place(self) -> None:
-        from plugins.torch_ops import KernelOps
+        from k3deploy.plugins.torch_ops import KernelOps
         if self.model.ops is not KernelOps:
             raise ValueError("CUDA graphs need ops that update the pools in place: use ops 'kernels' "
                              f"(the model runs {getattr(self.model.ops, '__name__', self.model.ops)})")

@@ -23,9 +23,9 @@ from typing import Callable
 
 import torch
 
-from model.reference import Batch
-from runtime.cache import HybridCache
-from runtime.sampling import SamplingParams, make_generator, sample_batch, validate_prompt
+from k3deploy.model.reference import Batch
+from k3deploy.runtime.cache import HybridCache
+from k3deploy.runtime.sampling import SamplingParams, make_generator, sample_batch, validate_prompt
 
 log = logging.getLogger(__name__)
 

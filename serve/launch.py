@@ -14,7 +14,7 @@ The wheel ships the server binary (``pytriton/tritonserver/bin/tritonserver``), 
 
 CLI::
 
-    python -m serve.launch --repo REPO --http-port 8000 --grpc-port 8001 [--metrics-port 8002]
+    python -m k3deploy.serve.launch --repo REPO --http-port 8000 --grpc-port 8001 [--metrics-port 8002]
 
 Python::
 
@@ -255,7 +255,7 @@ class TritonServer:
         self.repo = pathlib.Path(repo).resolve()
         if not self.repo.is_dir():
             raise TritonLaunchError(f"--repo {self.repo} is not a directory; pass a Triton model repository "
-                                    "(e.g. one written by `python -m serve.repository`)")
+                                    "(e.g. one written by `python -m k3deploy.serve.repository`)")
         ports = [p for p in (http_port, grpc_port, metrics_port) if p is not None]
         for name, p in (("http_port", http_port), ("grpc_port", grpc_port), ("metrics_port", metrics_port)):
             if p is not None and not (0 < int(p) < 65536):
@@ -519,12 +519,12 @@ def _remove_shm(prefix: str) -> None:
         f.unlink(missing_ok=True)
 
 
-def _parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def _parse_args(argv: Optional[Sequence[str]] = None, prog: str | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m serve.launch",
+        prog=prog or "python -m k3deploy.serve.launch",
         description="Run the tritonserver bundled in nvidia-pytriton against a model repository, bound to "
                     "127.0.0.1; prints the endpoints once ready and stops cleanly on SIGINT/SIGTERM.")
-    p.add_argument("--repo", required=True, help="Triton model repository (see `python -m serve.repository`)")
+    p.add_argument("--repo", required=True, help="Triton model repository (see `python -m k3deploy.serve.repository`)")
     p.add_argument("--http-port", type=int, required=True, help="HTTP/REST port")
     p.add_argument("--grpc-port", type=int, required=True, help="gRPC port")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics port (omit: metrics off)")
@@ -541,9 +541,9 @@ def _parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, prog: str | None = None) -> int:
     """CLI entry point; returns the process exit code."""
-    args = _parse_args(argv)
+    args = _parse_args(argv, prog)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop_event = threading.Event()
     received: list[int] = []

@@ -235,9 +235,9 @@ class TritonPythonModel:
         if not model_path:
             raise pb_utils.TritonModelException(
                 f"model {self.name}: parameter 'model_path' missing in config.pbtxt; regenerate the repository "
-                "with `python -m serve.repository --engines DIR --out REPO`")
+                "with `python -m k3deploy.serve.repository --engines DIR --out REPO`")
         try:
-            from runtime.api import LLM, SamplingParams
+            from k3deploy.runtime.api import LLM, SamplingParams
         except ImportError as e:
             raise pb_utils.TritonModelException(
                 f"model {self.name}: cannot import runtime.api ({e}); parameter 'project_root'={root!r} must be "
@@ -247,7 +247,7 @@ class TritonPythonModel:
         for key in ("max_batch", "max_num_tokens", "max_context"):
             if params.get(key):
                 kwargs[key] = int(params[key])
-        for key in ("device", "ops", "dense_dtype"):      # torch backend on a GPU (python -m serve.repository --device)
+        for key in ("device", "ops", "dense_dtype"):      # torch backend on a GPU (python -m k3deploy.serve.repository --device)
             if params.get(key):
                 kwargs[key] = params[key]
         if params.get("cuda_graphs", "").lower() == "true":

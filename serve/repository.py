@@ -2,7 +2,7 @@
 
 ::
 
-    python -m serve.repository --engines DIR --out REPO [--backend torch|onnxruntime|tensorrt]
+    python -m k3deploy.serve.repository --engines DIR --out REPO [--backend torch|onnxruntime|tensorrt]
 
 writes::
 
@@ -35,7 +35,7 @@ LOGGER = logging.getLogger(__name__)
 
 BACKENDS = ("torch", "onnxruntime", "tensorrt")
 DEFAULT_MODEL_NAME = "k3"
-PROJECT_ROOT = pathlib.Path(__file__).resolve().parent.parent
+PROJECT_ROOT = pathlib.Path(__file__).resolve().parent.parent  # holds k3deploy/ (a checkout or site-packages)
 MODEL_PY = pathlib.Path(__file__).resolve().parent / "model.py"
 
 # (name, Triton data type, dims, optional) -- mirrors tensorrt_llm's Triton model (docs/model_config.md).
@@ -202,7 +202,7 @@ def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backe
         raise RepositoryError(f"max_context={max_context} must be >= 1 (or omitted)")
     resolved = resolve_backend(engines, backend)
     if device is not None:
-        from runtime.distributed import parse_device
+        from k3deploy.runtime.distributed import parse_device
         try:
             parse_device(device)
         except ValueError as e:
@@ -211,7 +211,7 @@ def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backe
         raise RepositoryError(f"--device {device}: the onnxruntime backend runs on the CPU provider; serve a "
                               "checkpoint with the torch backend for the GPU")
     if dense_dtype is not None:
-        from model.layers import DENSE_DTYPES, dense_dtype_name
+        from k3deploy.model.layers import DENSE_DTYPES, dense_dtype_name
         dense_dtype = dense_dtype_name(dense_dtype)                # K3Model's aliases fp32 / bf16
         if dense_dtype not in DENSE_DTYPES:
             raise RepositoryError(f"--dense-dtype {dense_dtype}: choose {' or '.join(DENSE_DTYPES)}")
@@ -264,11 +264,11 @@ def validate_repository(repo: str | pathlib.Path) -> list[pathlib.Path]:
     return checked
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, prog: str | None = None) -> int:
     """CLI entry point; returns the process exit code."""
-    from model.layers import DENSE_DTYPES, dense_dtype_name
+    from k3deploy.model.layers import DENSE_DTYPES, dense_dtype_name
     p = argparse.ArgumentParser(
-        prog="python -m serve.repository",
+        prog=prog or "python -m k3deploy.serve.repository",
         description="Write a Triton model repository with the decoupled Python-backend model 'k3' "
                     "(TensorRT-LLM tensor names) that serves the --engines directory through runtime.api.")
     p.add_argument("--engines", required=True, help="checkpoint or engine directory loaded by runtime.api.LLM")

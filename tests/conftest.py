@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from model.config import load_config
+from k3deploy.model.config import load_config
 
 
 @pytest.fixture(scope="session")
@@ -14,12 +14,12 @@ def tiny_cfg():
 
 def _checkpoint(tmp_path_factory, cfg, name: str, seed: int):
     """Write `cfg`'s synthetic checkpoint through the real checkpoint writer; returns its directory."""
-    from model.synthetic import write_synthetic
+    from k3deploy.model.synthetic import write_synthetic
     return write_synthetic(cfg, tmp_path_factory.mktemp(name) / "ckpt", seed=seed)
 
 
 def _model(ckpt):
-    from model.reference import K3Model
+    from k3deploy.model.reference import K3Model
     return K3Model.from_checkpoint(ckpt)
 
 
@@ -37,7 +37,7 @@ def tiny_model(tiny_ckpt):
 @pytest.fixture(scope="session")
 def micro_cfg():
     """2 layers (KDA dense + MLA MoE) cut from k3-tiny: all five ops, fast enough to split prompts everywhere."""
-    from model.config import preset_json
+    from k3deploy.model.config import preset_json
     j = preset_json("k3-tiny")
     tc = j["text_config"]
     tc["num_hidden_layers"] = 2

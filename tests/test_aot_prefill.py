@@ -23,11 +23,11 @@ if not HAS_CUDA:
 import onnx                                          # noqa: E402
 from onnx import helper                              # noqa: E402
 
-from plugins import aot_ops                          # noqa: E402
-from plugins.kda import reference as kda_ref         # noqa: E402
-from plugins.kda import trt_aot_prefill as kda_pre   # noqa: E402
-from plugins.mla import reference as mla_ref         # noqa: E402
-from plugins.mla import trt_aot_prefill as mla_pre   # noqa: E402
+from k3deploy.plugins import aot_ops                          # noqa: E402
+from k3deploy.plugins.kda import reference as kda_ref         # noqa: E402
+from k3deploy.plugins.kda import trt_aot_prefill as kda_pre   # noqa: E402
+from k3deploy.plugins.mla import reference as mla_ref         # noqa: E402
+from k3deploy.plugins.mla import trt_aot_prefill as mla_pre   # noqa: E402
 from kernel_checks import (DriverKernel, FakeDesc, Sym, compile_in_subprocess,  # noqa: E402
                            fake_tensorrt_plugin, nan_equal, relerr)
 
@@ -224,7 +224,7 @@ def test_decompose_prefill_nodes_order_attributes_and_aliasing():
 def test_mark_aot_nodes_rewrites_prefill_ops(tmp_path):
     """engines.build.mark_aot_nodes rewrites KdaPrefill / MlaPrefill only when asked, and onnx_custom_ops (the
     manifest's plugin list) names the chains' thirteen ops, not the replaced ones."""
-    from engines.build import mark_aot_nodes, onnx_custom_ops
+    from k3deploy.engines.build import mark_aot_nodes, onnx_custom_ops
 
     kda = _one_node_model("KdaPrefill", KDA_NAMES, ["out", "state_out", "conv_out"], num_heads=2, head_dim=32)
     assert mark_aot_nodes(kda, ["KdaDecode"]) == 0 and [n.op_type for n in kda.graph.node] == ["KdaPrefill"]

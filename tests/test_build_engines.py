@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from export import build_engines as be
-from export.plan import make_plan
-from model.config import load_config
+from k3deploy.export import build_engines as be
+from k3deploy.export.plan import make_plan
+from k3deploy.model.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "export" / "build_engines.py"
@@ -98,7 +98,7 @@ def check_engines(out: Path) -> None:
         # no plugin is registered with TensorRT-RTX: every kimi node was lowered through its function body
         assert all(p["impl"] == "function-body" for p in e["plugins"].values()), (g["id"], e["plugins"])
     assert mla_engines > 0
-    from runtime.executor import engine_pool_dims                  # what LLM(backend="tensorrt") takes and checks
+    from k3deploy.runtime.executor import engine_pool_dims                  # what LLM(backend="tensorrt") takes and checks
     dims = engine_pool_dims(em)
     assert dims["BS"] == (manifest["block_size"],) * 2 == (64, 64) and dims["S"] == (manifest["max_batch"] + 1,) * 2
     assert dims["MB"][1] * 64 >= manifest["max_context"] and dims["NB"][0] == dims["NB"][1]
@@ -241,7 +241,7 @@ def test_unwritable_out(tiny_ckpt, tmp_path):
 
 def test_disk_full_leaves_no_complete_looking_output(tiny_ckpt, tmp_path, monkeypatch, caplog):
     """ENOSPC while writing the ONNX: exit 2 with the message; no index.json / manifest.json left behind."""
-    import export.onnx as eo
+    import k3deploy.export.onnx_export as eo
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "out" / "onnx"))

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.checkpoint import INDEX_NAME, Checkpoint, CheckpointError, CheckpointWriter, shard_name, write_checkpoint
-from model.config import K3_TINY_JSON, load_config, parse_config
-from model.synthetic import synthetic_layer, synthetic_tensors, write_synthetic
-from model.weights import PREFIX, all_tensors, layer_tensors
+from k3deploy.model.checkpoint import INDEX_NAME, Checkpoint, CheckpointError, CheckpointWriter, shard_name, write_checkpoint
+from k3deploy.model.config import K3_TINY_JSON, load_config, parse_config
+from k3deploy.model.synthetic import synthetic_layer, synthetic_tensors, write_synthetic
+from k3deploy.model.weights import PREFIX, all_tensors, layer_tensors
 
 CFG = load_config("k3-tiny")
 L1 = f"{PREFIX}model.layers.1."               # a KDA + MoE layer
@@ -197,7 +197,7 @@ def test_strict_writer_rejects_wrong_inventory(tmp_path, tensors):
 
 
 def test_synthetic_cli(tmp_path):
-    from model.synthetic import main
+    from k3deploy.model.synthetic import main
     out = tmp_path / "cli"
     assert main(["--preset", "k3-tiny", "--out", str(out), "--seed", "3"]) == 0
     Checkpoint(out).validate()
@@ -212,7 +212,7 @@ def test_synthetic_cli_bad_preset_and_no_space(tmp_path, capsys, monkeypatch):
     """One line and exit 2, before anything is written: an unknown preset, and a checkpoint larger than the free
     space (the k3 preset is ~1.45 TiB)."""
     import shutil
-    from model.synthetic import main
+    from k3deploy.model.synthetic import main
     assert main(["--preset", "k3-huge", "--out", str(tmp_path / "a")]) == 2
     assert "--preset k3-huge: neither a preset" in capsys.readouterr().err
     monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10 * 2**30, 9 * 2**30, 2**30))

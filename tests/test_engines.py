@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from plugins.kda.trt import KDA_DECODE, KDA_PREFILL
-from plugins.mla.trt import MLA_DECODE, MLA_PREFILL
-from plugins.moe.trt import MXFP4_MOE
-from plugins.trt_common import (attrs_from_fields, fields_from_attrs, make_plugin_classes, output_dtypes,
+from k3deploy.plugins.kda.trt import KDA_DECODE, KDA_PREFILL
+from k3deploy.plugins.mla.trt import MLA_DECODE, MLA_PREFILL
+from k3deploy.plugins.moe.trt import MXFP4_MOE
+from k3deploy.plugins.trt_common import (attrs_from_fields, fields_from_attrs, make_plugin_classes, output_dtypes,
                                 output_shapes, supports_combination)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,7 +110,7 @@ def test_run_kernel_inplace_and_copy(monkeypatch):
 
     import torch
 
-    from plugins.trt_common import ACT, F32, Like, OpSpec, run_kernel
+    from k3deploy.plugins.trt_common import ACT, F32, Like, OpSpec, run_kernel
 
     mod = types.ModuleType("fake_kimi_kernels")
     calls = []
@@ -141,7 +141,7 @@ def test_run_kernel_inplace_and_copy(monkeypatch):
 
 def test_parse_target_cc_spellings():
     """Both CLIs' spellings of the TensorRT-RTX targets: space- or comma-separated, with or without "sm" / dots."""
-    from engines.build import parse_target_cc
+    from k3deploy.engines.build import parse_target_cc
     assert parse_target_cc(None) == [] and parse_target_cc("sm86") == ["SM86"]
     assert parse_target_cc("sm86,sm89") == parse_target_cc(["sm86", "sm89"]) == ["SM86", "SM89"]
     assert parse_target_cc(["sm86,8.9", "120"]) == parse_target_cc("sm86 sm89, sm120") == ["SM86", "SM89", "SM120"]
@@ -154,8 +154,8 @@ def test_parse_target_cc_spellings():
 
 
 def test_engines_build_cli_rejects_a_bad_target_before_building(tmp_path, capsys):
-    """`python -m engines.build --target-cc hopper`: exit 2 with one line naming the flag, no engine built."""
-    from engines.build import main
+    """`python -m k3deploy.engines.build --target-cc hopper`: exit 2 with one line naming the flag, no engine built."""
+    from k3deploy.engines.build import main
     with pytest.raises(SystemExit) as e:
         main(["--onnx-dir", str(tmp_path), "--out", str(tmp_path / "e"), "--target-cc", "sm86", "hopper"])
     assert e.value.code == 2
@@ -167,7 +167,7 @@ def test_load_trt_names_the_missing_flavor(monkeypatch):
     """Asking for a flavor that is not installed names that flavor and how to get it (not the other one)."""
     import importlib
 
-    from engines import trt as et
+    from k3deploy.engines import trt as et
 
     real = importlib.import_module
     monkeypatch.setattr(et.importlib, "import_module",
@@ -189,13 +189,13 @@ def test_load_trt_names_the_missing_flavor(monkeypatch):
 def test_plugins_package_without_tensorrt():
     import importlib.util
 
-    import plugins
+    from k3deploy import plugins
 
     assert callable(plugins.register_tensorrt_plugins)
     if importlib.util.find_spec("tensorrt") is None:
         with pytest.raises(ImportError, match="pip install tensorrt"):
             plugins.register_tensorrt_plugins()
-        import plugins.kda.trt as kda_trt
+        import k3deploy.plugins.kda.trt as kda_trt
 
         with pytest.raises(ImportError):
             kda_trt.KdaPrefillPlugin  # noqa: B018 - built lazily with full TensorRT only
@@ -364,7 +364,7 @@ def test_test_onnx_runs_in_onnxruntime(tmp_path):
 
 
 def test_profiles_from_dims(tmp_path):
-    from engines.build import default_profile_dims, eval_dim, profiles_from_dims
+    from k3deploy.engines.build import default_profile_dims, eval_dim, profiles_from_dims
 
     p = make_test_onnx(tmp_path / "m.onnx")
     prefill, decode = profiles_from_dims(p, default_profile_dims(4, 16, DIMS))
@@ -390,8 +390,8 @@ def _engine_tree(tmp_path: Path) -> Path:
 
 def test_build_all_sm86_two_profiles(tmp_path):
     _rtx()
-    from engines.build import build_all
-    from engines.manifest import read_manifest
+    from k3deploy.engines.build import build_all
+    from k3deploy.engines.manifest import read_manifest
 
     onnx_dir, out = _engine_tree(tmp_path), tmp_path / "engines"
     manifest = build_all(onnx_dir, out, target_cc="sm86", max_batch=4, max_num_tokens=16, extra_dims=DIMS,
@@ -418,15 +418,15 @@ def test_build_all_sm86_two_profiles(tmp_path):
     assert e["onnx_sha256"] != manifest["engines"]["rank0/layer1.plan"]["onnx_sha256"]  # weights differ
     assert (out / "timing.cache").is_file()
     assert not list(out.rglob("*.tmp"))
-    from plugins.workspace import WORKSPACE_RULES
-    from runtime.executor import check_workspace_rules
+    from k3deploy.plugins.workspace import WORKSPACE_RULES
+    from k3deploy.runtime.executor import check_workspace_rules
     assert manifest["workspace_rules"] == WORKSPACE_RULES
     check_workspace_rules(manifest)                      # what TensorRTExecutor checks first: these engines pass
 
 
 def test_rebuild_skip_force_and_timing_cache(tmp_path):
     _rtx()
-    from engines.build import build_all, main
+    from k3deploy.engines.build import build_all, main
 
     onnx_dir, out = _engine_tree(tmp_path), tmp_path / "engines"
     kw = dict(target_cc="sm86", max_batch=4, max_num_tokens=16, extra_dims=DIMS, progress=False)
@@ -455,7 +455,7 @@ def test_rebuild_skip_force_and_timing_cache(tmp_path):
     assert fourth["engines"]["rank0/layer0.plan"]["profiles"][0]["x"][2] == [32, 8]
 
     # engines of other plugin workspace rules (or of a manifest from before they were recorded) -> all rebuilt
-    from engines.manifest import read_manifest, write_manifest
+    from k3deploy.engines.manifest import read_manifest, write_manifest
     old = read_manifest(out)
     old.pop("workspace_rules")
     write_manifest(out, old)
@@ -498,14 +498,14 @@ def test_register_build_plugins_aot_op_types(monkeypatch):
     """With full TensorRT and aot, the op types handed to the parser step are those whose AOT forms registered:
     KdaDecode, MlaDecode, and Mxfp4Moe, KdaPrefill, MlaPrefill (rewritten into chains of ops); refused (ValueError
     naming the ops) where tensorrt.plugin lacks aot_impl or one chain is missing."""
-    import engines.build as eb
-    import plugins.trt_common as tc
-    from engines.trt import TrtInfo
-    from plugins.kda import trt_aot as kda_aot
-    from plugins.mla import trt_aot as mla_aot
-    from plugins.kda import trt_aot_prefill as kda_pre
-    from plugins.mla import trt_aot_prefill as mla_pre
-    from plugins.moe import trt_aot as moe_aot
+    import k3deploy.engines.build as eb
+    import k3deploy.plugins.trt_common as tc
+    from k3deploy.engines.trt import TrtInfo
+    from k3deploy.plugins.kda import trt_aot as kda_aot
+    from k3deploy.plugins.mla import trt_aot as mla_aot
+    from k3deploy.plugins.kda import trt_aot_prefill as kda_pre
+    from k3deploy.plugins.mla import trt_aot_prefill as mla_pre
+    from k3deploy.plugins.moe import trt_aot as moe_aot
 
     monkeypatch.setattr(tc, "register_tensorrt_plugins", lambda trt, aot=False: [])
     info = TrtInfo(object(), "tensorrt", "10.16.0")
@@ -535,7 +535,7 @@ def test_build_engine_registers_plugins_before_parsing(tmp_path, monkeypatch):
     """build_engine asks for the kimi plugins (register_build_plugins: full TensorRT registers, RTX nothing) before it
     parses, and hands the AOT op types it got to the parser step; the AOT source hash changes with the sources."""
     _rtx()
-    import engines.build as eb
+    import k3deploy.engines.build as eb
 
     calls = []
     real_parse = eb._parse
@@ -557,8 +557,8 @@ def test_aot_marking_and_parse_from_memory(tmp_path):
     import onnx
 
     trt = _rtx()
-    from engines.build import _parse, _trt_logger, build_all, mark_aot_nodes, register_build_plugins
-    from engines.trt import load_trt
+    from k3deploy.engines.build import _parse, _trt_logger, build_all, mark_aot_nodes, register_build_plugins
+    from k3deploy.engines.trt import load_trt
 
     onnx_dir = _engine_tree(tmp_path)
     path = onnx_dir / "rank0" / "layer0.onnx"
@@ -577,7 +577,7 @@ def test_aot_marking_and_parse_from_memory(tmp_path):
         assert not (tmp_path / "e").exists()
     log = _trt_logger(info.module)
     network = info.module.Builder(log).create_network(0)
-    import engines.build as eb
+    import k3deploy.engines.build as eb
 
     marked = []
     real_mark = eb.mark_aot_nodes
@@ -593,17 +593,17 @@ def test_aot_marking_and_parse_from_memory(tmp_path):
 
 def test_cli_help_and_errors(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    r = subprocess.run([sys.executable, "-m", "engines.build", "--help"], cwd=REPO, env=env, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "k3deploy.engines.build", "--help"], cwd=REPO, env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0 and "--max-num-tokens" in r.stdout and "--target-cc" in r.stdout
     _rtx()
     onnx_dir = _engine_tree(tmp_path)
-    from engines.build import main
+    from k3deploy.engines.build import main
 
     assert main(["--onnx-dir", str(onnx_dir), "--out", str(tmp_path / "e"), "--target-cc", "sm86",
                  "--no-progress"]) == 1  # S has no range
     assert main(["--onnx-dir", str(tmp_path / "missing"), "--out", str(tmp_path / "e"), "--no-progress"]) == 1
-    from engines.build import build_all
+    from k3deploy.engines.build import build_all
 
     with pytest.raises(RuntimeError, match="dim 'S'"):
         build_all(onnx_dir, tmp_path / "e", target_cc="sm86", progress=False)

@@ -1,4 +1,4 @@
-"""k3-tiny exported in full with export/onnx.py, run with ONNX Runtime, checked against the PyTorch reference.
+"""k3-tiny exported in full with export/onnx_export.py, run with ONNX Runtime, checked against the PyTorch reference.
 
 Tolerances (fp32 both sides): logits atol 2e-4 / rtol 1e-3 (export/verify.py TOLERANCES; observed ~3e-6);
 greedy decoding must give identical tokens for 32 steps; the Polygraphy CLI check uses atol 1e-4 / rtol 1e-3.
@@ -18,17 +18,17 @@ import onnx
 import pytest
 import torch
 
-from export.onnx import export_model
-from export.verify import CLI_ATOL, CLI_RTOL, OrtModel, merge_pool, split_pool, verify
-from model.config import load_config
-from model.reference import Batch, K3Model, allocate_pools
+from k3deploy.export.onnx_export import export_model
+from k3deploy.export.verify import CLI_ATOL, CLI_RTOL, OrtModel, merge_pool, split_pool, verify
+from k3deploy.model.config import load_config
+from k3deploy.model.reference import Batch, K3Model, allocate_pools
 
 POLYGRAPHY = str(Path(sys.executable).with_name("polygraphy"))
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
-    from model.synthetic import write_synthetic
+    from k3deploy.model.synthetic import write_synthetic
     return write_synthetic(load_config("k3-tiny"), tmp_path_factory.mktemp("ck") / "k3-tiny")
 
 

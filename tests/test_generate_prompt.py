@@ -1,4 +1,4 @@
-"""`python -m runtime.generate --prompt TEXT` with a TikToken-format tokenizer shipped next to the checkpoint."""
+"""`python -m k3deploy.runtime.generate --prompt TEXT` with a TikToken-format tokenizer shipped next to the checkpoint."""
 from __future__ import annotations
 
 import shutil
@@ -6,14 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from runtime.tokenizer import Tokenizer, train_bpe, write_ranks
+from k3deploy.runtime.tokenizer import Tokenizer, train_bpe, write_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "the quick brown fox jumps over the lazy dog. " * 20
 
 
 def run(*args):
-    r = subprocess.run([sys.executable, "-m", "runtime.generate", *map(str, args)], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "k3deploy.runtime.generate", *map(str, args)], capture_output=True, text=True,
                        cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr
     return r.stdout.splitlines()
@@ -31,6 +31,6 @@ def test_prompt_text_equals_its_token_ids(tiny_ckpt, tmp_path):
 
 
 def test_prompt_without_tokenizer_is_a_clear_error(tiny_ckpt):
-    r = subprocess.run([sys.executable, "-m", "runtime.generate", "--model", str(tiny_ckpt), "--prompt", "hi"],
+    r = subprocess.run([sys.executable, "-m", "k3deploy.runtime.generate", "--model", str(tiny_ckpt), "--prompt", "hi"],
                        capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert r.returncode == 2 and "tiktoken.model" in r.stderr

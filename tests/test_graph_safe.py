@@ -24,21 +24,21 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"   # must precede the first triton import
 
-from plugins import aot_common                       # noqa: E402
-from plugins import workspace as wsm                 # noqa: E402
-from plugins.kda import kernels as kda_k             # noqa: E402
-from plugins.kda import reference as kda_ref         # noqa: E402
-from plugins.kda import trt_aot                      # noqa: E402
-from plugins.kda.trt import KDA_DECODE, KDA_PREFILL  # noqa: E402
-from plugins.mla import kernels as mla_k             # noqa: E402
-from plugins.mla import reference as mla_ref         # noqa: E402
-from plugins.mla import trt_aot as mla_aot           # noqa: E402
-from plugins.mla.trt import MLA_DECODE, MLA_PREFILL  # noqa: E402
-from plugins.moe import kernels as moe_k             # noqa: E402
-from plugins.moe import reference as moe_ref         # noqa: E402
-from plugins.moe import trt_aot as moe_aot           # noqa: E402
-from plugins.moe.trt import MXFP4_MOE                # noqa: E402
-from plugins.trt_common import ACT, F32, Like, OpSpec, run_kernel, workspace_size  # noqa: E402
+from k3deploy.plugins import aot_common                       # noqa: E402
+from k3deploy.plugins import workspace as wsm                 # noqa: E402
+from k3deploy.plugins.kda import kernels as kda_k             # noqa: E402
+from k3deploy.plugins.kda import reference as kda_ref         # noqa: E402
+from k3deploy.plugins.kda import trt_aot                      # noqa: E402
+from k3deploy.plugins.kda.trt import KDA_DECODE, KDA_PREFILL  # noqa: E402
+from k3deploy.plugins.mla import kernels as mla_k             # noqa: E402
+from k3deploy.plugins.mla import reference as mla_ref         # noqa: E402
+from k3deploy.plugins.mla import trt_aot as mla_aot           # noqa: E402
+from k3deploy.plugins.mla.trt import MLA_DECODE, MLA_PREFILL  # noqa: E402
+from k3deploy.plugins.moe import kernels as moe_k             # noqa: E402
+from k3deploy.plugins.moe import reference as moe_ref         # noqa: E402
+from k3deploy.plugins.moe import trt_aot as moe_aot           # noqa: E402
+from k3deploy.plugins.moe.trt import MXFP4_MOE                # noqa: E402
+from k3deploy.plugins.trt_common import ACT, F32, Like, OpSpec, run_kernel, workspace_size  # noqa: E402
 from kernel_checks import (DriverKernel, FakeDesc, Guarded, Sym, compile_in_subprocess,  # noqa: E402
                            fake_tensorrt_plugin, nan_equal, relerr)     # (tests/kernel_checks.py)
 
@@ -504,7 +504,7 @@ def test_mla_prefill_rejects_zero_parts_and_warns_when_parts_are_cut(caplog):
     with pytest.raises(ValueError, match="num_splits = 0: give 1 or more parts"):
         mla_k.mla_prefill(q, lat, kv_b, cache, bt, cu, ctx, num_splits=0, **attrs)
     small = mla_k.mla_prefill_workspace_bytes(T, H, R, DR, dtype=torch.float32, num_splits=1, device=DEV)
-    with caplog.at_level("WARNING", logger="plugins.mla.kernels"):
+    with caplog.at_level("WARNING", logger="k3deploy.plugins.mla.kernels"):
         mla_k.mla_prefill(q, lat, kv_b, cache, bt, cu, ctx, num_splits=3,
                           workspace=torch.zeros(small, dtype=torch.uint8, device=DEV), **attrs)
     assert "num_splits=3 reduced to" in caplog.text and "mla_prefill_workspace_bytes" in caplog.text
@@ -540,7 +540,7 @@ def test_mla_decode_default_tiles_fit_shared_memory(cap, H, BS, itemsize, limit)
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from plugins.mla import kernels as mk
+from k3deploy.plugins.mla import kernels as mk
 bh, bn, ns, nw = mk._decode_tiles(({cap // 10}, {cap % 10}), {H}, {BS}, itemsize={itemsize})
 fn = mk._mla_split_kernel
 names = fn.arg_names
@@ -573,7 +573,7 @@ def test_mla_prefill_default_tiles_fit_shared_memory(cap, itemsize, limit):
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from plugins.mla import kernels as mk
+from k3deploy.plugins.mla import kernels as mk
 bm, bn, nw = mk._prefill_attn_tiles({cap // 10}, {itemsize}, 64)
 const = dict(R=512, DR=64, BM=bm, BN=bn, BNS=64)
 dt = "*bf16" if {itemsize} == 2 else "*fp32"
@@ -661,7 +661,7 @@ def test_plugin_get_workspace_size_from_max_dims():
         import tensorrt_rtx_bindings as trt
     except ImportError:
         pytest.skip("tensorrt_rtx_bindings not installed")
-    from plugins.trt_common import make_plugin_classes
+    from k3deploy.plugins.trt_common import make_plugin_classes
 
     plugin = make_plugin_classes(MLA_DECODE, trt)[0](MLA_D_ATTRS)
     shapes = [(8, 2, 576), (8, 576), (100, 16, 576), (8, 16), (8,)]
@@ -1158,7 +1158,7 @@ def test_decompose_mxfp4_moe_for_aot(tmp_path):
     mark_aot_nodes does it when asked for Mxfp4Moe; without a static w13 shape the rewrite names the node."""
     from onnx import helper
 
-    from engines.build import mark_aot_nodes
+    from k3deploy.engines.build import mark_aot_nodes
 
     m, onnx = _moe_onnx()
     assert mark_aot_nodes(m, ["KdaDecode", "Mxfp4Moe"]) == 1
@@ -1176,7 +1176,7 @@ def test_decompose_mxfp4_moe_for_aot(tmp_path):
     assert all(a(n)["aot"] == 1 and a(n)["plugin_namespace"] == b"kimi" for n in (sort, w13, w2, comb))
     onnx.checker.check_model(m)          # a valid graph (custom-domain nodes are not schema-checked)
     assert moe_aot.decompose_mxfp4_moe(m) == 0
-    from engines.build import onnx_custom_ops
+    from k3deploy.engines.build import onnx_custom_ops
 
     path = tmp_path / "layer.onnx"
     onnx.save(_moe_onnx()[0], str(path))      # the manifest lists the ops the AOT engine holds

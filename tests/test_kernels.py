@@ -10,12 +10,12 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"   # must precede the first triton import
 
-from plugins.kda import kernels as kda_k          # noqa: E402
-from plugins.kda import reference as kda_ref      # noqa: E402
-from plugins.mla import kernels as mla_k          # noqa: E402
-from plugins.moe import kernels as moe_k          # noqa: E402
-from plugins.mla import reference as mla_ref      # noqa: E402  (the lead's oracle)
-from plugins.moe import reference as moe_ref_mod  # noqa: E402
+from k3deploy.plugins.kda import kernels as kda_k          # noqa: E402
+from k3deploy.plugins.kda import reference as kda_ref      # noqa: E402
+from k3deploy.plugins.mla import kernels as mla_k          # noqa: E402
+from k3deploy.plugins.moe import kernels as moe_k          # noqa: E402
+from k3deploy.plugins.mla import reference as mla_ref      # noqa: E402  (the lead's oracle)
+from k3deploy.plugins.moe import reference as moe_ref_mod  # noqa: E402
 from kernel_checks import Guarded, nan_equal, relerr    # noqa: E402  (tests/kernel_checks.py)
 
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -792,7 +792,7 @@ def test_router_kernel_compiles_for_sm90():
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from plugins.moe.kernels import _route_kernel as fn
+from k3deploy.plugins.moe.kernels import _route_kernel as fn
 sig = {"z_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i32", "w_ptr": "*fp32", "E": "i32", "stride_z": "i32",
        "scaling": "fp32"}
 for c in ({"EP": 1024, "K": 16, "KP": 16, "G": 1, "GP": 1, "TOPK_GROUP": 1, "RENORM": True},

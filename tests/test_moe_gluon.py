@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from kernel_checks import DEV, Guarded, compile_in_subprocess, relerr
-from plugins.moe import reference as moe_ref
+from k3deploy.plugins.moe import reference as moe_ref
 
 HAS_CUDA = torch.cuda.is_available()
 try:
-    from plugins.moe import kernels_gluon as kg
+    from k3deploy.plugins.moe import kernels_gluon as kg
 except ImportError as e:     # a Triton without Gluon
     kg, GLUON_ERR = None, repr(e)
 need_gluon = pytest.mark.skipif(kg is None, reason="this Triton has no Gluon (triton.experimental.gluon)")
@@ -201,7 +201,7 @@ def test_gluon_kernels_compile_for_sm90(kernel, sig, stages, sub, bm, nw, bn):
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from plugins.moe import kernels_gluon as kg
+from k3deploy.plugins.moe import kernels_gluon as kg
 sig, const = {sig!r}, {const!r}
 const.update(kg.layouts({bn}, {nw}, {bm}, {sub}))
 fn = kg.{kernel}
@@ -225,7 +225,7 @@ print(k.metadata.shared, int("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f3
 
 
 def moe_k():
-    from plugins.moe import kernels
+    from k3deploy.plugins.moe import kernels
     return kernels
 
 

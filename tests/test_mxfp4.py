@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from plugins.moe.mxfp4 import E2M1_VALUES, e8m0_to_float, pack_mxfp4, unpack_mxfp4
+from k3deploy.plugins.moe.mxfp4 import E2M1_VALUES, e8m0_to_float, pack_mxfp4, unpack_mxfp4
 
 ct_mx = pytest.importorskip("compressed_tensors.compressors.mxfp4.base")
 from compressed_tensors.compressors.mx_utils import decompress_mx_scale  # noqa: E402

@@ -14,12 +14,12 @@ import onnxruntime as ort
 import pytest
 import torch
 
-import plugins.torch_ops  # noqa: F401  (torch.ops.kimi.*)
-from plugins.kda import reference as kda_ref
-from plugins.mla import reference as mla_ref
-from plugins.moe import reference as moe_ref
-from plugins.moe.mxfp4 import pack_mxfp4
-from plugins.onnx_common import OPSET, function_proto, single_op_model, specs
+import k3deploy.plugins.torch_ops  # noqa: F401  (torch.ops.kimi.*)
+from k3deploy.plugins.kda import reference as kda_ref
+from k3deploy.plugins.mla import reference as mla_ref
+from k3deploy.plugins.moe import reference as moe_ref
+from k3deploy.plugins.moe.mxfp4 import pack_mxfp4
+from k3deploy.plugins.onnx_common import OPSET, function_proto, single_op_model, specs
 
 ATOL, RTOL = 2e-5, 1e-4
 F32, I32, U8 = onnx.TensorProto.FLOAT, onnx.TensorProto.INT32, onnx.TensorProto.UINT8

@@ -3,10 +3,10 @@ written k3-tiny checkpoint."""
 import pytest
 import torch
 
-from model.checkpoint import Checkpoint
-from model.config import load_config
-from model.params import main, param_report, report_for
-from model.synthetic import write_synthetic
+from k3deploy.model.checkpoint import Checkpoint
+from k3deploy.model.config import load_config
+from k3deploy.model.params import main, param_report, report_for
+from k3deploy.model.synthetic import write_synthetic
 
 
 def test_k3_counts_match_release():
@@ -88,7 +88,7 @@ def test_cli_prints_name_value_lines(capsys, tiny_dir):
 def test_reference_model_on_meta_device_holds_the_inventory(preset):
     """The fp32 reference modules, built on the meta device (no memory), hold exactly the checkpoint's parameters
     minus the A_log padding the loader trims (32 per KDA layer for K3: 2,208) — §11's total is reproduced."""
-    from model.params import module_params
+    from k3deploy.model.params import module_params
     cfg = load_config(preset)
     pad = len(cfg.kda_layers) * (max(cfg.kda_num_heads, cfg.kda_head_dim) - cfg.kda_num_heads)
     held = module_params(cfg)

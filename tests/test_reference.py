@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.config import load_config
-from model.reference import (Batch, K3Model, SequenceState, allocate_pools, forward, state_spec)
-from plugins.common import compute_dtype
-from plugins.kda import reference as kda_ref
-from plugins.mla import reference as mla_ref
-from plugins.moe import reference as moe_ref
+from k3deploy.model.config import load_config
+from k3deploy.model.reference import (Batch, K3Model, SequenceState, allocate_pools, forward, state_spec)
+from k3deploy.plugins.common import compute_dtype
+from k3deploy.plugins.kda import reference as kda_ref
+from k3deploy.plugins.mla import reference as mla_ref
+from k3deploy.plugins.moe import reference as moe_ref
 
 FP32_REL = 1e-5
 
@@ -257,7 +257,7 @@ def test_forward_rejects_bad_input(tiny_model, tiny_cfg):
 
 def _walk_linears(obj, seen=None) -> list:
     """Every model.layers.Linear reachable from obj through attributes, lists and tuples."""
-    from model.layers import Linear
+    from k3deploy.model.layers import Linear
     seen = set() if seen is None else seen
     if id(obj) in seen:
         return []
@@ -299,7 +299,7 @@ def test_bf16_dense_error_is_rounding_where_routing_agrees(tiny_ckpt, tiny_model
     """Where bf16 dense weights move logits far from fp32 (bench_decode's compare: 0.25-0.27 median on the synthetic
     models, benchmarks/RESULTS.md run 18) it is MoE routing: a position whose routed experts differ in some layer
     carries a large error; up to the first such position the logits stay within bf16 rounding of fp32's."""
-    from model.reference import LatentMoE
+    from k3deploy.model.reference import LatentMoE
     seen = []
     route = LatentMoE.route
 

@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.config import load_config
-from model.reference import K3Model, SequenceState, forward
-from runtime.api import LLM, SamplingParams
-from runtime.cache import AdmissionError, HybridCache, plan_memory
-from runtime.executor import TorchExecutor
-from runtime.scheduler import Scheduler
+from k3deploy.model.config import load_config
+from k3deploy.model.reference import K3Model, SequenceState, forward
+from k3deploy.runtime.api import LLM, SamplingParams
+from k3deploy.runtime.cache import AdmissionError, HybridCache, plan_memory
+from k3deploy.runtime.executor import TorchExecutor
+from k3deploy.runtime.scheduler import Scheduler
 
 ROOT = Path(__file__).resolve().parents[1]
 WAIT = 300  # seconds an Event wait may take before the test gives up (a hang guard, not a timing assertion)
@@ -182,7 +182,7 @@ def test_request_token_slice_and_steps_without_all_ids(tiny_model, monkeypatch):
     """Request.token_slice equals all_ids[start:stop] on every range across the prompt / output seam; the scheduler's
     steps never build all_ids (an O(context) list copy per request per step: 1.7 ms of host time per decode step at
     B=16 and 4K-token prompts on the H200, benchmarks/RESULTS.md run 22)."""
-    from runtime.scheduler import Request
+    from k3deploy.runtime.scheduler import Request
     r = Request("r", list(range(5)), greedy(3), output_ids=[50, 51, 52])
     assert r.num_tokens == 8
     for a in range(9):
@@ -489,15 +489,15 @@ def test_generate_stream_and_seeded_sampling(tiny_ckpt, tiny_model):
 
 def test_cli_prints_generated_ids(tiny_ckpt, tiny_model):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-m", "runtime.generate", "--model", str(tiny_ckpt), "--backend", "torch",
+    r = subprocess.run([sys.executable, "-m", "k3deploy.runtime.generate", "--model", str(tiny_ckpt), "--backend", "torch",
                         "--prompt-ids", "1,2,3", "--max-tokens", "3", "--ignore-eos"],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=WAIT)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == [str(t) for t in solo_greedy(tiny_model, [1, 2, 3], 3)]
-    h = subprocess.run([sys.executable, "-m", "runtime.generate", "--help"], capture_output=True, text=True, cwd=ROOT,
+    h = subprocess.run([sys.executable, "-m", "k3deploy.runtime.generate", "--help"], capture_output=True, text=True, cwd=ROOT,
                        env=env, timeout=WAIT)
     assert h.returncode == 0 and "--prompt-ids" in h.stdout
-    e = subprocess.run([sys.executable, "-m", "runtime.generate", "--model", str(tiny_ckpt), "--backend", "torch",
+    e = subprocess.run([sys.executable, "-m", "k3deploy.runtime.generate", "--model", str(tiny_ckpt), "--backend", "torch",
                         "--ep", "2", "--prompt-ids", "1"], capture_output=True, text=True, cwd=ROOT, env=env,
                        timeout=WAIT)
     assert e.returncode == 2 and "torchrun --standalone --nproc-per-node 2" in e.stderr, e.stderr
@@ -510,7 +510,7 @@ TEXT = ("The quick brown fox jumps over the lazy dog. It's 2026; the dog's 3 fri
 
 
 def test_tokenizer_round_trip(tmp_path):
-    from runtime.tokenizer import Tokenizer, load_ranks, train_bpe, write_ranks
+    from k3deploy.runtime.tokenizer import Tokenizer, load_ranks, train_bpe, write_ranks
     ranks = train_bpe(TEXT, 400)
     assert ranks == train_bpe(TEXT, 400) and 256 < len(ranks) <= 400   # deterministic; stops when no pair is left
     path = write_ranks(tmp_path / "tiktoken.model", ranks)
@@ -532,8 +532,8 @@ def test_tokenizer_round_trip(tmp_path):
 
 # ---- onnxruntime backend ---------------------------------------------------------------------------------
 
-@pytest.mark.skipif(importlib.util.find_spec("export.onnx") is None,
-                    reason="export/onnx.py (python -m export.onnx) is not written yet")
+@pytest.mark.skipif(importlib.util.find_spec("k3deploy.export.onnx_export") is None,
+                    reason="export/onnx_export.py (python -m k3deploy.export.onnx_export) is not written yet")
 def test_onnxruntime_matches_torch(micro_model, micro_ckpt, tmp_path_factory):
     """Greedy tokens of the onnxruntime backend == torch backend == solo reference. Uses the 2-layer micro model
     (KDA + dense MLP, MLA + MXFP4 MoE, AttnRes commits): exporting k3-tiny takes ~100 s on this CPU."""
@@ -541,7 +541,7 @@ def test_onnxruntime_matches_torch(micro_model, micro_ckpt, tmp_path_factory):
     ckpt = micro_ckpt
     out = tmp_path_factory.mktemp("ort") / "onnx"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-m", "export.onnx", "--checkpoint", str(ckpt), "--out", str(out),
+    r = subprocess.run([sys.executable, "-m", "k3deploy.export.onnx_export", "--checkpoint", str(ckpt), "--out", str(out),
                         "--no-progress", "--log-level", "WARNING"],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=1800)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -557,7 +557,7 @@ def test_onnxruntime_matches_torch(micro_model, micro_ckpt, tmp_path_factory):
 def test_tensorrt_backend_says_why_it_cannot_run(tmp_path):
     if importlib.util.find_spec("tensorrt") is not None and torch.cuda.is_available():
         pytest.skip("full TensorRT and a GPU are present: the error path is not reachable")
-    from runtime.executor import TensorRTExecutor
+    from k3deploy.runtime.executor import TensorRTExecutor
     with pytest.raises((ImportError, RuntimeError), match="tensorrt|CUDA"):
         TensorRTExecutor(tmp_path)
 
@@ -566,8 +566,8 @@ def test_tensorrt_decode_graphs_run_with_the_decode_profile():
     """engines/build.py builds [prefill, decode] profiles; a layer's decode graph selects profile 1 (its own T = B
     range), everything else profile 0, and a single-profile engine always 0. (Engine execution itself cannot run
     here: no full TensorRT.)"""
-    from engines.build import default_profile_dims
-    from runtime.executor import TensorRTExecutor
+    from k3deploy.engines.build import default_profile_dims
+    from k3deploy.runtime.executor import TensorRTExecutor
     prefill, decode = default_profile_dims(max_batch=8, max_num_tokens=256)
     assert decode["T"] == (1, 8, 8) and prefill["T"] == (1, 256, 256)     # index 1 = the decode range
     pick = TensorRTExecutor.profile_for
@@ -590,8 +590,8 @@ def test_tensorrt_decode_graphs_run_with_the_decode_profile():
 def test_engines_of_other_workspace_rules_are_refused():
     """TensorRTExecutor's first check: a manifest whose plugin workspaces were sized by other rules (or that predates
     the field) is one ValueError naming the manifest, both rule versions and the rebuild command."""
-    from plugins.workspace import WORKSPACE_RULES
-    from runtime.executor import check_workspace_rules
+    from k3deploy.plugins.workspace import WORKSPACE_RULES
+    from k3deploy.runtime.executor import check_workspace_rules
     check_workspace_rules({"workspace_rules": WORKSPACE_RULES})
     for manifest, got in (({}, 1), ({"workspace_rules": WORKSPACE_RULES + 1}, WORKSPACE_RULES + 1)):
         with pytest.raises(ValueError) as e:
@@ -606,9 +606,9 @@ def test_llm_sizes_its_cache_from_engine_profiles(tiny_ckpt, tiny_model, monkeyp
     pool dims (no TensorRT here): the pools get the engines' slots, blocks and block size whatever this LLM's smaller
     max_batch / max_context; defaults come from the engines; larger or other sizes are one ValueError naming the
     argument; and the runtime still generates what the model generates alone."""
-    from export.build_engines import engine_dims
-    from runtime.api import LLM
-    from runtime.executor import TensorRTExecutor, TorchExecutor, engine_pool_dims
+    from k3deploy.export.build_engines import engine_dims
+    from k3deploy.runtime.api import LLM
+    from k3deploy.runtime.executor import TensorRTExecutor, TorchExecutor, engine_pool_dims
 
     class Sized(TorchExecutor):
         pass
@@ -639,8 +639,8 @@ def test_llm_sizes_its_cache_from_engine_profiles(tiny_ckpt, tiny_model, monkeyp
 
 def test_graph_executor_rejects_a_zero_length_sequence():
     """The ONNX function bodies cannot raise, so the executor validates packed offsets before running graphs."""
-    from model.reference import Batch
-    from runtime.executor import OnnxRuntimeExecutor
+    from k3deploy.model.reference import Batch
+    from k3deploy.runtime.executor import OnnxRuntimeExecutor
     ex = OnnxRuntimeExecutor.__new__(OnnxRuntimeExecutor)       # forward's validation runs before any graph
     batch = Batch(torch.tensor([0, 3, 3], dtype=torch.int32), torch.tensor([1, 2], dtype=torch.int32),
                   torch.zeros(2, 1, dtype=torch.int32), torch.zeros(2, dtype=torch.int32))

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.reference import K3Model, ReferenceOps, SequenceState, forward
+from k3deploy.model.reference import K3Model, ReferenceOps, SequenceState, forward
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_CUDA = torch.cuda.is_available()
@@ -175,8 +175,8 @@ FP32_TRIALS = ((1e-5, 0, False),)                                         # fp32
 
 
 def gpu_model(ckpt, ops: str, device: str = DEV) -> K3Model:
-    from runtime.executor import resolve_ops
-    from runtime.distributed import resolve_device
+    from k3deploy.runtime.executor import resolve_ops
+    from k3deploy.runtime.distributed import resolve_device
     dev = resolve_device(device)
     return K3Model.from_checkpoint(ckpt, ops=resolve_ops(ops, dev)[1], device=dev)
 
@@ -187,7 +187,7 @@ def gpu_model(ckpt, ops: str, device: str = DEV) -> K3Model:
 def test_reference_ops_on_gpu_equal_cpu(tiny_ckpt, tiny_model):
     """k3-tiny, fp32 reference ops on the GPU: weights, pools, batch metadata and sampling on the device give the
     CPU's greedy tokens (3 requests batched, continuous batching) and logits within 1e-3."""
-    from runtime.api import LLM, SamplingParams
+    from k3deploy.runtime.api import LLM, SamplingParams
     prompts = stable_prompts(tiny_model, 3, [3, 9, 17], 6, FP32_TRIALS, 1e-4)
     want = [greedy_path(tiny_model, p, 6) for p in prompts]
     with LLM(tiny_ckpt, device=DEV, ops="reference", max_batch=4, max_num_tokens=16, max_context=64) as llm:
@@ -207,7 +207,7 @@ def test_reference_ops_on_gpu_equal_cpu(tiny_ckpt, tiny_model):
 def test_kernels_on_gpu_match_cpu_reference(micro_ckpt, micro_model, ops):
     """micro (KDA + MLA + MoE), Triton kernels: greedy tokens of 3 batched requests equal the CPU reference's,
     and the teacher-forced logits of the generated positions (prefill's last row + decode rows) are within 5e-2."""
-    from runtime.api import LLM, SamplingParams
+    from k3deploy.runtime.api import LLM, SamplingParams
     prompts = stable_prompts(micro_model, 3, [4, 7, 12], 6, KERNEL_TRIALS, 5e-2)
     want = [greedy_path(micro_model, p, 6) for p in prompts]
     # 16-token blocks: the 12-token prompt's tokens cross a block boundary (the CUDA default, 64, would not)
@@ -245,9 +245,9 @@ def test_kernels_on_gpu_logits_close_on_k3_tiny(tiny_ckpt, tiny_model, ops):
 
 
 def _gpu_sched(ckpt_or_model, ops, max_batch=1, max_num_tokens=256, max_context=256, block_size=16):
-    from runtime.cache import HybridCache
-    from runtime.executor import TorchExecutor
-    from runtime.scheduler import Scheduler
+    from k3deploy.runtime.cache import HybridCache
+    from k3deploy.runtime.executor import TorchExecutor
+    from k3deploy.runtime.scheduler import Scheduler
     ex = TorchExecutor(ckpt_or_model, device=None if isinstance(ckpt_or_model, K3Model) else DEV, ops=ops)
     cfg = ex.cfg
     cache = HybridCache(cfg, max_batch + 1, 1 + max_batch * math.ceil(max_context / block_size), block_size,
@@ -271,7 +271,7 @@ class _Collect:
 def test_chunked_prefill_equals_one_shot_on_gpu(micro_ckpt, micro_model, ops):
     """A 100-token prompt prefilled in two chunks (cut at 5 and at 64 = fla's chunk size) gives the one-shot
     prefill's tokens, KDA state (rel. 2e-2: bf16 inside chunk_kda, other chunk alignment) and conv history."""
-    from runtime.sampling import SamplingParams
+    from k3deploy.runtime.sampling import SamplingParams
     p = stable_prompts(micro_model, 1, [100], 3, KERNEL_TRIALS, 5e-2, seed=11)[0]
     m = gpu_model(micro_ckpt, ops)
 
@@ -321,7 +321,7 @@ def test_decode_reproduces_prefill_on_gpu(micro_ckpt, micro_model, ops):
 def test_reused_slot_behaves_like_fresh_on_gpu(tiny_ckpt, ops):
     """k3-tiny on the GPU: after a request finishes, its slot and blocks are poisoned with NaN; the next request
     (same slot 1, same blocks) gives the tokens of a fresh cache and finite logits."""
-    from runtime.sampling import SamplingParams
+    from k3deploy.runtime.sampling import SamplingParams
     g = torch.Generator().manual_seed(12)
     pa, pb = torch.randint(3, 1024, (9,), generator=g).tolist(), torch.randint(3, 1024, (14,), generator=g).tolist()
     m = gpu_model(tiny_ckpt, ops)
@@ -359,7 +359,7 @@ def test_reused_slot_behaves_like_fresh_on_gpu(tiny_ckpt, ops):
 @gpu
 @pytest.mark.skipif(DEV_TYPE != "cuda", reason="the block-size rule is the CUDA kernel's")
 def test_block_size_not_multiple_of_16_is_refused_on_gpu(micro_ckpt):
-    from runtime.api import LLM
+    from k3deploy.runtime.api import LLM
     with pytest.raises(ValueError, match="multiple of 16"):
         LLM(micro_ckpt, device="cuda", block_size=8, max_context=64)
     LLM(micro_ckpt, device="cuda", ops="reference", block_size=8, max_context=64)     # the fp32 references can
@@ -372,7 +372,7 @@ def test_block_size_not_multiple_of_16_is_refused_on_gpu(micro_ckpt):
 def _generate(model, nproc: int, prompt: list[int], *extra) -> list[str]:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] \
         if nproc > 1 else [sys.executable]
-    r = subprocess.run(launcher + ["-m", "runtime.generate", "--model", str(model), "--backend", "torch",
+    r = subprocess.run(launcher + ["-m", "k3deploy.runtime.generate", "--model", str(model), "--backend", "torch",
                                    "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", "6", "--ignore-eos",
                                    *extra], capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -418,7 +418,7 @@ def test_cuda_graph_decode_equals_eager_on_gpu(micro_ckpt, micro_model):
     """LLM(cuda_graphs=True): the decode steps replay graphs (buckets 1, 2, 4, 5; batches shrink as requests of
     different lengths finish, so some run with padding rows) and give the eager kernels' tokens and the CPU
     reference's; 6 requests over 5 slots (reuse), cache consistent afterwards."""
-    from runtime.api import LLM, SamplingParams
+    from k3deploy.runtime.api import LLM, SamplingParams
     prompts = stable_prompts(micro_model, 6, [4, 7, 12, 5, 9, 3], 6, KERNEL_TRIALS, 5e-2, seed=23)
     lens = [6, 2, 5, 3, 6, 4]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lens]
@@ -437,7 +437,7 @@ def test_cuda_graph_decode_equals_eager_on_gpu(micro_ckpt, micro_model):
 def test_bf16_dense_weights_on_gpu_graphs_equal_eager(micro_ckpt):
     """dense_dtype="bfloat16" on the GPU with the kernels: bf16 cuBLAS GEMMs for the projections, the decode step
     replayed from CUDA graphs gives the eager bf16 run's tokens; the weights take about half the fp32 bytes."""
-    from runtime.api import LLM, SamplingParams
+    from k3deploy.runtime.api import LLM, SamplingParams
     prompts, params = [[5, 17, 301, 42], [9, 8, 7]], SamplingParams(max_tokens=5, ignore_eos=True)
     kw = dict(device=DEV, ops="kernels", max_batch=2, max_num_tokens=64, max_context=64, block_size=16)  # 2 blocks
     with LLM(micro_ckpt, **kw) as llm:
@@ -531,15 +531,15 @@ def test_bench_decode_tp_nccl_on_n_gpus(tmp_path, n):
 
 @pytest.mark.parametrize("bad", ["gpu", "cuda:x", "cuda:-1", "cpu:1", "", "tpu:0"])
 def test_bad_device_strings_are_clear_errors(tiny_ckpt, bad):
-    from runtime.api import LLM
+    from k3deploy.runtime.api import LLM
     with pytest.raises(ValueError, match=r"expected 'cpu', 'cuda' or 'cuda:N'"):
         LLM(tiny_ckpt, device=bad)
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the message on a machine without CUDA")
 def test_cuda_without_a_gpu_says_so(tiny_ckpt, capsys):
-    from runtime.api import LLM
-    from runtime.generate import main
+    from k3deploy.runtime.api import LLM
+    from k3deploy.runtime.generate import main
     with pytest.raises(RuntimeError, match="torch sees no CUDA GPU"):
         LLM(tiny_ckpt, device="cuda")
     assert main(["--model", str(tiny_ckpt), "--device", "cuda:0", "--prompt-ids", "1,2"]) == 2
@@ -547,7 +547,7 @@ def test_cuda_without_a_gpu_says_so(tiny_ckpt, capsys):
 
 
 def test_ops_and_backend_device_validation(tiny_ckpt):
-    from runtime.api import LLM
+    from k3deploy.runtime.api import LLM
     with pytest.raises(ValueError, match="ops = 'fast'"):
         LLM(tiny_ckpt, ops="fast")
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -560,8 +560,8 @@ def test_ops_and_backend_device_validation(tiny_ckpt):
 
 
 def test_block_size_rule_and_nccl_environment(monkeypatch):
-    from runtime.distributed import nccl_environment
-    from runtime.executor import check_block_size
+    from k3deploy.runtime.distributed import nccl_environment
+    from k3deploy.runtime.executor import check_block_size
     cuda = torch.device("cuda", 0)
     for ops in ("torch", "kernels"):
         with pytest.raises(ValueError, match="block_size = 8: .*multiple of 16"):
@@ -569,10 +569,10 @@ def test_block_size_rule_and_nccl_environment(monkeypatch):
         check_block_size(48, cuda, ops)
     check_block_size(8, cuda, "reference")
     check_block_size(8, torch.device("cpu"), "torch")
-    from runtime.executor import engine_pool_dims, preferred_block_size
+    from k3deploy.runtime.executor import engine_pool_dims, preferred_block_size
     assert [preferred_block_size(cuda, o) for o in ("torch", "kernels", "reference")] == [64, 64, 16]
     assert preferred_block_size(torch.device("cpu"), "torch") == 16
-    from export.build_engines import engine_dims
+    from k3deploy.export.build_engines import engine_dims
     prefill, decode = ({**engine_dims(None, 4, 256, 1000, 64), "T": t} for t in ((1, 256, 256), (1, 4, 4)))
     dims = engine_pool_dims({"profile_dims": [prefill, decode]})                # T differs per profile: not kept
     assert dims == {"S": (5, 5), "NB": (65, 65), "BS": (64, 64), "MB": (1, 16), "M": (1, 256)}   # 16 = ceil(1000/64)
@@ -580,7 +580,7 @@ def test_block_size_rule_and_nccl_environment(monkeypatch):
     with pytest.raises(ValueError, match="e/manifest.json: the engines' profiles share no value of BS; rebuild them "
                                          "with one --block-size"):
         engine_pool_dims({"profile_dims": [{"BS": (16, 16, 16)}, {"BS": (64, 64, 64)}]}, "e/manifest.json")
-    from runtime.executor import TensorRTExecutor                # its size rules need no TensorRT
+    from k3deploy.runtime.executor import TensorRTExecutor                # its size rules need no TensorRT
     trt_ex = TensorRTExecutor.__new__(TensorRTExecutor)
     trt_ex.dir, trt_ex.pool_dims = "engines", dims
     assert (trt_ex.preferred_block_size(), trt_ex.default_max_batch(), trt_ex.default_max_context()) == (64, 4, 1024)
@@ -608,7 +608,7 @@ def test_block_size_rule_and_nccl_environment(monkeypatch):
 
 def test_moe_block_k_divides_both_inner_dims():
     """The MoE kernel's K loops have no column mask: the tile must divide Rl and I (k3-tiny I = 64, TP=2: 32)."""
-    from plugins.moe.kernels import default_block_k
+    from k3deploy.plugins.moe.kernels import default_block_k
     assert default_block_k(3584, 3072) == 64 and default_block_k(3584, 384) == 64
     assert default_block_k(3584, 3072, block_m=64) == 128 and default_block_k(3584, 384, block_m=64) == 128
     assert default_block_k(128, 64) == 64 and default_block_k(128, 32) == 32 and default_block_k(96, 64) == 32
@@ -618,8 +618,8 @@ def test_moe_block_k_divides_both_inner_dims():
 
 _COMM_WORKER = r'''
 import json, sys, torch
-from model.layers import Comm
-from runtime.distributed import init_from_env, shutdown
+from k3deploy.model.layers import Comm
+from k3deploy.runtime.distributed import init_from_env, shutdown
 rank, world = init_from_env("cpu")
 c = Comm(rank, world)
 c.all_reduce(torch.ones(4))
@@ -659,7 +659,7 @@ def test_bench_collectives_messages_and_bus_bandwidth(tmp_path):
     """benchmarks/bench_collectives.py, 2 ranks over gloo on the CPU: the decode step's three messages of k3-tiny
     (all-reduce [B, hidden], [B, latent]; all-gather [B, vocab / 2]) in fp32 and bf16, each checked exact, with
     NCCL's bus-bandwidth factors; run alone (world size 1) it refuses with exit 2."""
-    from model.config import load_config
+    from k3deploy.model.config import load_config
     c = load_config("k3-tiny")
     out = tmp_path / "c.jsonl"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
@@ -686,7 +686,7 @@ def test_bench_collectives_messages_and_bus_bandwidth(tmp_path):
 
 
 def test_sample_batch_equals_row_by_row():
-    from runtime.sampling import SamplingParams, make_generator, sample, sample_batch
+    from k3deploy.runtime.sampling import SamplingParams, make_generator, sample, sample_batch
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 50, generator=g)
     logits[2, 7] = logits[2, 9] = 99.0                                   # a tie: the lowest id wins
@@ -700,8 +700,8 @@ def test_sample_batch_equals_row_by_row():
 def test_synthetic_weights_drawn_in_memory_equal_the_checkpoint(tiny_ckpt, tiny_cfg, tiny_model):
     """The in-memory / on-device generator path (K3Model.from_synthetic) reuses model.synthetic: on the CPU it
     reproduces the written checkpoint bit for bit; an EP rank draws only its own experts."""
-    from model.checkpoint import Checkpoint
-    from model.synthetic import synthetic_layer_weights, synthetic_model_weights
+    from k3deploy.model.checkpoint import Checkpoint
+    from k3deploy.model.synthetic import synthetic_layer_weights, synthetic_model_weights
     ck = Checkpoint(tiny_ckpt)
     for l in (0, 1, 4):
         a, b = ck.layer_weights(l), synthetic_layer_weights(tiny_cfg, l, seed=0)
@@ -718,8 +718,8 @@ def test_synthetic_weights_drawn_in_memory_equal_the_checkpoint(tiny_ckpt, tiny_
 def test_cpu_behaviour_unchanged_with_device_and_torch_ops(tiny_ckpt, tiny_model, capsys):
     """device="cpu" with the torch.library ops (CPU = the references) and the CLI flags give the reference's
     tokens; logits stay on the CPU."""
-    from runtime.api import LLM, SamplingParams
-    from runtime.generate import main
+    from k3deploy.runtime.api import LLM, SamplingParams
+    from k3deploy.runtime.generate import main
     p = [5, 6, 7, 8, 9, 10, 11]
     want = greedy_path(tiny_model, p, 4)
     with LLM(tiny_ckpt, device="cpu", ops="torch", max_batch=2, max_context=64) as llm:
@@ -733,7 +733,7 @@ def test_cpu_behaviour_unchanged_with_device_and_torch_ops(tiny_ckpt, tiny_model
 _INTERP = r'''
 import sys, torch
 torch.set_num_threads(1)
-from runtime.api import LLM, SamplingParams
+from k3deploy.runtime.api import LLM, SamplingParams
 ps = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [9] * 20]
 out = []
 for ops in ("reference", "kernels"):
@@ -807,7 +807,7 @@ def _run_interpreted(script_text: str, ckpt, tmp_path) -> str:
 _GRAPHS_INTERP = r'''
 import sys, torch
 torch.set_num_threads(1)
-from runtime.api import LLM, SamplingParams
+from k3deploy.runtime.api import LLM, SamplingParams
 ps = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [9] * 12, [17, 18, 19], [1, 2, 3, 4, 5, 6]]
 params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (4, 2, 5, 3, 4)]   # batches shrink: padding rows
 out, stats = [], []
@@ -843,13 +843,13 @@ def test_decode_graph_padding_path_under_the_interpreter(micro_ckpt, tmp_path):
 def test_decode_graphs_refuse_what_they_cannot_capture(micro_ckpt):
     """Clear errors: reference ops (pools not in place), capture on the CPU, other pool tensors, a batch above
     max_batch, block tables wider than max_blocks, a prefill batch."""
-    from runtime.api import LLM
-    from runtime.graphs import batch_buckets
+    from k3deploy.runtime.api import LLM
+    from k3deploy.runtime.graphs import batch_buckets
     assert batch_buckets(1) == [1] and batch_buckets(6) == [1, 2, 4, 6] and batch_buckets(8) == [1, 2, 4, 8]
     with pytest.raises(ValueError, match="max_batch"):
         batch_buckets(0)
-    from model.reference import Batch
-    from plugins.torch_ops import KernelOps
+    from k3deploy.model.reference import Batch
+    from k3deploy.plugins.torch_ops import KernelOps
     with LLM(micro_ckpt, max_batch=2, max_context=32) as llm:
         with pytest.raises(ValueError, match="ops 'kernels'"):
             llm.executor.enable_cuda_graphs(llm.cache.pools, 2, 2, capture=False)
@@ -941,7 +941,7 @@ def test_llm_bf16_dense_weights_and_their_errors(tiny_ckpt, tmp_path, monkeypatc
     """LLM(dense_dtype="bfloat16") on the CPU: the executor's model holds bf16 dense weights, and the runtime's greedy
     tokens (scheduler, cache, sampling) equal the bf16 model's own prefill-then-decode path; a bad name and a
     backend other than torch are one clear error each."""
-    from runtime.api import LLM, SamplingParams
+    from k3deploy.runtime.api import LLM, SamplingParams
     p = [5, 17, 301, 42, 7]
     with LLM(tiny_ckpt, device="cpu", dense_dtype="bfloat16", max_batch=2, max_context=64) as llm:
         assert llm.executor.model.dense_dtype == torch.bfloat16

@@ -15,7 +15,7 @@ PROMPT = "5,6,7,8,9,10,11"
 def generate(model, backend, nproc=1, *extra):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 \
         else [sys.executable]
-    r = subprocess.run(launcher + ["-m", "runtime.generate", "--model", str(model), "--backend", backend,
+    r = subprocess.run(launcher + ["-m", "k3deploy.runtime.generate", "--model", str(model), "--backend", backend,
                                    "--prompt-ids", PROMPT, "--max-tokens", "6", "--ignore-eos", *extra],
                        capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -34,6 +34,6 @@ def test_onnxruntime_backend_tp2_export_equals_tp1(tiny_ckpt, tiny_build_tp2):
 
 
 def test_tp_without_a_process_group_is_a_clear_error(tiny_ckpt):
-    from runtime.api import LLM
+    from k3deploy.runtime.api import LLM
     with pytest.raises(ValueError, match="torchrun"):
         LLM(tiny_ckpt, backend="torch", tp=2, ep=2)

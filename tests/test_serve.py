@@ -38,8 +38,8 @@ pytest.importorskip("google.protobuf.text_format", reason="protobuf not installe
 if importlib.util.find_spec("pytriton") is None:
     pytest.skip("nvidia-pytriton not installed (pip install nvidia-pytriton)", allow_module_level=True)
 
-from serve import repository as repo_mod  # noqa: E402
-from serve.launch import TritonLaunchError, TritonServer, free_ports  # noqa: E402
+from k3deploy.serve import repository as repo_mod  # noqa: E402
+from k3deploy.serve.launch import TritonLaunchError, TritonServer, free_ports  # noqa: E402
 
 WAIT_S = 60  # deadline for any single wait on the server
 
@@ -213,7 +213,7 @@ def echo_server(echo_repo):
 # --------------------------------------------------------------------------------------------------
 # launcher
 # --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("module", ["serve.launch", "serve.repository"])
+@pytest.mark.parametrize("module", ["k3deploy.serve.launch", "k3deploy.serve.repository"])
 def test_cli_help(module):
     r = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -300,7 +300,7 @@ def test_end_stubs_ends_only_the_servers_orphans():
     """The cleanup alone, deterministically: a process ignoring SIGTERM, orphaned in a process group whose leader
     has exited (a stub after tritonserver exited on an error) and carrying the server's prefix, ends (SIGTERM, then
     SIGKILL); a process of the same group without the prefix is left alone; the prefix's shared memory goes."""
-    from serve import launch
+    from k3deploy.serve import launch
     prefix, other = f"k3serve_test{os.getpid()}_", f"k3bystander{os.getpid()}"
     code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
     leader = subprocess.Popen(["sh", "-c", f"'{sys.executable}' -c '{code}' {prefix}x & "
@@ -336,7 +336,7 @@ def test_launcher_rejects_bad_arguments(tmp_path):
 
 def test_cli_sigterm_shutdown(echo_repo):
     h, g = free_ports(2)
-    proc = subprocess.Popen([sys.executable, "-m", "serve.launch", "--repo", str(echo_repo), "--http-port", str(h),
+    proc = subprocess.Popen([sys.executable, "-m", "k3deploy.serve.launch", "--repo", str(echo_repo), "--http-port", str(h),
                              "--grpc-port", str(g), "--timeout", str(WAIT_S), "--exit-timeout", "5"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: queue.Queue = queue.Queue()
@@ -433,14 +433,14 @@ def test_repository_backend_precedence(tmp_path):
 def test_repository_cli_and_overwrite(tmp_path):
     engines = tmp_path / "e"
     engines.mkdir()
-    cmd = [sys.executable, "-m", "serve.repository", "--engines", str(engines), "--out", str(tmp_path / "r")]
+    cmd = [sys.executable, "-m", "k3deploy.serve.repository", "--engines", str(engines), "--out", str(tmp_path / "r")]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert 'string_value: "torch"' in (tmp_path / "r" / "k3" / "config.pbtxt").read_text()
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--force" in r.stderr
     assert subprocess.run(cmd + ["--force"], cwd=ROOT, capture_output=True, timeout=120).returncode == 0
-    r = subprocess.run([sys.executable, "-m", "serve.repository", "--engines", str(tmp_path / "missing"),
+    r = subprocess.run([sys.executable, "-m", "k3deploy.serve.repository", "--engines", str(tmp_path / "missing"),
                         "--out", str(tmp_path / "r2")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--engines" in r.stderr and "not a directory" in r.stderr
 
@@ -483,7 +483,7 @@ def _k3_server(repo: pathlib.Path) -> TritonServer:
 
 @pytest.fixture(scope="module", params=["runtime", "build"])
 def k3(request, tmp_path_factory):
-    from runtime import api
+    from k3deploy.runtime import api
     if request.param == "runtime":
         ckpt = request.getfixturevalue("tiny_ckpt")
         repo = tmp_path_factory.mktemp("k3_runtime") / "repo"

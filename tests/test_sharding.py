@@ -9,11 +9,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from model.checkpoint import Checkpoint
-from model.layers import Comm
-from model.reference import K3Model, SequenceState, forward
-from model.sharding import check_parallel, shard_layer, shard_model
-from model.weights import PREFIX, layer_tensors
+from k3deploy.model.checkpoint import Checkpoint
+from k3deploy.model.layers import Comm
+from k3deploy.model.reference import K3Model, SequenceState, forward
+from k3deploy.model.sharding import check_parallel, shard_layer, shard_model
+from k3deploy.model.weights import PREFIX, layer_tensors
 
 
 @pytest.mark.parametrize("tp,ep", [(2, 1), (2, 2), (4, 4)])

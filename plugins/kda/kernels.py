@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from plugins.common import index_i32
-from plugins.workspace import Workspace, plan_bytes
+from k3deploy.plugins.common import index_i32
+from k3deploy.plugins.workspace import Workspace, plan_bytes
 
 _log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ import onnxscript
 from onnxscript import FLOAT, INT32
 from onnxscript import opset20 as op
 
-from plugins.onnx_common import KIMI, OnnxOpSpec, emit, make_schema
+from k3deploy.plugins.onnx_common import KIMI, OnnxOpSpec, emit, make_schema
 
 _INPUTS = [("qkv", "T"), ("f", "T"), ("b", "T"), ("g", "T"), ("conv_w", "tensor(float)"), ("A_log", "tensor(float)"),
            ("dt_bias", "tensor(float)"), ("o_norm_w", "tensor(float)"), ("state", "tensor(float)"), ("conv", "T")]

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from plugins.op_common import cuda_kernels
+from k3deploy.plugins.op_common import cuda_kernels
 
-from plugins.kda import reference as ref
+from k3deploy.plugins.kda import reference as ref
 
 
 

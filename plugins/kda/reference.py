@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from plugins.common import acc
+from k3deploy.plugins.common import acc
 import torch.nn.functional as F
 
 L2_EPS = 1e-6  # on the sum of squares, inside the sqrt (fla l2norm, §4.2 step 6)

@@ -18,7 +18,7 @@ TensorRT (``import tensorrt``); accessing them without TensorRT raises ImportErr
 
 from __future__ import annotations
 
-from plugins.trt_common import ACT, F32, I32, AttrSpec, In, Like, OpSpec, make_plugin_classes, torch_dtype
+from k3deploy.plugins.trt_common import ACT, F32, I32, AttrSpec, In, Like, OpSpec, make_plugin_classes, torch_dtype
 
 _ATTRS = (AttrSpec("num_heads", "int"), AttrSpec("head_dim", "int"),
           AttrSpec("lower_bound", "float", -5.0), AttrSpec("norm_eps", "float", 1e-5))
@@ -34,7 +34,7 @@ def _shape_rule(attrs):
 
 def _prefill_workspace(attrs, shapes, dtypes):
     # qkv [T, 3P], slots [N]; the act dtype sets the conv-output dtype (bf16 for fla when act is fp32)
-    from plugins.kda import kernels
+    from k3deploy.plugins.kda import kernels
 
     return kernels.kda_prefill_workspace_bytes(shapes[0][0], shapes[11][0], int(attrs["num_heads"]),
                                                int(attrs["head_dim"]), act_dtype=torch_dtype(dtypes[0]))
@@ -42,7 +42,7 @@ def _prefill_workspace(attrs, shapes, dtypes):
 
 def _decode_workspace(attrs, shapes, dtypes):
     # B = qkv rows; bound over the default kernel choice for every batch <= B (0 when no split scratch is needed)
-    from plugins.kda import kernels
+    from k3deploy.plugins.kda import kernels
 
     fn = getattr(kernels, "kda_decode_workspace_bytes", None)
     return 0 if fn is None else fn(shapes[0][0], int(attrs["num_heads"]), int(attrs["head_dim"]))

@@ -40,7 +40,7 @@ from typing import Any, Tuple
 
 import numpy as np
 
-from plugins.aot_common import (autotune_string, compile_entry, entry_signature, qdp_available, register_qdp,
+from k3deploy.plugins.aot_common import (autotune_string, compile_entry, entry_signature, qdp_available, register_qdp,
                                  scalar)
 
 
@@ -58,7 +58,7 @@ try:  # the entry kernel needs Triton (and the decode kernel); the pure helpers 
     import triton
     import triton.language as tl
 
-    from plugins.kda.kernels import _kda_decode_kernel
+    from k3deploy.plugins.kda.kernels import _kda_decode_kernel
 
     @triton.jit
     def _kda_decode_aot_kernel(qkv_ptr, f_ptr, b_ptr, g_ptr, convw_ptr, alog_ptr, dtb_ptr, onw_ptr, state_ptr,
@@ -189,8 +189,8 @@ def _define_qdp(trt, trtp) -> None:
         # JIT form (nodes without aot=1): the same single kernel through torch (BV = K: no scratch)
         import torch
 
-        from plugins.kda.kernels import kda_decode
-        from plugins.trt_common import tensor_from_ptr
+        from k3deploy.plugins.kda.kernels import kda_decode
+        from k3deploy.plugins.trt_common import tensor_from_ptr
 
         tnames = {**names, trt.int32: "int32"}
 

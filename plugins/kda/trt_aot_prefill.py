@@ -43,7 +43,7 @@ Attributes compiled in: num_heads, head_dim (all ops), lower_bound (gate), norm_
 
 import os
 
-from plugins.aot_ops import KernelOp, make_aot_node, register_table, replace_nodes
+from k3deploy.plugins.aot_ops import KernelOp, make_aot_node, register_table, replace_nodes
 
 BT, BC = 64, 16                         # fla's KDA chunk and sub-chunk sizes (kernels._CHUNK)
 CONV_BT = 16                            # conv / beta / Akk-zeroing token tile (the JIT conv pass's, run 11)
@@ -62,7 +62,7 @@ try:  # the entry kernels need Triton, our kernels and fla-core's stage kernels;
     import triton
     import triton.language as tl
 
-    from plugins.kda.kernels import (_FLA_STAGES_VERSIONS, _beta_tile, _chunk_out_norm_kernel, _conv_hist_kernel,
+    from k3deploy.plugins.kda.kernels import (_FLA_STAGES_VERSIONS, _beta_tile, _chunk_out_norm_kernel, _conv_hist_kernel,
                                      _conv_main_tile, _conv_start_kernel, _copy_rows_kernel)
 
     import fla

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from plugins.common import index_i32, num_sms
-from plugins.workspace import WORKSPACE_ALIGN, Workspace, plan_bytes
+from k3deploy.plugins.common import index_i32, num_sms
+from k3deploy.plugins.workspace import WORKSPACE_ALIGN, Workspace, plan_bytes
 
 _LOG = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ import onnxscript
 from onnxscript import FLOAT, INT32
 from onnxscript import opset20 as op
 
-from plugins.onnx_common import KIMI, OnnxOpSpec, emit, make_schema
+from k3deploy.plugins.onnx_common import KIMI, OnnxOpSpec, emit, make_schema
 
 MLA_PREFILL_SCHEMA = make_schema(
     "MlaPrefill",

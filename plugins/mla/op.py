@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from plugins.op_common import cuda_kernels
+from k3deploy.plugins.op_common import cuda_kernels
 
-from plugins.mla import reference as ref
+from k3deploy.plugins.mla import reference as ref
 
 
 

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from plugins.common import acc
+from k3deploy.plugins.common import acc
 
-from plugins.kda.reference import check_cu_seqlens
+from k3deploy.plugins.kda.reference import check_cu_seqlens
 
 
 def _positions(block_tables: torch.Tensor, block_size: int, n: int, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:

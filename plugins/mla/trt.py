@@ -19,11 +19,11 @@ Plugin/creator classes (``MlaPrefillPlugin``, ``MlaPrefillPluginCreator``, ``Mla
 
 from __future__ import annotations
 
-from plugins.trt_common import ACT, I32, AttrSpec, In, Like, OpSpec, make_plugin_classes, torch_dtype
+from k3deploy.plugins.trt_common import ACT, I32, AttrSpec, In, Like, OpSpec, make_plugin_classes, torch_dtype
 
 def _prefill_workspace(attrs, shapes, dtypes):
     # q [T, H, Dn+Dr], cache [NB, BS, R+Dr] (act dtype)
-    from plugins.mla import kernels
+    from k3deploy.plugins.mla import kernels
 
     R = int(attrs["kv_lora_rank"])
     return kernels.mla_prefill_workspace_bytes(shapes[0][0], int(attrs["num_heads"]), R, shapes[3][2] - R,
@@ -32,7 +32,7 @@ def _prefill_workspace(attrs, shapes, dtypes):
 
 def _decode_workspace(attrs, shapes, dtypes):
     # q_abs [B, H, 576], cache [NB, BS, 576], block_tables [B, MB]
-    from plugins.mla import kernels
+    from k3deploy.plugins.mla import kernels
 
     return kernels.mla_decode_workspace_bytes(shapes[0][0], int(attrs["num_heads"]), int(attrs["kv_lora_rank"]),
                                               shapes[3][1], shapes[2][1], dtype=torch_dtype(dtypes[2]))

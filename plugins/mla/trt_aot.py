@@ -39,7 +39,7 @@ from typing import Any, Tuple
 
 import numpy as np
 
-from plugins.aot_common import (autotune_string, compile_entry, entry_signature, qdp_available, register_qdp,
+from k3deploy.plugins.aot_common import (autotune_string, compile_entry, entry_signature, qdp_available, register_qdp,
                                  scalar)
 
 
@@ -55,7 +55,7 @@ try:  # the entry kernel needs Triton; the pure helpers do not
     import triton
     import triton.language as tl
 
-    from plugins.mla.kernels import _mla_attend, _write_latent
+    from k3deploy.plugins.mla.kernels import _mla_attend, _write_latent
 
     @triton.jit
     def _mla_decode_aot_kernel(q_ptr, lat_ptr, cache_ptr, bt_ptr, ctx_ptr, MB, BS, out_ptr, cache_out_ptr,
@@ -228,8 +228,8 @@ def _define_qdp(trt, trtp) -> None:
         # graphs (the IPluginV3 MlaDecode, plugins/mla/trt.py, carves them from the workspace instead)
         import torch
 
-        from plugins.mla.kernels import mla_decode
-        from plugins.trt_common import tensor_from_ptr
+        from k3deploy.plugins.mla.kernels import mla_decode
+        from k3deploy.plugins.trt_common import tensor_from_ptr
 
         tnames = {**names, trt.int32: "int32"}
 

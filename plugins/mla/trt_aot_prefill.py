@@ -26,7 +26,7 @@ latent width come from q's and latent's static last dims.
 """
 # no `from __future__ import annotations`: tensorrt.plugin reads the QDP functions' annotations as objects
 
-from plugins.aot_ops import KernelOp, make_aot_node, register_table, replace_nodes, static_int
+from k3deploy.plugins.aot_ops import KernelOp, make_aot_node, register_table, replace_nodes, static_int
 
 BT, BR, BM, BN, BNS = 64, 128, 32, 32, 64
 
@@ -34,7 +34,7 @@ try:  # the entry kernels need Triton; the tables do not
     import triton
     import triton.language as tl
 
-    from plugins.mla.kernels import (_mla_absorb_q_kernel, _mla_prefill_attn_kernel, _mla_up_kernel,
+    from k3deploy.plugins.mla.kernels import (_mla_absorb_q_kernel, _mla_prefill_attn_kernel, _mla_up_kernel,
                                      _write_latents_varlen_kernel)
 
     @triton.jit

@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from plugins.moe.reference import check_num_experts, route_logits
-from plugins.workspace import Workspace, plan_bytes
+from k3deploy.plugins.moe.reference import check_num_experts, route_logits
+from k3deploy.plugins.workspace import Workspace, plan_bytes
 
 log = logging.getLogger(__name__)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -612,7 +612,7 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
             h.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
             ypair.stride(0), I, RL, BM=BM, BN=BN2, BK=BK, num_warps=num_warps, num_stages=ns)
     elif impl == "gluon":
-        from plugins.moe import kernels_gluon
+        from k3deploy.plugins.moe import kernels_gluon
         kernels_gluon.grouped_gemms(x, tok, order, wts, offs, w13_packed, w13_scale, w2_packed, w2_scale, h, ypair,
                                     ws.empty((T, RL), torch.bfloat16), situ_beta=situ_beta,
                                     situ_linear_beta=situ_linear_beta, block_n13=block_n13, block_n2=block_n2,
@@ -665,7 +665,7 @@ def pick_impl(dev, T: int, k: int, num_experts: int, latent: int, inter: int, **
             return "legacy"
     except (RuntimeError, AssertionError):     # no driver here (tests on the CPU): the caller's device decides
         pass
-    from plugins.moe import kernels_gluon
+    from k3deploy.plugins.moe import kernels_gluon
     try:
         kernels_gluon.resolve_tiles(latent, inter, block_n13=tiles.get("block_n13"), block_n2=tiles.get("block_n2"),
                                     block_k=tiles.get("block_k"), block_m=tiles.get("block_m"),
@@ -680,7 +680,7 @@ def pick_impl(dev, T: int, k: int, num_experts: int, latent: int, inter: int, **
 def _has_gluon() -> bool:
     """Whether plugins.moe.kernels_gluon imports (a Triton with Gluon and the names it uses)."""
     try:
-        from plugins.moe import kernels_gluon  # noqa: F401
+        from k3deploy.plugins.moe import kernels_gluon  # noqa: F401
     except Exception as e:     # ImportError, or an AttributeError from a Gluon whose names moved
         log.warning("mxfp4_moe: Gluon kernels unavailable (%r; they need Triton >= 3.6 with Gluon): the slower "
                     "legacy Triton kernels run", e)

@@ -25,7 +25,7 @@ import onnxscript
 from onnxscript import FLOAT, INT32, UINT8
 from onnxscript import opset20 as op
 
-from plugins.onnx_common import KIMI, OnnxOpSpec, emit, make_schema
+from k3deploy.plugins.onnx_common import KIMI, OnnxOpSpec, emit, make_schema
 
 MXFP4_MOE_SCHEMA = make_schema(
     "Mxfp4Moe",

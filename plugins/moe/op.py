@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from plugins.op_common import cuda_kernels
+from k3deploy.plugins.op_common import cuda_kernels
 
-from plugins.moe import reference as ref
+from k3deploy.plugins.moe import reference as ref
 
 
 

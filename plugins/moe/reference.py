@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from plugins.common import acc
+from k3deploy.plugins.common import acc
 
-from plugins.moe.mxfp4 import pack_mxfp4 as quant_mxfp4  # noqa: F401  (re-exported for the op contract)
-from plugins.moe.mxfp4 import unpack_mxfp4 as dequant_mxfp4
+from k3deploy.plugins.moe.mxfp4 import pack_mxfp4 as quant_mxfp4  # noqa: F401  (re-exported for the op contract)
+from k3deploy.plugins.moe.mxfp4 import unpack_mxfp4 as dequant_mxfp4
 
 
 def situ(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float | None = 25.0) -> torch.Tensor:

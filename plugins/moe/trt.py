@@ -12,11 +12,11 @@ first access with full TensorRT; :data:`MXFP4_MOE` imports without it.
 
 from __future__ import annotations
 
-from plugins.trt_common import ACT, F32, I32, U8, AttrSpec, Like, OpSpec, make_plugin_classes
+from k3deploy.plugins.trt_common import ACT, F32, I32, U8, AttrSpec, Like, OpSpec, make_plugin_classes
 
 def _workspace(attrs, shapes, dtypes):
     # x [T, Rl], topk_ids [T, k], w13_packed [E, 2I, Rl/2]
-    from plugins.moe import kernels
+    from k3deploy.plugins.moe import kernels
 
     return kernels.mxfp4_moe_workspace_bytes(shapes[0][0], shapes[1][1], shapes[3][0], shapes[3][1] // 2,
                                              shapes[0][1])

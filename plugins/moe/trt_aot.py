@@ -34,9 +34,9 @@ from typing import Any, Tuple
 
 import numpy as np
 
-from plugins.aot_common import (autotune_string, compile_entry, entry_signature, qdp_available, register_qdp,
+from k3deploy.plugins.aot_common import (autotune_string, compile_entry, entry_signature, qdp_available, register_qdp,
                                  scalar)
-from plugins.aot_ops import replace_nodes, static_int
+from k3deploy.plugins.aot_ops import replace_nodes, static_int
 
 SORT, W13, W2, COMBINE = "kimi::MoeSortPairs", "kimi::MoeExpertsW13", "kimi::MoeExpertsW2", "kimi::MoeCombine"
 AOT_OPS = (SORT, W13, W2, COMBINE)
@@ -61,7 +61,7 @@ try:  # the entry kernels need Triton; the pure helpers do not
     import triton
     import triton.language as tl
 
-    from plugins.moe.kernels import _moe_combine_kernel, _moe_sort_kernel, _moe_w2_kernel, _moe_w13_kernel
+    from k3deploy.plugins.moe.kernels import _moe_combine_kernel, _moe_sort_kernel, _moe_w2_kernel, _moe_w13_kernel
 
     @triton.jit
     def _moe_sort_aot_kernel(ids_ptr, M, order_ptr, tok_ptr, offs_ptr, E: tl.constexpr, EXPERT_OFFSET: tl.constexpr,
@@ -123,7 +123,7 @@ def kernel_constexprs(op: str, *, num_local_experts: int = 0, expert_offset: int
     """Values compiled into ``op``'s PTX (attributes and shapes: E, expert_offset, k, Rl, I, SiTU betas) plus the
     tiles. ``interpret``: plain-Triton dequant and fp32 products (the Triton interpreter, tests) instead of the
     GPU's inline-PTX dequant (DQ=3) and bf16 products. Raises ValueError for widths that are not multiples of 32."""
-    from plugins.moe.kernels import _scan_groups, default_block_k
+    from k3deploy.plugins.moe.kernels import _scan_groups, default_block_k
 
     if op == SORT:
         return {"E": int(num_local_experts), "EXPERT_OFFSET": int(expert_offset), "K": int(top_k),

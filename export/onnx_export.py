@@ -7,7 +7,7 @@ it, then `index.json`. The graphs are `torch.onnx.export(dynamo=True)` traces of
 model/reference.py run with `plugins.torch_ops.TorchOps`, whose custom ops become `kimi` nodes with
 model-local function bodies (plugins/onnx_common.py).
 
-CLI: `python -m export.onnx --checkpoint DIR --out DIR [--tp N] [--ep M] [--layers 0,3] [--graphs prefill,decode]`.
+CLI: `python -m k3deploy.export.onnx_export --checkpoint DIR --out DIR [--tp N] [--ep M] [--layers 0,3] [--graphs prefill,decode]`.
 Errors: ValueError naming the option for bad tp/ep/layers; model.checkpoint.CheckpointError for a bad checkpoint.
 """
 from __future__ import annotations
@@ -29,11 +29,11 @@ import numpy as np
 import onnx
 import torch
 
-from model.config import K3Config
-from model.layers import Comm, attn_res, rms_norm
-from model.reference import Batch, DecoderLayer, LatentMoE, state_spec
-from plugins.onnx_common import DOMAIN, DOMAIN_VERSION, OPSET, attach_functions, translation_table
-from plugins.torch_ops import TorchOps
+from k3deploy.model.config import K3Config
+from k3deploy.model.layers import Comm, attn_res, rms_norm
+from k3deploy.model.reference import Batch, DecoderLayer, LatentMoE, state_spec
+from k3deploy.plugins.onnx_common import DOMAIN, DOMAIN_VERSION, OPSET, attach_functions, translation_table
+from k3deploy.plugins.torch_ops import TorchOps
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ logging.getLogger("torch.onnx._internal.exporter._registration").addFilter(_not_
 FORMAT_VERSION = 1
 EXPORTER_VERSION = "1"
 INDEX_NAME = "index.json"
-_CODE_FILES = ("export/onnx.py", "plugins/onnx_common.py", "plugins/kda/onnx.py", "plugins/mla/onnx.py",
+_CODE_FILES = ("export/onnx_export.py", "plugins/onnx_common.py", "plugins/kda/onnx.py", "plugins/mla/onnx.py",
                "plugins/moe/onnx.py", "model/reference.py", "model/layers.py")
 _ROOT = Path(__file__).resolve().parent.parent
 
@@ -382,13 +382,13 @@ class WeightSource:
 
     @classmethod
     def from_checkpoint(cls, path) -> "WeightSource":
-        from model.checkpoint import Checkpoint
+        from k3deploy.model.checkpoint import Checkpoint
         ck = Checkpoint(path)
         return cls(ck.config, ck.layer_weights, ck.model_weights)
 
     def layer(self, l: int, rank: int, tp: int, ep: int) -> dict[str, torch.Tensor]:
         """Decoder layer l's weights (names relative to the layer prefix, A_log trimmed) sharded for rank of tp/ep (§10)."""
-        from model.sharding import shard_layer
+        from k3deploy.model.sharding import shard_layer
         key = ("layer", l)
         if key not in self._cache:
             self._cache = {key: self._lw(l)}  # keep one layer's full weights at a time
@@ -396,7 +396,7 @@ class WeightSource:
 
     def model(self, rank: int, tp: int) -> dict[str, torch.Tensor]:
         """Model-level weights (embedding, norms, output AttnRes, lm_head) with the vocabulary sharded for rank of tp."""
-        from model.sharding import shard_model
+        from k3deploy.model.sharding import shard_model
         return shard_model(self.cfg, self._mw(), rank, tp)
 
 
@@ -495,7 +495,7 @@ def export_model(src: "WeightSource | str | Path", out: "str | Path", tp: int = 
                  progress: bool = True, optimize: bool = True) -> dict:
     """Export every graph of the model (see module docstring) into `out`; returns the index dict (also written
     to out/index.json). Raises ValueError naming tp/ep/layers/graphs when they are invalid."""
-    from model.sharding import check_parallel
+    from k3deploy.model.sharding import check_parallel
     if not isinstance(src, WeightSource):
         src = WeightSource.from_checkpoint(src)
     cfg = src.cfg
@@ -544,8 +544,8 @@ def _int_list(s: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{s!r}: expected comma-separated layer indices like 0,3") from None
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m export.onnx",
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=prog or "python -m k3deploy.export.onnx_export",
                                  description="Export a K3 checkpoint layer by layer to ONNX (docs/EXPORT_FORMAT.md).")
     ap.add_argument("--checkpoint", required=True, type=Path, help="checkpoint directory (config.json + safetensors)")
     ap.add_argument("--out", required=True, type=Path, help="output directory (index.json + rank*/ graphs)")
