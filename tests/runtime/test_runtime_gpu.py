@@ -33,7 +33,7 @@ import torch
 
 from k3deploy.model.reference import K3Model, ReferenceOps, SequenceState, forward
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HAS_CUDA = torch.cuda.is_available()
 DEV = os.environ.get("K3_TEST_DEVICE", "cuda")      # "cpu" runs the GPU tests' logic on the CPU (developing them;
 DEV_TYPE = torch.device(DEV).type                   # ops "kernels" then needs TRITON_INTERPRET=1)

@@ -16,7 +16,7 @@ from k3deploy.export import build_engines as be
 from k3deploy.export.plan import make_plan
 from k3deploy.model.config import load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "export" / "build_engines.py"
 
 

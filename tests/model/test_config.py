@@ -7,7 +7,7 @@ import pytest
 
 from k3deploy.model.config import K3_CONFIG_PATH, ConfigError, load_config, parse_config, preset_json
 
-SHARED_K3 = Path(__file__).resolve().parents[2] / "shared" / "k3" / "config.json"  # ../shared beside the checkout
+SHARED_K3 = Path(__file__).resolve().parents[3] / "shared" / "k3" / "config.json"  # ../shared beside the checkout
 
 
 def test_presets_parse():

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from k3deploy.runtime.tokenizer import Tokenizer, train_bpe, write_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TEXT = "the quick brown fox jumps over the lazy dog. " * 20
 
 

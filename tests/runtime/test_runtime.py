@@ -26,7 +26,7 @@ from k3deploy.runtime.cache import AdmissionError, HybridCache, plan_memory
 from k3deploy.runtime.executor import TorchExecutor
 from k3deploy.runtime.scheduler import Scheduler
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WAIT = 300  # seconds an Event wait may take before the test gives up (a hang guard, not a timing assertion)
 
 

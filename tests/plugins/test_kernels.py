@@ -846,7 +846,7 @@ def test_bench_kernels_cli_errors():
     import subprocess
     import sys
     from pathlib import Path
-    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_kernels.py"
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_kernels.py"
     r = subprocess.run([sys.executable, str(bench), "--config", "no-such-preset"], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 2 and "--config 'no-such-preset'" in r.stderr and "preset" in r.stderr, r.stderr
@@ -862,7 +862,7 @@ def test_sweep_kda_decode_tiles_cli_errors(tmp_path):
     import subprocess
     import sys
     from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     script = root / "benchmarks" / "sweep_kda_decode_tiles.py"
     env = {**os.environ, "PYTHONPATH": str(root)}
     r = subprocess.run([sys.executable, str(script), "--shapes", "12x1,96-4"], capture_output=True, text=True,
@@ -883,7 +883,7 @@ def test_bench_common_kda_inputs_drive_the_kernel():
     import importlib.util
     from pathlib import Path
     spec = importlib.util.spec_from_file_location(
-        "bench_common", Path(__file__).resolve().parents[1] / "benchmarks" / "bench_common.py")
+        "bench_common", Path(__file__).resolve().parents[2] / "benchmarks" / "bench_common.py")
     bc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bc)
     B, H, K = 3, 2, 16
@@ -920,7 +920,7 @@ def test_plot_roofline_rows_and_drop(tmp_path):
     import json
     from pathlib import Path
     spec = importlib.util.spec_from_file_location(
-        "plot_roofline", Path(__file__).resolve().parents[1] / "benchmarks" / "plot_roofline.py")
+        "plot_roofline", Path(__file__).resolve().parents[2] / "benchmarks" / "plot_roofline.py")
     pr = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pr)
     recs = [{"what": "copy", "GBps": 4000.0},

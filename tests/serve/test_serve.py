@@ -30,7 +30,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient[all] not installed")

@@ -42,7 +42,7 @@ from k3deploy.plugins.trt_common import ACT, F32, Like, OpSpec, run_kernel, work
 from kernel_checks import (DriverKernel, FakeDesc, Guarded, Sym, compile_in_subprocess,  # noqa: E402
                            fake_tensorrt_plugin, nan_equal, relerr)     # (tests/kernel_checks.py)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEV = "cuda" if HAS_CUDA else "cpu"
 gpu_only = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 

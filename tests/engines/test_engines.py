@@ -21,7 +21,7 @@ from k3deploy.plugins.moe.trt import MXFP4_MOE
 from k3deploy.plugins.trt_common import (attrs_from_fields, fields_from_attrs, make_plugin_classes, output_dtypes,
                                 output_shapes, supports_combination)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KDA_ATTRS = {"num_heads": 2, "head_dim": 4}
 MLA_P_ATTRS = {"num_heads": 2, "qk_nope_head_dim": 8, "v_head_dim": 6, "kv_lora_rank": 512, "scale": 0.1}
 MLA_D_ATTRS = {"num_heads": 2, "kv_lora_rank": 512, "scale": 0.1}
