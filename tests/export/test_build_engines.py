@@ -1,4 +1,4 @@
-"""The main job (issue 5): `python export/build_engines.py` end to end on k3-tiny, the K3 dry-run plan,
+"""The main job: `python export/build_engines.py` end to end on k3-tiny, the K3 dry-run plan,
 idempotent reruns, and every error path with one clear message."""
 from __future__ import annotations
 
