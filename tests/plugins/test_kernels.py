@@ -14,7 +14,7 @@ from k3deploy.plugins.kda import kernels as kda_k          # noqa: E402
 from k3deploy.plugins.kda import reference as kda_ref      # noqa: E402
 from k3deploy.plugins.mla import kernels as mla_k          # noqa: E402
 from k3deploy.plugins.moe import kernels as moe_k          # noqa: E402
-from k3deploy.plugins.mla import reference as mla_ref      # noqa: E402  (the lead's oracle)
+from k3deploy.plugins.mla import reference as mla_ref      # noqa: E402
 from k3deploy.plugins.moe import reference as moe_ref_mod  # noqa: E402
 from kernel_checks import Guarded, nan_equal, relerr    # noqa: E402  (tests/kernel_checks.py)
 

@@ -13,7 +13,6 @@ import torch
 from kernel_checks import DEV, Guarded, check_e2m1_decode, compile_in_subprocess, relerr
 from k3deploy.plugins.moe import reference as moe_ref
 
-HAS_CUDA = torch.cuda.is_available()
 try:
     from k3deploy.plugins.moe import kernels_gluon as kg
 except ImportError as e:     # a Triton without Gluon
