@@ -277,7 +277,7 @@ def test_ncu_summary_reads_a_real_report():
     sys.path.insert(0, str(REPO / "benchmarks"))
     import ncu_moe
 
-    recs = ncu_moe.summarize((REPO / "benchmarks/results/ncu_moe_T64-h200.txt").read_text())
+    recs = ncu_moe.summarize((REPO / "benchmarks/results/h200_run14_g_ncu_T64_real_clocks.txt").read_text())
     assert [r["kernel"] for r in recs] == ["_moe_w13_kernel", "_moe_w2_kernel", "moe_w13_kernel", "moe_w2_kernel"]
     assert recs[2]["Duration"] == 525.28 and recs[2]["DRAM Throughput"] == 53.42
     assert recs[2]["stalls"]["long_scoreboard"] == 1.85 and recs[2]["pipes"]["alu"] == 48.66
