@@ -29,7 +29,7 @@ OPEN, CLOSE, SEP, END = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 THINKING_EFFORTS = ("low", "high", "max")
 ROLES = ("system", "user", "assistant", "tool")
 
-__all__ = ["encode_chat", "render_chat", "image_segments", "OutputParser", "parse_output", "merge_deltas",
+__all__ = ["encode_chat", "render_chat", "thinking_enabled", "image_segments", "OutputParser", "parse_output", "merge_deltas",
            "Segment", "THINKING_EFFORTS"]
 
 
@@ -131,6 +131,12 @@ def _options(thinking, enable_thinking, reasoning_effort, thinking_effort) -> tu
         allowed = ", ".join(THINKING_EFFORTS) + (" or none" if source == "reasoning_effort" else "")
         raise ValueError(f"{source} = {effort!r}: Kimi K3 supports {allowed}")
     return on, effort
+
+
+def thinking_enabled(thinking: bool | None = None, enable_thinking: bool | None = None,
+                     reasoning_effort: str | None = None, thinking_effort: str | None = None) -> bool:
+    """Whether `encode_chat` with these switches opens the think channel (ValueError naming a bad field)."""
+    return _options(thinking, enable_thinking, reasoning_effort, thinking_effort)[0]
 
 
 def _arguments(args: Any, field: str) -> tuple[dict, str | None]:
