@@ -513,6 +513,11 @@ class OpenAIFront:
 
     _proc_rc: Optional[int] = None
 
+    @property
+    def pid(self) -> Optional[int]:
+        """Process id of the running front, if started."""
+        return None if self._proc is None else self._proc.pid
+
     def is_alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
