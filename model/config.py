@@ -130,7 +130,8 @@ class K3Config:
 
 K3_TINY_JSON: dict = {
     "model_type": "kimi_k3", "tie_word_embeddings": False,
-    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    # K3's 256 special tokens sit after the 768 BPE ranks at K3's offsets: id = 768 + (K3 id - 163584)
+    "bos_token_id": 768, "eos_token_id": 770, "pad_token_id": 1023, "media_placeholder_token_id": 789,
     "text_config": {
         "model_type": "kimi_linear", "vocab_size": 1024, "hidden_size": 256,
         "num_hidden_layers": 9, "num_attention_heads": 4, "num_key_value_heads": 4,

@@ -14,6 +14,9 @@ forward finite and non-degenerate:
 
 CLI: `python -m k3deploy.model.synthetic --preset k3-tiny --out DIR [--seed S] [--force]` streams one shard (layer)
 at a time through `model.checkpoint.CheckpointWriter`, so k3-slice (~17 GB on disk) never sits in memory.
+
+Every checkpoint also ships the tokenizer files (`tiktoken.model` + `tokenizer_config.json`, model/vocab.py): the
+vocabulary's last 256 ids are K3's special tokens at K3's offsets, so the preset's bos/eos/pad/media ids name them.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import torch
 
 from k3deploy.model.checkpoint import CheckpointWriter
 from k3deploy.model.config import PRESETS, ConfigError, K3Config, load_config
+from k3deploy.model.vocab import NUM_SPECIAL, write_tokenizer_files
 from k3deploy.model.weights import PREFIX, TensorSpec, a_log_stored_size, all_tensors, layer_tensors, model_tensors
 from k3deploy.plugins.moe.mxfp4 import pack_mxfp4
 
@@ -163,9 +167,14 @@ def synthetic_layer_weights(cfg: K3Config, l: int, seed: int = 0, device: "str |
 def write_synthetic(cfg: K3Config, out: "str | Path", seed: int = 0, overwrite: bool = False,
                     progress: bool = False) -> Path:
     """Generate and write a synthetic checkpoint shard by shard (one layer in memory at most one tensor at
-    a time). Atomic (see CheckpointWriter). FileExistsError if `out` is non-empty and overwrite is False."""
+    a time) plus its tokenizer files (module docstring; none for a vocabulary under 512 ids). Atomic (see
+    CheckpointWriter). FileExistsError if `out` is non-empty and overwrite is False."""
     src = SyntheticSource(cfg, seed)
     with CheckpointWriter(out, cfg, overwrite=overwrite) as w:
+        if cfg.vocab_size >= 256 + NUM_SPECIAL:
+            write_tokenizer_files(w.tmp, cfg.vocab_size, cfg.max_position_embeddings)
+        else:
+            log.warning("vocab_size %d < %d: no tokenizer files written", cfg.vocab_size, 256 + NUM_SPECIAL)
         plan = w.plan()
         bar = None
         if progress:

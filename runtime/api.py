@@ -44,13 +44,19 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "AsyncEngine", "resolve_mod
 @dataclasses.dataclass
 class RequestOutput:
     """request_id; prompt_ids; token_ids generated (a stop/eos token that ended the request is included);
-    finish_reason "length" | "stop" | "cancelled" | "error"; error: message when finish_reason == "error"."""
+    finish_reason "length" | "stop" | "cancelled" | "error"; error: message when finish_reason == "error".
+    With SamplingParams.logprobs: logprobs[i] (natural log) and top_logprobs[i] ([(id, logprob)], most likely first)
+    of token_ids[i]; with prompt_logprobs: prompt_logprobs / prompt_top_logprobs per prompt token (None first)."""
 
     request_id: str
     prompt_ids: list[int]
     token_ids: list[int]
     finish_reason: str
     error: str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list | None = None
 
 
 def _first_key(d: dict, *keys):
@@ -372,7 +378,10 @@ class LLM:
                 if tok is not None:
                     out.token_ids.append(tok)
                 if finished:
-                    out.finish_reason, out.error = reqs[0].finish_reason, error
+                    r = reqs[0]
+                    out.finish_reason, out.error = r.finish_reason, error
+                    out.logprobs, out.top_logprobs = r.logprobs, r.top_logprobs
+                    out.prompt_logprobs, out.prompt_top_logprobs = r.prompt_logprobs, r.prompt_top_logprobs
                     done.release()
             with self._engine._turn() if self._engine is not None else contextlib.nullcontext():
                 reqs.append(self._submit(out.request_id, pr, p, on_token))   # before its first callback can run

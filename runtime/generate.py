@@ -96,8 +96,8 @@ def _main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if a.text and llm.tokenizer is not None:
         try:
             print(llm.tokenizer.decode(out.token_ids))
-        except KeyError as e:  # a model vocabulary larger than the tokenizer's
-            print(f"error: --text: {e.args[0]}", file=sys.stderr)
+        except ValueError as e:  # a model vocabulary larger than the tokenizer's
+            print(f"error: --text: {e}", file=sys.stderr)
             return 1
     return 0 if out.finish_reason != "error" else 1
 

@@ -12,8 +12,10 @@ Each `step()`:
    pools back into the cache, samples a token for every request whose pending tokens are all processed, and
    finishes requests (max_tokens, stop/eos, max_context): their slot and blocks are freed at once.
 
-Events go to each request's `on_token(token_id | None, finished, error)` callback. Not thread safe: the
-`AsyncEngine` serializes calls with its lock.
+Events go to each request's `on_token(token_id | None, finished, error)` callback. When the params ask for
+them, a token's logprob (and top alternatives) is on the Request (`logprobs[-1]`, `top_logprobs[-1]`) before its
+callback fires, and a prefill chunk fills `prompt_logprobs` for the prompt tokens it predicts (logits of every
+chunk position). Not thread safe: the `AsyncEngine` serializes calls with its lock.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import torch
 
 from k3deploy.model.reference import Batch
 from k3deploy.runtime.cache import HybridCache
-from k3deploy.runtime.sampling import SamplingParams, make_generator, sample_batch, validate_prompt
+from k3deploy.runtime.sampling import SamplingParams, make_generator, sample_batch, token_logprobs, validate_prompt
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +37,9 @@ OnToken = Callable[[int | None, bool, str | None], None]
 @dataclasses.dataclass(eq=False)
 class Request:
     """One request's scheduling state. all_ids = prompt + output; num_computed = leading tokens of all_ids in
-    the cache; prefill_end = len(all_ids) when it was (re)admitted (tokens before it go through prefill)."""
+    the cache; prefill_end = len(all_ids) when it was (re)admitted (tokens before it go through prefill).
+    With params.logprobs: logprobs[i] / top_logprobs[i] ([(id, logprob)]) of output token i. With
+    params.prompt_logprobs: prompt_logprobs[i] / prompt_top_logprobs[i] of prompt token i (None for i = 0)."""
 
     request_id: str
     prompt_ids: list[int]
@@ -49,6 +53,10 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     generator: torch.Generator | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     @property
     def all_ids(self) -> list[int]:
@@ -115,6 +123,10 @@ class Scheduler:
             raise ValueError(f"request_id = {request_id!r}: already in flight")
         self.cache.check_admissible(len(ids))
         req = Request(request_id, ids, params, on_token, self._arrivals, generator=make_generator(params))
+        if params.logprobs is not None:
+            req.logprobs, req.top_logprobs = [], []
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs, req.prompt_top_logprobs = [None], [None]
         self._arrivals += 1
         self.requests[request_id] = req
         self.waiting.append(req)
@@ -206,7 +218,10 @@ class Scheduler:
             budget -= n
         return plan
 
-    def _batch(self, group: list[tuple[Request, int]], decode: bool) -> tuple[torch.Tensor, Batch, torch.Tensor]:
+    def _batch(self, group: list[tuple[Request, int]], decode: bool
+               ) -> tuple[torch.Tensor, Batch, torch.Tensor, list[int]]:
+        """(ids, batch, logits_index, first logits row of each request): one row per request (its last token),
+        or one per chunk position for a prefill whose prompt logprobs are wanted."""
         rids: list[str | None] = [r.request_id for r, _ in group]
         ids = [t for r, n in group for t in r.token_slice(r.num_computed, r.num_computed + n)]
         lens = [n for _, n in group]
@@ -223,11 +238,49 @@ class Scheduler:
         cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
         batch = Batch(cu, torch.tensor(slots, dtype=torch.int32), self.cache.block_tables(rids),
                       torch.tensor(ctx, dtype=torch.int32), decode=decode)
-        logits_index = (cu[1: len(group) + 1] - 1).long()
-        return torch.tensor(ids, dtype=torch.long), batch, logits_index
+        index, first = [], []
+        for row, (r, n) in enumerate(group):
+            first.append(len(index))
+            end = int(cu[row + 1])
+            index += range(end - n, end) if self._wants_prompt_logprobs(r, n, decode) else [end - 1]
+        return torch.tensor(ids, dtype=torch.long), batch, torch.tensor(index, dtype=torch.long), first
+
+    @staticmethod
+    def _wants_prompt_logprobs(r: Request, n: int, decode: bool) -> bool:
+        """A prefill chunk [num_computed, +n) predicts prompt tokens whose logprobs are still missing."""
+        return (not decode and r.prompt_logprobs is not None
+                and r.num_computed + 1 < len(r.prompt_ids) and len(r.prompt_logprobs) < len(r.prompt_ids))
+
+    def _fill_prompt_logprobs(self, group, logits, first, decode: bool) -> None:
+        rows, targets, ks, owners = [], [], [], []
+        for row, (r, n) in enumerate(group):
+            if not self._wants_prompt_logprobs(r, n, decode):
+                continue
+            need = len(r.prompt_logprobs)              # the first prompt token without its logprob
+            for j in range(n):
+                p = r.num_computed + j                 # position p's logits predict token p + 1
+                if need <= p + 1 < len(r.prompt_ids):  # (after a preemption the recomputed ones are known)
+                    rows.append(first[row] + j)
+                    targets.append(r.prompt_ids[p + 1])
+                    ks.append(r.params.prompt_logprobs)
+                    owners.append(r)
+        if not rows:
+            return
+        for r, (lp, top) in zip(owners, token_logprobs(logits[torch.tensor(rows, device=logits.device)], targets, ks)):
+            r.prompt_logprobs.append(lp)
+            r.prompt_top_logprobs.append(top)
+
+    def _banned(self, r: Request) -> list[int]:
+        """Last tokens of the request's bad words whose other tokens end its sequence."""
+        out = []
+        for w in r.params.bad_words:
+            k = len(w) - 1
+            if k == 0 or (k <= r.num_tokens and r.token_slice(r.num_tokens - k, r.num_tokens) == list(w[:-1])):
+                out.append(int(w[-1]))
+        return out
 
     def _run(self, group: list[tuple[Request, int]], decode: bool) -> None:
-        ids, batch, index = self._batch(group, decode)
+        ids, batch, index, first = self._batch(group, decode)
         try:
             logits, pools = self.executor.forward(ids, batch, self.cache.pools, index)
         except Exception as e:
@@ -237,12 +290,21 @@ class Scheduler:
                     self._finish(req, "error", f"{type(e).__name__}: {e}", notify_token=None)
             return
         self.cache.set_pools(pools)
+        self._fill_prompt_logprobs(group, logits, first, decode)
         rows = [row for row, (req, n) in enumerate(group) if req.num_computed + n >= req.num_tokens]
-        toks = {}
+        toks, lps = {}, {}
         if rows:                                       # one batched draw (logits may be on a GPU)
-            sel = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=logits.device)]
-            toks = dict(zip(rows, sample_batch(sel, [group[r][0].params for r in rows],
-                                               [group[r][0].generator for r in rows])))
+            last = [first[r + 1] - 1 if r + 1 < len(first) else len(index) - 1 for r in rows]
+            sel = logits if len(last) == logits.shape[0] else logits[torch.tensor(last, device=logits.device)]
+            reqs = [group[r][0] for r in rows]
+            banned = [self._banned(q) if q.params.bad_words else [] for q in reqs]
+            toks = dict(zip(rows, sample_batch(sel, [q.params for q in reqs], [q.generator for q in reqs],
+                                               banned if any(banned) else None)))
+            want = [j for j, q in enumerate(reqs) if q.logprobs is not None]
+            if want:
+                sub = sel if len(want) == sel.shape[0] else sel[torch.tensor(want, device=sel.device)]
+                got = token_logprobs(sub, [toks[rows[j]] for j in want], [reqs[j].params.logprobs for j in want])
+                lps = {rows[j]: g for j, g in zip(want, got)}
         for row, (req, n) in enumerate(group):
             if req.status == "finished":               # cancelled by an earlier row's callback in this loop
                 continue
@@ -251,9 +313,14 @@ class Scheduler:
                 continue                               # prefill not done yet: nothing to sample
             tok = toks[row]
             req.output_ids.append(tok)
+            if row in lps:
+                req.logprobs.append(lps[row][0])
+                req.top_logprobs.append(lps[row][1])
             self.stats["tokens_generated"] += 1
             p = req.params
-            if tok in p.stop_token_ids or (tok == self.eos_token_id and not p.ignore_eos):
+            if (tok in p.stop_token_ids or (tok == self.eos_token_id and not p.ignore_eos)
+                    or any(len(w) <= len(req.output_ids) and req.output_ids[-len(w):] == list(w)
+                           for w in p.stop_sequences)):
                 self._finish(req, "stop", None, notify_token=tok)
             elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_context:
                 self._finish(req, "length", None, notify_token=tok)

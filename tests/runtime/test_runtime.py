@@ -515,33 +515,6 @@ def test_cli_prints_generated_ids(tiny_ckpt, tiny_model):
     assert e.returncode == 2 and "torchrun --standalone --nproc-per-node 2" in e.stderr, e.stderr
 
 
-# ---- tokenizer -------------------------------------------------------------------------------------------
-
-TEXT = ("The quick brown fox jumps over the lazy dog. It's 2026; the dog's 3 friends weren't lazy!\n"
-        "Kimi K3 是一个模型。 Décodage naïve — ünïcödé, emoji 🙂 and tabs\tand   spaces.\n") * 3
-
-
-def test_tokenizer_round_trip(tmp_path):
-    from k3deploy.runtime.tokenizer import Tokenizer, load_ranks, train_bpe, write_ranks
-    ranks = train_bpe(TEXT, 400)
-    assert ranks == train_bpe(TEXT, 400) and 256 < len(ranks) <= 400   # deterministic; stops when no pair is left
-    path = write_ranks(tmp_path / "tiktoken.model", ranks)
-    assert load_ranks(path) == ranks
-    specials = {"<|im_start|>": 400, "<|im_end|>": 401}
-    for use_tt in (False, True):
-        tok = Tokenizer.from_file(path, specials, use_tiktoken=use_tt)
-        for s in (TEXT, "", "unseen wörds 数字 12345", "<|im_start|>user\nhi<|im_end|>"):
-            ids = tok.encode(s)
-            assert tok.decode(ids) == s
-            assert all(0 <= i < tok.n_vocab for i in ids)
-        assert tok.encode("<|im_end|>") == [401]
-        assert len(tok.encode(TEXT)) < len(TEXT.encode()) // 2          # merges are used
-    pure = Tokenizer(ranks, specials, use_tiktoken=False)
-    if importlib.util.find_spec("tiktoken"):
-        fast = Tokenizer(ranks, specials, use_tiktoken=True)
-        assert fast._tt is not None and fast.encode(TEXT) == pure.encode(TEXT)
-
-
 # ---- onnxruntime backend ---------------------------------------------------------------------------------
 
 @pytest.mark.skipif(importlib.util.find_spec("k3deploy.export.onnx_export") is None,
