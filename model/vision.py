@@ -228,9 +228,9 @@ def rope_tables(grids: Sequence[tuple[int, int, int]], head_dim: int) -> tuple[n
 
 
 def merge_index(grids: Sequence[tuple[int, int, int]], offsets: Sequence[int] | None = None) -> np.ndarray:
-    """[N, 4t] int64 (one t for all segments): row (r, c) of a segment lists its 4·t source tokens, frame-major,
-    then (dy, dx) in (0,0), (0,1), (1,0), (1,1) order (§6.1). offsets: each segment's first token (default packed
-    end to end). Raises ValueError for segments of different t."""
+    """[N, t, 4] int64 (one t for all segments): merged token (r, c) of a segment gathers, per frame, its 4 source
+    tokens in (dy, dx) = (0,0), (0,1), (1,0), (1,1) order (§6.1). offsets: each segment's first token (default
+    packed end to end). Raises ValueError for segments of different t."""
     ts = {t for t, _, _ in grids}
     if len(ts) != 1:
         raise ValueError(f"merge_index: segments with t = {sorted(ts)}; one gather table takes one t")
@@ -241,7 +241,7 @@ def merge_index(grids: Sequence[tuple[int, int, int]], offsets: Sequence[int] | 
         dy, dx = np.array([0, 0, 1, 1]), np.array([0, 1, 0, 1])
         sp = (2 * r[:, None] + dy[None]) * w + (2 * c[:, None] + dx[None])            # [n, 4]
         f = np.arange(t)[None, :, None] * (h * w)
-        rows.append(base + (f + sp[:, None, :]).reshape(len(r), 4 * t))
+        rows.append(base + f + sp[:, None, :])
         off += t * h * w
     return np.concatenate(rows)
 
@@ -255,13 +255,33 @@ def group_segments(grids: Sequence[tuple[int, int, int]]) -> list[list[int]]:
     return list(groups.values())
 
 
+def encode_grouped(pixel_values: torch.Tensor, grid_thws, v: VisionConfig, call) -> torch.Tensor:
+    """Run a packed batch through a one-group backend: segments grouped by (t, length) (`group_segments`), each
+    group's `graph_inputs` passed to `call(inputs) -> features [n, text_hidden]` (the torch graph_forward, an
+    onnxruntime session, a TensorRT engine), the rows put back in input order -> [N, text_hidden]. Raises
+    ValueError for bad grids or a patch count that does not match them."""
+    grids = check_grids(grid_thws, v)
+    lens = [t * h * w for t, h, w in grids]
+    if pixel_values.shape[0] != sum(lens):
+        raise ValueError(f"pixel_values: {pixel_values.shape[0]} patches, grid_thws needs {sum(lens)}")
+    starts = np.concatenate([[0], np.cumsum(lens)])
+    outs: list = [None] * len(grids)
+    for group in group_segments(grids):
+        sub = [grids[s] for s in group]
+        rows = torch.cat([pixel_values[starts[s]:starts[s + 1]] for s in group])
+        feats = call(graph_inputs(sub, rows, v))
+        for s, f in zip(group, feats.split(merged_tokens(sub))):
+            outs[s] = f
+    return torch.cat(outs)
+
+
 GRAPH_INPUTS = ("pixels", "pos_idx", "pos_w", "time_idx", "rope_cos", "rope_sin", "merge_idx")
 
 
 def graph_inputs(grids: Sequence[tuple[int, int, int]], pixels: torch.Tensor, v: VisionConfig) -> dict[str, torch.Tensor]:
     """The graph's inputs for B segments of equal t and length ℓ whose patches are `pixels` [B·ℓ, 3, p, p] (or
     [B·ℓ, 3p²]): pixels [B, ℓ, 3p²] fp32, pos_idx [B, ℓ, K] int64, pos_w [B, ℓ, K] fp32, time_idx [B, ℓ] int64,
-    rope_cos / rope_sin [B, ℓ, Dh/2] fp32, merge_idx [N, 4t] int64 (into the B·ℓ tokens). Raises ValueError for
+    rope_cos / rope_sin [B, ℓ, Dh/2] fp32, merge_idx [N, t, 4] int64 (into the B·ℓ tokens). Raises ValueError for
     segments of different lengths or frames, or pixels that do not match the grids."""
     ls = {t * h * w for t, h, w in grids}
     if len(ls) != 1:
@@ -396,29 +416,17 @@ class VisionModel:
                 o = p @ val
             x = self._mlp_and_attn_out(x, b, o.transpose(1, 2).reshape(B, ell, H * Dh))
         x = _rms(x, self.final_norm, v.norm_eps).reshape(B * ell, v.hidden_size)
-        g = x[merge_idx].float()                                                     # [N, 4t, D]
-        m = g.reshape(g.shape[0], -1, 4 * v.hidden_size).mean(1)                     # mean over frames, concat 2x2
-        return self._project(m)
+        m = x[merge_idx].float().mean(1)                                             # [N, t, 4, D] -> mean over frames
+        return self._project(m.reshape(m.shape[0], 4 * v.hidden_size))              # 2x2 concat: [N, 4D]
 
     def forward(self, pixel_values: torch.Tensor, grid_thws) -> torch.Tensor:
         """pixel_values [L, 3, p, p] (or [L, 3p²]) of segments packed end to end, grid_thws [S, 3] -> features
-        [N, text_hidden] (N = Σ (h/2)(w/2), segments in input order) in this model's dtype, on its device. Each
-        group of equal (t, length) segments is one `graph_forward` call. Raises ValueError for bad grids or a
-        patch count that does not match them."""
-        grids = check_grids(grid_thws, self.v)
-        lens = [t * h * w for t, h, w in grids]
-        if pixel_values.shape[0] != sum(lens):
-            raise ValueError(f"pixel_values: {pixel_values.shape[0]} patches, grid_thws needs {sum(lens)}")
-        starts = np.concatenate([[0], np.cumsum(lens)])
-        outs: list[torch.Tensor | None] = [None] * len(grids)
-        for group in group_segments(grids):
-            rows = torch.cat([pixel_values[starts[s]:starts[s + 1]] for s in group])
-            ins = graph_inputs([grids[s] for s in group], rows, self.v)
-            feats = self.graph_forward(**{k: t.to(self.device) for k, t in ins.items()})
-            n = merged_tokens([grids[s] for s in group])
-            for s, f in zip(group, feats.split(n)):
-                outs[s] = f
-        return torch.cat(outs)
+        [N, text_hidden] (N = Σ (h/2)(w/2), segments in input order) in this model's dtype, on its device: one
+        `graph_forward` call per group of equal (t, length) segments (`encode_grouped`). Raises ValueError for bad
+        grids or a patch count that does not match them."""
+        def call(ins):
+            return self.graph_forward(**{k: t.to(self.device) for k, t in ins.items()})
+        return encode_grouped(pixel_values, grid_thws, self.v, call)
 
     # ---- the reference (independent of the host tables) ----
     def reference(self, pixel_values: torch.Tensor, grid_thws) -> torch.Tensor:
@@ -463,7 +471,7 @@ class VisionModel:
             x = self._mlp_and_attn_out(x, b, o)
         x = _rms(x, self.final_norm, v.norm_eps)
         merged, off = [], 0
-        for t, h, w in grids:
+        for t, h, w in grids:                                                        # [t, r, dy, c, dx, D]
             xs = x[off: off + t * h * w].float().reshape(t, h // 2, 2, w // 2, 2, D).mean(0)
             merged.append(xs.permute(0, 2, 1, 3, 4).reshape((h // 2) * (w // 2), 4 * D))
             off += t * h * w
