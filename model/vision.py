@@ -255,18 +255,24 @@ def group_segments(grids: Sequence[tuple[int, int, int]]) -> list[list[int]]:
     return list(groups.values())
 
 
-def encode_grouped(pixel_values: torch.Tensor, grid_thws, v: VisionConfig, call) -> torch.Tensor:
+def encode_grouped(pixel_values: torch.Tensor, grid_thws, v: VisionConfig, call, max_segments=None) -> torch.Tensor:
     """Run a packed batch through a one-group backend: segments grouped by (t, length) (`group_segments`), each
     group's `graph_inputs` passed to `call(inputs) -> features [n, text_hidden]` (the torch graph_forward, an
-    onnxruntime session, a TensorRT engine), the rows put back in input order -> [N, text_hidden]. Raises
-    ValueError for bad grids or a patch count that does not match them."""
+    onnxruntime session, a TensorRT engine), the rows put back in input order -> [N, text_hidden].
+    max_segments(length) -> int: segments one call may hold (an engine profile's limit; default unbounded).
+    Raises ValueError for bad grids or a patch count that does not match them."""
     grids = check_grids(grid_thws, v)
     lens = [t * h * w for t, h, w in grids]
     if pixel_values.shape[0] != sum(lens):
         raise ValueError(f"pixel_values: {pixel_values.shape[0]} patches, grid_thws needs {sum(lens)}")
     starts = np.concatenate([[0], np.cumsum(lens)])
     outs: list = [None] * len(grids)
+    calls = []
     for group in group_segments(grids):
+        t, h, w = grids[group[0]]
+        cap = max(1, max_segments(t * h * w)) if max_segments else len(group)
+        calls += [group[i:i + cap] for i in range(0, len(group), cap)]
+    for group in calls:
         sub = [grids[s] for s in group]
         rows = torch.cat([pixel_values[starts[s]:starts[s + 1]] for s in group])
         feats = call(graph_inputs(sub, rows, v))

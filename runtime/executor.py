@@ -366,7 +366,12 @@ class GraphExecutor(Executor):
             if self.cfg.vision is not None:
                 raise ValueError("images: the export has no vision graph; export the checkpoint again")
             return super().encode_images(pixel_values, grid_thws)
-        return encode_grouped(pixel_values, grid_thws, self.cfg.vision, lambda ins: self._run(seg[0], ins)["features"])
+        return encode_grouped(pixel_values, grid_thws, self.cfg.vision, lambda ins: self._run(seg[0], ins)["features"],
+                              self.vision_segments_per_call)
+
+    def vision_segments_per_call(self, length: int) -> int:
+        """Segments of `length` patches one vision call may hold (engines: their profiles'; here unbounded)."""
+        return 1 << 30
 
     def forward(self, ids, batch, pools, logits_index, image_rows=None):
         """ids [T] int64, batch (model.reference.Batch), pools (per layer), image_rows -> (logits [M, vocab] fp32 on
@@ -510,6 +515,17 @@ class TensorRTExecutor(GraphExecutor):
     def max_image_patches(self) -> int | None:
         """Patches per image the vision engine's profiles take at most (VL max), None without one."""
         return self._vision_max
+
+    def vision_segments_per_call(self, length: int) -> int:
+        """The most segments (VB) of `length` patches any vision profile takes (1 when none holds that length:
+        the call then reports the sizes)."""
+        engine = self.engines[next(k for k in self.engines if k.endswith("/vision"))][0]
+        best = 1
+        for p in range(engine.num_optimization_profiles):
+            mn, _, mx = engine.get_tensor_profile_shape("pixels", p)
+            if mn[1] <= length <= mx[1]:
+                best = max(best, int(mx[0]))
+        return best
 
     def _vision_context(self, engine, ctxs, feeds: dict):
         """The context of the first profile whose ranges hold every input shape of this call. ValueError naming
