@@ -124,9 +124,13 @@ def parse_processor_config(raw: dict | None, where: str = "preprocessor_config.j
         kw["chessboard"] = (int(bg.get("square_size", 8)), int(bg.get("white", 255)), int(bg.get("gray", 180)))
     cfg = ProcessorConfig(**kw)
     diff = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(base, f.name)}
-    if diff:
+    if diff and (where, str(diff)) not in _LOGGED:
+        _LOGGED.add((where, str(diff)))
         log.info("%s differs from VISION.md §1.1's defaults: %s", where, diff)
     return cfg
+
+
+_LOGGED: set = set()     # (file, differences) already logged once
 
 
 # ---- grids and host tables (§3, §6.1, §11.1) ----------------------------------------------------------------------
@@ -286,8 +290,8 @@ GRAPH_INPUTS = ("pixels", "pos_idx", "pos_w", "time_idx", "rope_cos", "rope_sin"
 
 def graph_inputs(grids: Sequence[tuple[int, int, int]], pixels: torch.Tensor, v: VisionConfig) -> dict[str, torch.Tensor]:
     """The graph's inputs for B segments of equal t and length ℓ whose patches are `pixels` [B·ℓ, 3, p, p] (or
-    [B·ℓ, 3p²]): pixels [B, ℓ, 3p²] fp32, pos_idx [B, ℓ, K] int64, pos_w [B, ℓ, K] fp32, time_idx [B, ℓ] int64,
-    rope_cos / rope_sin [B, ℓ, Dh/2] fp32, merge_idx [N, t, 4] int64 (into the B·ℓ tokens). Raises ValueError for
+    [B·ℓ, 3p²]): pixels [B, ℓ, 3p²] fp32, pos_idx [B, ℓ, K] int32, pos_w [B, ℓ, K] fp32, time_idx [B, ℓ] int32,
+    rope_cos / rope_sin [B, ℓ, Dh/2] fp32, merge_idx [N, t, 4] int32 (into the B·ℓ tokens). Raises ValueError for
     segments of different lengths or frames, or pixels that do not match the grids."""
     ls = {t * h * w for t, h, w in grids}
     if len(ls) != 1:
@@ -299,11 +303,12 @@ def graph_inputs(grids: Sequence[tuple[int, int, int]], pixels: torch.Tensor, v:
     pi, pw = pos_taps(grids, v)
     cos, sin = rope_tables(grids, v.head_dim)
     t = torch.from_numpy
+    i32 = lambda a: t(a.astype(np.int32))  # noqa: E731  (int32 metadata, as the text graphs')
     return {"pixels": pixels.reshape(B, ell, v.patch_dim).float(),
-            "pos_idx": t(pi).reshape(B, ell, -1), "pos_w": t(pw).reshape(B, ell, -1),
-            "time_idx": t(time_index(grids)).reshape(B, ell),
+            "pos_idx": i32(pi).reshape(B, ell, -1), "pos_w": t(pw).reshape(B, ell, -1),
+            "time_idx": i32(time_index(grids)).reshape(B, ell),
             "rope_cos": t(cos).reshape(B, ell, -1), "rope_sin": t(sin).reshape(B, ell, -1),
-            "merge_idx": t(merge_index(grids))}
+            "merge_idx": i32(merge_index(grids))}
 
 
 # ---- the model ----------------------------------------------------------------------------------------------------
@@ -403,6 +408,7 @@ class VisionModel:
         x = pixels.to(self.dtype) @ self.patch_w.t()                                 # [B, ℓ, D]
         table = self.pos_table.reshape(-1, v.hidden_size).float()
         pos = 0.0
+        pos_idx, time_idx, merge_idx = pos_idx.long(), time_idx.long(), merge_idx.long()   # ONNX GatherND: int64
         for k in range(pos_idx.shape[-1]):                                           # 4 (bilinear) or 16 taps
             pos = pos + table[pos_idx[..., k]] * pos_w[..., k, None]
         times = torch.cat([self.time_table.new_zeros(1, v.hidden_size), self.time_table])
