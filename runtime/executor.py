@@ -285,6 +285,9 @@ class TorchExecutor(Executor):
     def encode_images(self, pixel_values, grid_thws):
         """See `Executor.encode_images`; features in the tower's dtype on `self.device`."""
         if self.vision is None:
+            if self.cfg.vision is not None:
+                raise ValueError("images: this executor holds the text model only; pass TorchExecutor(model, "
+                                 "vision=model.vision.VisionModel...) or load it from the checkpoint directory")
             return super().encode_images(pixel_values, grid_thws)
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             with torch.no_grad():

@@ -233,3 +233,19 @@ def test_generate_cli_with_images(tiny_vl_ckpt, tiny_vl_model, vm, tmp_path, cap
     assert got == reference_tokens(tiny_vl_model, vm, expand_placeholders(SINGLE, imgs, PAD), imgs, 3)
     assert main(["--model", str(tiny_vl_ckpt), "--prompt-ids", "1,2", "--image", str(paths[0])]) == 2
     assert "1 image(s) for 0 <|media_pad|>" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_torch_backend_on_cuda_runs_the_bf16_tower(tiny_vl_ckpt, vm):
+    """The torch backend on CUDA: the tower in bf16 with SDPA (VISION.md §12) close to the fp32 reference, and a
+    two-image request completes."""
+    llm = LLM(tiny_vl_ckpt, device="cuda", max_batch=2, max_num_tokens=64, max_context=64)
+    assert llm.executor.vision.dtype == torch.bfloat16 and llm.executor.vision.attention == "sdpa"
+    imgs = images(tiny_vl_ckpt, 6)
+    px, grids = pack_images(imgs)
+    got = llm.executor.encode_images(px, grids).float().cpu()
+    ref = vm.reference(px, grids)
+    assert float((got - ref).norm() / ref.norm()) < 0.03
+    ids, _ = llm.prepare_images(SINGLE, imgs)
+    out = llm.generate([ids], SamplingParams(max_tokens=2, ignore_eos=True), images=[imgs])[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 2
