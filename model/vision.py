@@ -388,7 +388,7 @@ class VisionModel:
         return out
 
     # ---- shared pieces ----
-    def _mlp_and_attn_out(self, x, b: _Block, o):
+    def _attn_out_and_mlp(self, x, b: _Block, o):
         x = x + o @ b.wo.t()
         y = _rms(x, b.norm1, self.v.norm_eps)
         return x + _gelu_tanh(y @ b.fc0.t()) @ b.fc1.t()
@@ -426,7 +426,7 @@ class VisionModel:
             else:
                 p = torch.softmax((q @ k.transpose(-1, -2)) * Dh ** -0.5, -1)
                 o = p @ val
-            x = self._mlp_and_attn_out(x, b, o.transpose(1, 2).reshape(B, ell, H * Dh))
+            x = self._attn_out_and_mlp(x, b, o.transpose(1, 2).reshape(B, ell, H * Dh))
         x = _rms(x, self.final_norm, v.norm_eps).reshape(B * ell, v.hidden_size)
         m = x[merge_idx].float().mean(1)                                             # [N, t, 4, D] -> mean over frames
         return self._project(m.reshape(m.shape[0], 4 * v.hidden_size))              # 2x2 concat: [N, 4D]
@@ -480,7 +480,7 @@ class VisionModel:
             s = torch.einsum("qhd,khd->hqk", q.float(), k.float()) / math.sqrt(Dh)
             p = torch.softmax(s.masked_fill(~mask, float("-inf")), -1)
             o = torch.einsum("hqk,khd->qhd", p, val.float()).to(self.dtype).reshape(L, H * Dh)
-            x = self._mlp_and_attn_out(x, b, o)
+            x = self._attn_out_and_mlp(x, b, o)
         x = _rms(x, self.final_norm, v.norm_eps)
         merged, off = [], 0
         for t, h, w in grids:                                                        # [t, r, dy, c, dx, D]

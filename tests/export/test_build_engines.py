@@ -42,7 +42,7 @@ def test_k3_dry_run_matches_seed_table_and_model_md(tmp_path):
                 "MoE experts per rank       112", "MoE dispatch               [T*16,3584]"):
         assert row in out, row
     # 205,056,582,464 B of text weights per rank + the replicated vision tower and projector (VISION.md §9)
-    assert "vision tower + projector (replicated)            894,717,952 B" in out
+    assert "vision tower + projector (replicated)         894,717,952 B" in out
     assert "205,951,300,416 B" in out and "DOES NOT FIT 8 x 141 GB" in out and "16 GPUs" in out
     assert "-- vision tower (27 blocks, D 1024, 12 heads x 128" in out and "mlp_hidden   [67588,4096]" in out
     assert "27,648 B" in out                       # latent per token per rank (§9)
