@@ -6,6 +6,9 @@
         # tensor parallel: one process per TP rank (gloo on CPU, NCCL on GPU); rank 0 prints
     python -m k3deploy.runtime.generate --model DIR --backend torch --device cuda --prompt-ids 1,2,3
         # the torch backend on a GPU (Triton kernels; --ops kernels: in place, --ops reference: fp32 references)
+    python -m k3deploy.runtime.generate --model DIR --prompt-ids 5,786,7,787,789,788,9 --image cat.png
+        # images (docs/VISION.md): --prompt-ids hold one <|media_pad|> per --image, --prompt one
+        # <|kimi_image_placeholder|> per --image
 """
 from __future__ import annotations
 
@@ -57,6 +60,9 @@ def _main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--dist-backend", default=None, choices=["gloo", "nccl"],
                     help="torch.distributed backend under torchrun (default: nccl with a CUDA device, else gloo; "
                          "gloo with --device cuda:0 runs several ranks on one GPU, for tests)")
+    ap.add_argument("--image", action="append", default=[], metavar="PATH",
+                    help="an image for the prompt (repeatable, in prompt order; models with a vision tower): "
+                         "--prompt-ids hold one <|media_pad|> id per image, --prompt one <|kimi_image_placeholder|>")
     ap.add_argument("--text", action="store_true", help="also print the decoded text on a second line")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
@@ -78,10 +84,14 @@ def _main(argv: list[str] | None = None, prog: str | None = None) -> int:
             if llm.tokenizer is None:
                 ap.error(f"--prompt: no tokenizer (tiktoken.model) in {a.model}; use --prompt-ids")
             ids = llm.tokenizer.encode(a.prompt)
+        images = None
+        if a.image:
+            ids, images = (llm.build_prompt(a.prompt, a.image) if a.prompt is not None
+                           else llm.prepare_images(ids, a.image))
         params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                                 seed=a.seed, ignore_eos=a.ignore_eos)
         try:
-            out = llm.generate([ids], params)[0]
+            out = llm.generate([ids], params, images=None if images is None else [images])[0]
         finally:
             llm.executor.close()                            # CUDA graphs go before the process group
     except (ValueError, FileNotFoundError, ImportError, NotImplementedError, RuntimeError) as e:

@@ -12,6 +12,12 @@ Each `step()`:
    pools back into the cache, samples a token for every request whose pending tokens are all processed, and
    finishes requests (max_tokens, stop/eos, max_context): their slot and blocks are freed at once.
 
+Images (VISION.md §8.3): a request's prompt holds each image's `<|media_pad|>` expanded to its rows. Before a
+prefill forward, every image whose rows this step's chunks reach and that is not cached yet goes through ONE
+`executor.encode_images` call (images of all the step's requests packed); its rows stay cached on the request and
+each chunk writes its slice over the embedding (`image_rows`); an image's rows are dropped once the prefill has
+passed them (a preempted request encodes them again). Decode steps never run the tower.
+
 Events go to each request's `on_token(token_id | None, finished, error)` callback. When the params ask for
 them, a token's logprob (and top alternatives) is on the Request (`logprobs[-1]`, `top_logprobs[-1]`) before its
 callback fires, and a prefill chunk fills `prompt_logprobs` for the prompt tokens it predicts (logits of every
@@ -19,6 +25,7 @@ chunk position). Not thread safe: the `AsyncEngine` serializes calls with its lo
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 from typing import Callable
@@ -57,6 +64,21 @@ class Request:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    images: list = dataclasses.field(default_factory=list)        # runtime.vision.ProcessedImage, prompt order
+    pad_positions: list[int] = dataclasses.field(default_factory=list)   # prompt positions of the image rows
+    image_ends: list[int] = dataclasses.field(default_factory=list)      # image k owns pad_positions[ends[k-1]:ends[k]]
+    image_rows: dict = dataclasses.field(default_factory=dict)           # k -> cached features [N_k, d]
+
+    def image_span(self, k: int) -> tuple[int, int]:
+        """Indices into pad_positions of image k's rows."""
+        return (self.image_ends[k - 1] if k else 0), self.image_ends[k]
+
+    def images_in(self, start: int, stop: int) -> list[int]:
+        """Images with rows at prompt positions [start, stop)."""
+        lo, hi = bisect.bisect_left(self.pad_positions, start), bisect.bisect_left(self.pad_positions, stop)
+        if lo >= hi:
+            return []
+        return list(range(bisect.bisect_right(self.image_ends, lo), bisect.bisect_right(self.image_ends, hi - 1) + 1))
 
     @property
     def all_ids(self) -> list[int]:
@@ -106,17 +128,25 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._arrivals = 0
-        self.stats = {"tokens_generated": 0, "preemptions": 0, "steps": 0, "max_requests_per_step": 0}
+        self.stats = {"tokens_generated": 0, "preemptions": 0, "steps": 0, "max_requests_per_step": 0,
+                      "images_encoded": 0}
         self.last_step_requests: list[str] = []
 
     # ---- requests -------------------------------------------------------------------------------------
-    def add(self, request_id: str, prompt_ids, params: SamplingParams, on_token: OnToken | None = None) -> Request:
-        """Validate and queue a request. Raises ValueError naming the field (prompt_ids, request_id or a
-        SamplingParams field); nothing is queued then."""
+    def add(self, request_id: str, prompt_ids, params: SamplingParams, on_token: OnToken | None = None,
+            images=None) -> Request:
+        """Validate and queue a request. images: its runtime.vision.ProcessedImage list, the prompt pre-expanded
+        (each image's `<|media_pad|>` repeated image.num_tokens times, runtime.vision.prepare_images). Raises
+        ValueError naming the field (prompt_ids, request_id, images or a SamplingParams field); nothing is queued
+        then."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
         params.validate()
         ids = validate_prompt(prompt_ids, self.vocab_size, self.max_context)
+        imgs: list = []
+        if images is not None:
+            from k3deploy.runtime.vision import request_images
+            imgs = request_images(ids, images, self.executor.cfg, self.executor.max_image_patches())
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id = {request_id!r}: must be a non-empty string")
         if request_id in self.requests:
@@ -127,6 +157,11 @@ class Scheduler:
             req.logprobs, req.top_logprobs = [], []
         if params.prompt_logprobs is not None:
             req.prompt_logprobs, req.prompt_top_logprobs = [None], [None]
+        if imgs:
+            pad = self.executor.cfg.vision.media_placeholder_token_id
+            req.images, req.pad_positions = imgs, [i for i, t in enumerate(ids) if t == pad]
+            for im in imgs:
+                req.image_ends.append((req.image_ends[-1] if req.image_ends else 0) + im.num_tokens)
         self._arrivals += 1
         self.requests[request_id] = req
         self.waiting.append(req)
@@ -279,10 +314,59 @@ class Scheduler:
                 out.append(int(w[-1]))
         return out
 
+    def _encode_images(self, group: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+        """Run the tower once for every image whose rows this step's chunks reach and that is not cached (all
+        requests' images in one call); returns the group without the requests finished by a failed call."""
+        need = [(req, k) for req, n in group for k in req.images_in(req.num_computed, req.num_computed + n)
+                if k not in req.image_rows]
+        if not need:
+            return group
+        from k3deploy.runtime.vision import pack_images
+        try:
+            feats = self.executor.encode_images(*pack_images([req.images[k] for req, k in need]))
+        except Exception as e:
+            log.exception("vision tower failed; finishing the requests of its %d images with an error", len(need))
+            for req in {id(r): r for r, _ in need}.values():
+                if req.status != "finished":
+                    self._finish(req, "error", f"{type(e).__name__}: {e}", notify_token=None)
+            return [(r, n) for r, n in group if r.status != "finished"]
+        for (req, k), f in zip(need, feats.split([req.images[k].num_tokens for req, k in need])):
+            req.image_rows[k] = f
+        self.stats["images_encoded"] += len(need)
+        return group
+
+    @staticmethod
+    def _image_rows(group: list[tuple[Request, int]]):
+        """(positions [n] int64 in the packed prefill batch, rows [n, d]) of the image rows the chunks hold, or None."""
+        pos, rows, off = [], [], 0
+        for req, n in group:
+            a, b = req.num_computed, req.num_computed + n
+            for k in req.images_in(a, b):
+                s, e = req.image_span(k)
+                lo = max(s, bisect.bisect_left(req.pad_positions, a))
+                hi = min(e, bisect.bisect_left(req.pad_positions, b))
+                pos += [off + p - a for p in req.pad_positions[lo:hi]]
+                rows.append(req.image_rows[k][lo - s: hi - s])
+            off += n
+        return (torch.tensor(pos, dtype=torch.long), torch.cat(rows)) if pos else None
+
+    @staticmethod
+    def _drop_used_rows(req: Request) -> None:
+        """Forget the cached rows of images the prefill has passed."""
+        for k in [k for k in req.image_rows if req.pad_positions[req.image_ends[k] - 1] < req.num_computed]:
+            del req.image_rows[k]
+
     def _run(self, group: list[tuple[Request, int]], decode: bool) -> None:
+        image_rows = None
+        if not decode and any(r.images for r, _ in group):
+            group = self._encode_images(group)
+            if not group:
+                return
+            image_rows = self._image_rows(group)
         ids, batch, index, first = self._batch(group, decode)
         try:
-            logits, pools = self.executor.forward(ids, batch, self.cache.pools, index)
+            kw = {"image_rows": image_rows} if image_rows is not None else {}
+            logits, pools = self.executor.forward(ids, batch, self.cache.pools, index, **kw)
         except Exception as e:
             log.exception("forward failed; finishing the %d requests of this batch with an error", len(group))
             for req, _ in group:
@@ -309,6 +393,8 @@ class Scheduler:
             if req.status == "finished":               # cancelled by an earlier row's callback in this loop
                 continue
             req.num_computed += n
+            if req.image_rows:
+                self._drop_used_rows(req)
             if req.num_computed < req.num_tokens:
                 continue                               # prefill not done yet: nothing to sample
             tok = toks[row]

@@ -41,12 +41,16 @@ def test_k3_dry_run_matches_seed_table_and_model_md(tmp_path):
                 "MLA q_latent (decode)      [B,12,576]", "MLA latent (replicated)    [T,576]",
                 "MoE experts per rank       112", "MoE dispatch               [T*16,3584]"):
         assert row in out, row
-    assert "205,056,582,464 B" in out and "DOES NOT FIT 8 x 141 GB" in out and "16 GPUs" in out
+    # 205,056,582,464 B of text weights per rank + the replicated vision tower and projector (VISION.md §9)
+    assert "vision tower + projector (replicated)         894,717,952 B" in out
+    assert "205,951,300,416 B" in out and "DOES NOT FIT 8 x 141 GB" in out and "16 GPUs" in out
+    assert "-- vision tower (27 blocks, D 1024, 12 heads x 128" in out and "mlp_hidden   [67588,4096]" in out
     assert "27,648 B" in out                       # latent per token per rank (§9)
     assert "29,440,401,408 B" in out              # one request at 1M context, whole model (§9)
     assert "53.6 MiB" in out                       # KDA slice per request at TP=8 (§9)
     p = make_plan(load_config("k3"), 8, 8)
     assert (p.weights.replicated, p.weights.sharded, p.weights.experts) == (11_498_150_400, 12_751_423_808, 180_807_008_256)
+    assert p.weights.vision == 894_717_952 and p.weights.total == 205_056_582_464 + 894_717_952
     assert p.smallest[0] == 16 and not p.fits
     assert make_plan(load_config("k3"), 1, 1).kda_bytes_per_request == 434_110_464 + 15_261_696
 

@@ -218,7 +218,7 @@ def test_synthetic_cli_bad_preset_and_no_space(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10 * 2**30, 9 * 2**30, 2**30))
     assert main(["--preset", "k3", "--out", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
-    assert "needs 1452.83 GiB" in err and "1.00 GiB free" in err and not (tmp_path / "b").exists()
+    assert "needs 1453.66 GiB" in err and "1.00 GiB free" in err and not (tmp_path / "b").exists()
 
 
 # ---- corruptions: one clear error naming tensor and file each ----------------------------------------
