@@ -4,6 +4,7 @@ projections (cuBLAS) and the five custom ops, one launch each. fp32 definitions:
 * `attn_res_norm`: pending residual add + optional bank commit + Block AttnRes (scores over the bank and the
   block sum, softmax, mix) + the RMSNorm after it (MODEL.md §6.2-§6.3, §2.1);
 * `lora_norms`: MLA's q_a / kv_a RMSNorms and the latent cache row [c_kv ‖ k_pe] from one GEMM output (§5.2);
+* `mla_absorb`: q_nope·W_UK ‖ q_pe for the decode (the MLA prefill's absorb kernel, plugins/mla/kernels.py);
 * `mla_out`: W_UV up-projection of the absorbed decode's latent output with the sigmoid gate (§5.3);
 * `moe_out_rows`: RMSNorm of the combined routed latent and the shared experts' SiTU into one buffer (§7.2, §2.2).
 
@@ -28,76 +29,84 @@ def _warps(n: int) -> int:
 
 
 @triton.jit
+def _p_new(prow, arow, cc, cm, P_IN: tl.constexpr, ADD: tl.constexpr, adt: tl.constexpr):
+    """P' = P + add of one column tile, rounded to the activation dtype, as fp32 [BD]."""
+    pn = tl.zeros(cc.shape, tl.float32)
+    if P_IN:
+        pn += tl.load(prow + cc, mask=cm, other=0.0).to(tl.float32)
+    if ADD:
+        pn += tl.load(arow + cc, mask=cm, other=0.0).to(tl.float32)
+    return pn.to(adt).to(tl.float32)
+
+
+@triton.jit
 def _attn_res_norm_kernel(p_ptr, add_ptr, bank_ptr, q_ptr, w_ptr, out_ptr, rows_ptr,
                           stride_p, stride_add, stride_bt, stride_br, stride_out, D, eps,
-                          NB: tl.constexpr, RP: tl.constexpr, P_IN: tl.constexpr, ADD: tl.constexpr,
+                          NB: tl.constexpr, NBP: tl.constexpr, P_IN: tl.constexpr, ADD: tl.constexpr,
                           P_OUT: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr):
-    """One program per output row: P' = P + add (P_IN / ADD), stored to P (P_OUT 1) or bank row NB (P_OUT 2);
-    scores of bank rows 0..NB-1 and P' against q, softmax, mix, RMSNorm with w. The pre-norm mix is staged in the
-    output row (pass 2) and normalized in place (pass 3)."""
+    """One program per output row. Sources: bank rows 0..NB-1 (one [NBP, BD] tile per column step) and the block
+    sum P' = P + add (P_IN / ADD; stored to P with P_OUT 1, to bank row NB with P_OUT 2). Pass 1: square sums and
+    query dots; softmax of the scores; pass 2: the mix, rounded and staged in the output row with its square sum;
+    pass 3: the RMSNorm with w in place."""
     i = tl.program_id(0)
     t = tl.load(rows_ptr + i).to(tl.int64) if ROWS else i.to(tl.int64)
     adt = out_ptr.dtype.element_ty
-    r = tl.arange(0, RP)
+    r = tl.arange(0, NBP)
+    rm = r < NB
     prow = p_ptr + t * stride_p
     arow = add_ptr + t * stride_add
-    brow = bank_ptr + t * stride_bt
+    bptr = bank_ptr + t * stride_bt + r[:, None].to(tl.int64) * stride_br
     orow = out_ptr + i.to(tl.int64) * stride_out
-    ss = tl.zeros([RP], tl.float32)
-    dq = tl.zeros([RP], tl.float32)
-    for c0 in range(0, D, BD):                                   # pass 1: P', square sums and query dots
+    ss = tl.zeros([NBP], tl.float32)
+    dq = tl.zeros([NBP], tl.float32)
+    ss_p = tl.full((), 0.0, tl.float32)
+    dq_p = tl.full((), 0.0, tl.float32)
+    for c0 in range(0, D, BD):                                   # pass 1
         cc = c0 + tl.arange(0, BD)
         cm = cc < D
         qv = tl.load(q_ptr + cc, mask=cm, other=0.0).to(tl.float32)
-        pn = tl.zeros([BD], tl.float32)
-        if P_IN:
-            pn += tl.load(prow + cc, mask=cm, other=0.0).to(tl.float32)
-        if ADD:
-            pn += tl.load(arow + cc, mask=cm, other=0.0).to(tl.float32)
-        pn = pn.to(adt)
+        pn = _p_new(prow, arow, cc, cm, P_IN, ADD, adt)
         if P_OUT == 1:
-            tl.store(prow + cc, pn, mask=cm)
+            tl.store(prow + cc, pn.to(adt), mask=cm)
         if P_OUT == 2:
-            tl.store(brow + NB * stride_br + cc, pn, mask=cm)
-        pf = pn.to(tl.float32)
-        ss = tl.where(r == NB, ss + tl.sum(pf * pf, 0), ss)
-        dq = tl.where(r == NB, dq + tl.sum(pf * qv, 0), dq)
-        for j in tl.static_range(NB):
-            v = tl.load(brow + j * stride_br + cc, mask=cm, other=0.0).to(tl.float32)
-            ss = tl.where(r == j, ss + tl.sum(v * v, 0), ss)
-            dq = tl.where(r == j, dq + tl.sum(v * qv, 0), dq)
-    s = tl.where(r <= NB, dq * tl.rsqrt(ss / D + eps), float("-inf"))
-    e = tl.exp(s - tl.max(s, 0))
-    pr = e / tl.sum(e, 0)
-    p_last = tl.sum(tl.where(r == NB, pr, 0.0), 0)
+            tl.store(bank_ptr + t * stride_bt + NB * stride_br + cc, pn.to(adt), mask=cm)
+        ss_p += tl.sum(pn * pn, 0)
+        dq_p += tl.sum(pn * qv, 0)
+        if NB > 0:
+            v = tl.load(bptr + cc[None, :], mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
+            ss += tl.sum(v * v, 1)
+            dq += tl.sum(v * qv[None, :], 1)
+    s = tl.where(rm, dq * tl.rsqrt(ss / D + eps), float("-inf"))
+    s_p = dq_p * tl.rsqrt(ss_p / D + eps)
+    mx = tl.maximum(tl.max(s, 0), s_p)
+    e = tl.exp(s - mx)
+    e_p = tl.exp(s_p - mx)
+    z = tl.sum(e, 0) + e_p
+    pb = e / z
+    pp = e_p / z
     if P_OUT != 0:
         tl.debug_barrier()
     hsq = tl.full((), 0.0, tl.float32)
-    for c0 in range(0, D, BD):                                   # pass 2: the mix, rounded, staged in out
+    for c0 in range(0, D, BD):                                   # pass 2
         cc = c0 + tl.arange(0, BD)
         cm = cc < D
         if P_OUT == 1:
             pn = tl.load(prow + cc, mask=cm, other=0.0).to(tl.float32)
         elif P_OUT == 2:
-            pn = tl.load(brow + NB * stride_br + cc, mask=cm, other=0.0).to(tl.float32)
+            pn = tl.load(bank_ptr + t * stride_bt + NB * stride_br + cc, mask=cm, other=0.0).to(tl.float32)
         else:
-            pn = tl.zeros([BD], tl.float32)
-            if P_IN:
-                pn += tl.load(prow + cc, mask=cm, other=0.0).to(tl.float32)
-            if ADD:
-                pn += tl.load(arow + cc, mask=cm, other=0.0).to(tl.float32)
-            pn = pn.to(adt).to(tl.float32)
-        h = pn * p_last
-        for j in tl.static_range(NB):
-            v = tl.load(brow + j * stride_br + cc, mask=cm, other=0.0).to(tl.float32)
-            h += v * tl.sum(tl.where(r == j, pr, 0.0), 0)
+            pn = _p_new(prow, arow, cc, cm, P_IN, ADD, adt)
+        h = pn * pp
+        if NB > 0:
+            v = tl.load(bptr + cc[None, :], mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
+            h += tl.sum(v * pb[:, None], 0)
         h = h.to(adt)
         tl.store(orow + cc, h, mask=cm)
         hf = h.to(tl.float32)
         hsq += tl.sum(hf * hf, 0)
     rstd = tl.rsqrt(hsq / D + eps)
     tl.debug_barrier()
-    for c0 in range(0, D, BD):                                   # pass 3: RMSNorm in place
+    for c0 in range(0, D, BD):                                   # pass 3
         cc = c0 + tl.arange(0, BD)
         cm = cc < D
         h = tl.load(orow + cc, mask=cm, other=0.0).to(tl.float32)
@@ -135,9 +144,9 @@ def attn_res_norm(P: torch.Tensor, add: torch.Tensor | None, bank: torch.Tensor,
     _attn_res_norm_kernel[(M,)](
         P, a, bank, query, norm_w, out, rows if rows is not None else P,
         P.stride(0), a.stride(0), bank.stride(0), bank.stride(1), out.stride(0), D, float(eps),
-        NB=int(num_rows), RP=max(2, triton.next_power_of_2(int(num_rows) + 1)), P_IN=not restart,
+        NB=int(num_rows), NBP=max(2, triton.next_power_of_2(int(num_rows))), P_IN=not restart,
         ADD=add is not None, P_OUT={"P": 1, "bank": 2, None: 0}[store], ROWS=rows is not None, BD=BD,
-        num_warps=_warps(BD))
+        num_warps=16 if BD >= 2048 else 4)
     return out
 
 
@@ -234,6 +243,25 @@ def mla_out(o_latent: torch.Tensor, kv_b: torch.Tensor, g: torch.Tensor, qk_nope
             o_latent.contiguous(), kv_b, g, out, T, H, kv_b.stride(0), g.stride(0), out.stride(0),
             DN=qk_nope_head_dim, DV=Dv, R=R, BT=BT, BK=min(R, 64), BD=BD, CDT=cdt, num_warps=4)
     return out
+
+
+def mla_absorb(q: torch.Tensor, kv_b: torch.Tensor, qk_nope_head_dim: int, v_head_dim: int, kv_lora_rank: int
+               ) -> torch.Tensor:
+    """q_abs [T, H, R+Dr] = q_nope·W_UK ‖ q_pe (MODEL.md §5.3) in q's dtype: the MLA prefill's absorb kernel
+    (plugins/mla/kernels.py `_mla_absorb_q_kernel`) on the decode's queries, one launch. q [T, H, Dn+Dr] with unit
+    last stride, kv_b [H*(Dn+Dv), R] (fp32 under the Triton interpreter, whose 16-bit tl.dot is wrong)."""
+    from k3deploy.plugins.mla.kernels import _mla_absorb_q_kernel
+    T, H, DQ = q.shape
+    Dn, R = qk_nope_head_dim, kv_lora_rank
+    qa = torch.empty(T, H, R + DQ - Dn, dtype=q.dtype, device=q.device)
+    if T:
+        gpu = q.is_cuda and not _INTERPRET
+        BT = 16 if T <= 16 else 64 if gpu else 16
+        BR = min(R, 128 if gpu else 64)
+        _mla_absorb_q_kernel[(triton.cdiv(T, BT), H, R // BR)](
+            q, kv_b, qa, T, H, q.stride(0), q.stride(1), kv_b.stride(0), DN=Dn, BDN=max(16, triton.next_power_of_2(Dn)),
+            DV=v_head_dim, R=R, DR=DQ - Dn, BT=BT, BR=BR, num_warps=8 if gpu else 4)
+    return qa
 
 
 @triton.jit

@@ -7,6 +7,7 @@ kernels' rounding to the activation dtype (their tests compare the two):
 * `attn_res_norm`: the pending residual add, an optional bank commit, the Block AttnRes read and the RMSNorm that
   follows it (§6.3: every AttnRes read is followed by input_layernorm, post_attention_layernorm or model.norm);
 * `lora_norms`: MLA's two LoRA RMSNorms (eps 1e-6) and the latent cache row [c_kv ‖ k_pe] (§5.2, §5.3);
+* `mla_absorb`: the absorbed decode's query q_nope·W_UK ‖ q_pe (§5.3);
 * `mla_out`: the absorbed decode's value up-projection W_UV with the sigmoid output gate (§5.3);
 * `moe_out_rows`: the latent MoE's RMSNorm of the combined latent next to the shared experts' SiTU (§7.2), one row
   of the buffer the output GEMM [routed_expert_up_proj ‖ shared down_proj] reads.
@@ -75,6 +76,16 @@ def lora_norms(y: torch.Tensor, q_norm_w: torch.Tensor, kv_norm_w: torch.Tensor,
     qa, kv = y[:, :q_rank], y[:, q_rank: q_rank + kv_rank + rope_dim]
     return rms_norm(qa, q_norm_w, eps), torch.cat([rms_norm(kv[:, :kv_rank], kv_norm_w, eps),
                                                    kv[:, kv_rank:].to(acc())], -1)
+
+
+def mla_absorb(q: torch.Tensor, kv_b: torch.Tensor, qk_nope_head_dim: int) -> torch.Tensor:
+    """The absorbed decode query (§5.3): q [T, H, Dn+Dr], kv_b [H*(Dn+Dv), R] -> q_abs [T, H, R+Dr] fp32 =
+    q_nope·W_UK ‖ q_pe."""
+    T, H, _ = q.shape
+    R = kv_b.shape[1]
+    w_uk = kv_b.to(acc()).view(H, -1, R)[:, :qk_nope_head_dim]
+    q = q.to(acc())
+    return torch.cat([torch.einsum("thd,hdr->thr", q[..., :qk_nope_head_dim], w_uk), q[..., qk_nope_head_dim:]], -1)
 
 
 def mla_out(o_latent: torch.Tensor, kv_b: torch.Tensor, g: torch.Tensor, qk_nope_head_dim: int) -> torch.Tensor:
