@@ -57,10 +57,11 @@ def _mm_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _cat_rows(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One [sum rows (rounded up to 8), K] buffer holding `tensors` [n_i, K] in order (zero padding rows keep the
-    GEMM output rows 16-byte aligned), and views of it that equal them."""
+    """One [sum rows (rounded up to 16), K] buffer holding `tensors` [n_i, K] in order, and views of it that equal
+    them. The zero padding rows make the GEMM output's row stride a multiple of 16 elements: 16-byte aligned rows,
+    and a stride Triton specializes on, so the glue kernels reading those rows vectorize their loads."""
     n = sum(t.shape[0] for t in tensors)
-    buf = torch.zeros(-(-n // 8) * 8, tensors[0].shape[1], dtype=tensors[0].dtype, device=tensors[0].device)
+    buf = torch.zeros(-(-n // 16) * 16, tensors[0].shape[1], dtype=tensors[0].dtype, device=tensors[0].device)
     views, r = [], 0
     for t in tensors:
         buf[r:r + t.shape[0]].copy_(t)

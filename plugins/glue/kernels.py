@@ -29,8 +29,9 @@ def _warps(n: int) -> int:
 
 
 @triton.jit
-def _p_new(prow, arow, cc, cm, P_IN: tl.constexpr, ADD: tl.constexpr, adt: tl.constexpr):
-    """P' = P + add of one column tile, rounded to the activation dtype, as fp32 [BD]."""
+def _p_new(prow, arow, cc, cm, dst, P_IN: tl.constexpr, ADD: tl.constexpr):
+    """P' = P + add of one column tile, rounded to the activation dtype (dst's element type), as fp32 [BD]."""
+    adt = dst.dtype.element_ty
     pn = tl.zeros(cc.shape, tl.float32)
     if P_IN:
         pn += tl.load(prow + cc, mask=cm, other=0.0).to(tl.float32)
@@ -65,7 +66,7 @@ def _attn_res_norm_kernel(p_ptr, add_ptr, bank_ptr, q_ptr, w_ptr, out_ptr, rows_
         cc = c0 + tl.arange(0, BD)
         cm = cc < D
         qv = tl.load(q_ptr + cc, mask=cm, other=0.0).to(tl.float32)
-        pn = _p_new(prow, arow, cc, cm, P_IN, ADD, adt)
+        pn = _p_new(prow, arow, cc, cm, orow, P_IN, ADD)
         if P_OUT == 1:
             tl.store(prow + cc, pn.to(adt), mask=cm)
         if P_OUT == 2:
@@ -95,7 +96,7 @@ def _attn_res_norm_kernel(p_ptr, add_ptr, bank_ptr, q_ptr, w_ptr, out_ptr, rows_
         elif P_OUT == 2:
             pn = tl.load(bank_ptr + t * stride_bt + NB * stride_br + cc, mask=cm, other=0.0).to(tl.float32)
         else:
-            pn = _p_new(prow, arow, cc, cm, P_IN, ADD, adt)
+            pn = _p_new(prow, arow, cc, cm, orow, P_IN, ADD)
         h = pn * pp
         if NB > 0:
             v = tl.load(bptr + cc[None, :], mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
@@ -151,8 +152,10 @@ def attn_res_norm(P: torch.Tensor, add: torch.Tensor | None, bank: torch.Tensor,
 
 
 @triton.jit
-def _rms_row(x, w, cm, n, eps, adt: tl.constexpr):
-    """RMSNorm of one row tile x [B] fp32 (n valid entries) with weight w, rounded as the model does (§2.1)."""
+def _rms_row(x, w, cm, n, eps, dst):
+    """RMSNorm of one row tile x [B] fp32 (n valid entries) with weight w, rounded as the model does (§2.1) to dst's
+    element type."""
+    adt = dst.dtype.element_ty
     x = tl.where(cm, x, 0.0)
     rstd = tl.rsqrt(tl.sum(x * x, 0) / n + eps)
     return ((x * rstd).to(adt).to(tl.float32) * w).to(adt)
@@ -169,12 +172,12 @@ def _lora_norms_kernel(y_ptr, qw_ptr, kvw_ptr, cq_ptr, lat_ptr, stride_y, stride
     qm = cq < QR
     x = tl.load(row + cq, mask=qm, other=0.0).to(adt).to(tl.float32)
     w = tl.load(qw_ptr + cq, mask=qm, other=0.0).to(tl.float32)
-    tl.store(cq_ptr + t * stride_cq + cq, _rms_row(x, w, qm, QR, eps, adt), mask=qm)
+    tl.store(cq_ptr + t * stride_cq + cq, _rms_row(x, w, qm, QR, eps, cq_ptr), mask=qm)
     ck = tl.arange(0, BK)
     km = ck < KR
     x = tl.load(row + QR + ck, mask=km, other=0.0).to(adt).to(tl.float32)
     w = tl.load(kvw_ptr + ck, mask=km, other=0.0).to(tl.float32)
-    tl.store(lat_ptr + t * stride_lat + ck, _rms_row(x, w, km, KR, eps, adt), mask=km)
+    tl.store(lat_ptr + t * stride_lat + ck, _rms_row(x, w, km, KR, eps, lat_ptr), mask=km)
     cr = tl.arange(0, BR)
     rm = cr < DR
     pe = tl.load(row + QR + KR + cr, mask=rm, other=0.0)
@@ -297,7 +300,7 @@ def _moe_out_rows_kernel(yl_ptr, nw_ptr, gu_ptr, out_ptr, stride_yl, stride_gu, 
             x = tl.load(yl_ptr + t * stride_yl + cr, mask=rm, other=0.0).to(adt)
             if NORM:
                 w = tl.load(nw_ptr + cr, mask=rm, other=0.0).to(tl.float32)
-                x = _rms_row(x.to(tl.float32), w, rm, RL, eps, adt)
+                x = _rms_row(x.to(tl.float32), w, rm, RL, eps, out_ptr)
             tl.store(orow + cr, x, mask=rm)
         else:
             _situ_row(grow, orow + RL, gate_off, up_off, beta, lbeta, I, LB, BI)

@@ -208,3 +208,47 @@ def test_moe_out_rows_needs_an_input():
 def test_moe_out_rows_k3_width(T, RL, inter):
     """K3 per TP=8 rank (shared 768), TP=1 (6144), the dense MLP's SiTU at TP=8 (4224, no latent)."""
     _check_moe_rows(T, RL or 8, inter, torch.bfloat16, yl_on=RL > 0)
+
+
+# ------------------------------------------------------------------------------------------------ sm_90 compiles
+_COMPILE = r'''
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from k3deploy.plugins.glue import kernels as gk
+
+def build(fn, const, ptr_types, nw):
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in const else ptr_types.get(n, "*bf16") if n.endswith("_ptr") else
+           "fp32" if n in ("eps", "beta", "lbeta") else "i32" for n in names}
+    # pointers 16-byte aligned, and the int arguments that are multiples of 16 at K3's widths (row strides, column
+    # offsets, D = 7168) specialized as Triton does at launch
+    aligned = [n for n in names if sig[n].startswith("*") or n.startswith("stride") or n.endswith("_off") or n == "D"]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": nw, "num_stages": 3})
+    print(fn.__name__, k.metadata.shared, int(".local" in k.asm["ptx"]), int("ld.global.v4" in k.asm["ptx"] or
+          "ld.global.nc.v4" in k.asm["ptx"]))
+
+f32 = {"q_ptr": "*fp32", "w_ptr": "*fp32", "rows_ptr": "*i64"}
+for nb, p_in, add, p_out, rows in ((0, 1, 0, 2, 0), (8, 1, 1, 1, 0), (7, 0, 1, 0, 1)):
+    build(gk._attn_res_norm_kernel, dict(NB=nb, NBP=max(2, triton.next_power_of_2(nb)), P_IN=p_in, ADD=add,
+          P_OUT=p_out, ROWS=rows, BD=2048), f32, 16)
+build(gk._lora_norms_kernel, dict(QR=1536, KR=512, DR=64, BQ=2048, BK=512, BR=64), {"qw_ptr": "*fp32", "kvw_ptr": "*fp32"}, 8)
+build(gk._mla_out_kernel, dict(DN=128, DV=128, R=512, BT=64, BK=64, BD=64, CDT=tl.bfloat16), {}, 4)
+for inter, has_yl in ((768, 1), (4224, 0)):
+    build(gk._moe_out_rows_kernel, dict(RL=3584 if has_yl else 0, I=inter, HAS_YL=has_yl, NORM=1, LB=1, BR=4096,
+          BI=min(2048, triton.next_power_of_2(inter))), {"yl_ptr": "*fp32", "nw_ptr": "*fp32"}, 8)
+'''
+
+
+def test_glue_kernels_compile_for_sm90():
+    """Every glue kernel compiles for sm_90 (no GPU needed; Triton of this machine) at K3's widths and bank depths
+    with its wrapper's launch settings: within the 227 KiB of shared memory, no local-memory arrays in the PTX, and
+    the row kernels' loads vectorized to 16 bytes."""
+    from kernel_checks import compile_in_subprocess
+    out = compile_in_subprocess(_COMPILE)
+    assert len(out) == 7, out
+    for name, shared, local, vec in out:
+        assert int(shared) <= 232448 and local == "0", (name, shared, local)
+        assert vec == "1" or name == "_mla_out_kernel", (name, "no 16-byte loads")
