@@ -383,6 +383,7 @@ def probe_routing(executor, sched) -> list[int]:
     return out
 
 
+@functools.lru_cache(maxsize=8)
 def expert_bytes(cfg, tp: int, ep: int) -> int:
     """Bytes of one routed expert on a rank: its w1, w2, w3 (MXFP4 packed + scales, or bf16) over tp in TP mode
     (ep == 1: every rank holds every expert's slice), whole in EP mode."""
