@@ -32,6 +32,7 @@ bf16; GEMMs accumulate in fp32 and round once; router logits and the routed comb
 """
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
@@ -40,19 +41,28 @@ from k3deploy.model.reference import Batch, K3Model
 from k3deploy.plugins.glue import kernels as glue
 from k3deploy.plugins.glue.reference import attn_res_query
 
+log = logging.getLogger(__name__)
+
 
 def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [T, K] @ w [N, K]ᵀ in x's dtype (strided row views are read in place)."""
     return torch.mm(x, w.t())
 
 
+_MM_OUT_DTYPE = [True]      # torch.mm(..., out_dtype) usable on CUDA (cleared, with a warning, if it is not)
+
+
 def _mm_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ wᵀ with an fp32 result: one bf16 GEMM with fp32 output on CUDA (torch.mm's out_dtype), fp32 math on
-    the CPU (no such kernel there)."""
+    """x @ wᵀ with an fp32 result: one 16-bit GEMM with fp32 output on CUDA (torch.mm's out_dtype, torch >= 2.8),
+    fp32 math on the CPU (no such kernel there) or where that GEMM is refused."""
     if x.dtype == torch.float32 and w.dtype == torch.float32:
         return torch.mm(x, w.t())
-    if x.is_cuda:
-        return torch.mm(x, w.t(), torch.float32)
+    if x.is_cuda and _MM_OUT_DTYPE[0]:
+        try:
+            return torch.mm(x, w.t(), torch.float32)
+        except (RuntimeError, TypeError) as e:
+            log.warning("torch.mm with out_dtype=float32 failed (%s); router logits and lm_head run as fp32 GEMMs", e)
+            _MM_OUT_DTYPE[0] = False
     return torch.mm(x.float(), w.float().t())
 
 
@@ -210,7 +220,11 @@ class FusedModel:
     def __init__(self, model: K3Model):
         self.model, self.cfg = model, model.cfg
         act = model.dense_dtype
-        self.layers = [_Layer(layer, act, model.comm.rank) for layer in model.layers]
+        self.layers = []
+        for layer in model.layers:
+            self.layers.append(_Layer(layer, act, model.comm.rank))
+            if model.device.type == "cuda":     # the replaced weights' blocks: give them back before the next layer's
+                torch.cuda.empty_cache()        # concatenation needs new ones (a full-size model fills the GPU)
         self.q_out = attn_res_query(*model.out_res_w)
 
     @property
