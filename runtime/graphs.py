@@ -1,7 +1,7 @@
 """CUDA graphs of the decode step for the torch backend.
 
 A decode step of the PyTorch model launches ~500 kernels from Python (k3-slice: 5 layers). Measured on two H200s
-(benchmarks/RESULTS.md, "Run 5"): at TP=1 the GPU is busy for most of an eager step, but at TP=2 each rank's GPU work
+(benchmarks/RESULTS.md): at TP=1 the GPU is busy for most of an eager step, but at TP=2 each rank's GPU work
 shrinks (9.3 ms) while launching stays as slow, so the step is host-bound and the ranks wait for each other in the
 all-reduces: TP=2 was slower than TP=1. `DecodeGraphs` captures the whole decode forward (embedding, every layer
 with its all-reduces, head) once per batch bucket and replays it:
@@ -144,7 +144,7 @@ class DecodeGraphs:
 
     def release(self) -> None:
         """Destroy the graphs (and their captured NCCL work) after the device finished them; call before tearing
-        down the process group: a live graph holding NCCL kernels hung `destroy_process_group` once (Run 5)."""
+        down the process group: a live graph holding NCCL kernels can hang `destroy_process_group`."""
         if self.graphs:
             torch.cuda.synchronize(self.model.device)
         self.graphs.clear()
