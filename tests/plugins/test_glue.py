@@ -152,7 +152,8 @@ def _check_mla_out(T, H, R, Dn, Dv, act, w_dtype):
     out = gk.mla_out(G(ol.to(DEV)), G(kv_b.to(DEV)), gate.to(DEV), Dn)
     G.check()
     assert out.dtype == act and out.shape == (T, H * Dv)
-    assert relerr(out, ref) < (1e-5 if act == torch.float32 and w_dtype == torch.float32 else 1e-2), relerr(out, ref)
+    exact = act == w_dtype == torch.float32 and not HAS_CUDA        # fp32 tl.dot runs TF32 on the GPU
+    assert relerr(out, ref) < (1e-5 if exact else 1e-2), relerr(out, ref)
 
 
 @pytest.mark.parametrize("T", [1, 5, 40])

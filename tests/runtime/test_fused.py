@@ -1,8 +1,8 @@
 """runtime/fused.py (`FusedModel`, the torch backend's `ops="kernels"` forward) against `model.reference.K3Model`.
 
-CPU: the glue kernels under TRITON_INTERPRET=1 around the fp32 reference ops (only the glue runs in the
-interpreter, so a 9-layer forward takes seconds); with fp32 activations the fused forward equals the reference to
-summation order: prefill, decode, chunked prefill, selected logits rows, TP=2 over gloo. GPU: the in-place kernels
+The glue kernels around the fp32 reference ops (only the glue runs in Triton; on the CPU under TRITON_INTERPRET=1):
+with fp32 activations the fused forward equals the reference to summation order (on the GPU to TF32, the MLA
+glue's tl.dot): prefill, decode, chunked prefill, selected logits rows, TP=2 over gloo (CPU). GPU: the in-place kernels
 (`ops="kernels"`) against the same kernels in K3Model's layer code (`ops="kernels-unfused"`) and the CPU reference,
 bf16 and fp32 dense weights. The runtime tests of tests/runtime/test_runtime_gpu.py (decode = prefill, chunking,
 slot reuse, CUDA graph = eager) run the fused path through `ops="kernels"` too."""
@@ -24,6 +24,8 @@ from k3deploy.model.reference import Batch, K3Model, ReferenceOps, allocate_pool
 from k3deploy.runtime.fused import FusedModel                                      # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
+DEV = "cuda" if HAS_CUDA else "cpu"
+TOL = 1e-2 if HAS_CUDA else 1e-4          # fp32 everywhere; the GPU's Triton dots (MLA absorb / output) run TF32
 gpu = pytest.mark.gpu
 
 
@@ -33,7 +35,7 @@ def _rel(a, b):
 
 
 def _copy_model(ckpt, ops=ReferenceOps, **kw) -> K3Model:
-    return K3Model.from_checkpoint(ckpt, ops=ops, **kw)
+    return K3Model.from_checkpoint(ckpt, ops=ops, device=DEV, **kw)
 
 
 def _prefill(cfg, lens, seed=0, ctx=None, bs=16):
@@ -55,8 +57,8 @@ def _decode(cfg, ctx, seed):
                       decode=True)
 
 
-def _pools(cfg, n):
-    return allocate_pools(cfg, n + 1, 4 * n + 1, 16)
+def _pools(cfg, n, device=DEV):
+    return allocate_pools(cfg, n + 1, 4 * n + 1, 16, device=device)
 
 
 def test_fused_forward_equals_the_reference(tiny_ckpt, tiny_model, tiny_cfg):
@@ -64,7 +66,7 @@ def test_fused_forward_equals_the_reference(tiny_ckpt, tiny_model, tiny_cfg):
     packed prompts, a decode step, a prefill chunk after context with two selected logits rows; fp32 fused =
     reference within 1e-4 on every row, and the decode state too."""
     fused = FusedModel.of(_copy_model(tiny_ckpt))
-    pr, pf = _pools(tiny_cfg, 2), _pools(tiny_cfg, 2)
+    pr, pf = _pools(tiny_cfg, 2, "cpu"), _pools(tiny_cfg, 2)
     steps = [_prefill(tiny_cfg, [4, 2], seed=1), _decode(tiny_cfg, [4, 2], seed=2),
              _prefill(tiny_cfg, [2, 1], seed=5, ctx=[5, 3])]
     with torch.no_grad():
@@ -73,12 +75,12 @@ def test_fused_forward_equals_the_reference(tiny_ckpt, tiny_model, tiny_cfg):
             ref, pr = tiny_model.forward(ids, batch, pr, idx)
             got, pf = fused.forward(ids, batch, pf, idx)
             assert got.shape == ref.shape and got.dtype == torch.float32
-            assert float(_rel(got, ref).max()) < 1e-4, (k, _rel(got, ref))
-            assert torch.equal(got.argmax(-1), ref.argmax(-1))
+            assert float(_rel(got, ref).max()) < TOL, (k, _rel(got, ref))
+            assert torch.equal(got.argmax(-1).cpu(), ref.argmax(-1))
     for l in tiny_cfg.kda_layers:
-        torch.testing.assert_close(pf[l]["state"], pr[l]["state"], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(pf[l]["state"].cpu(), pr[l]["state"], rtol=TOL, atol=TOL)
     for l in tiny_cfg.mla_layers:
-        torch.testing.assert_close(pf[l]["cache"], pr[l]["cache"], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(pf[l]["cache"].cpu(), pr[l]["cache"], rtol=TOL, atol=TOL)
 
 
 def test_fused_chunked_prefill_equals_one_shot(micro_ckpt, micro_cfg):
@@ -92,9 +94,9 @@ def test_fused_chunked_prefill_equals_one_shot(micro_ckpt, micro_cfg):
         _, p2 = fused.forward(ids[:4], a, _pools(micro_cfg, 1))
         _, b = _prefill(micro_cfg, [5], ctx=[4])
         last, p2 = fused.forward(ids[4:], b, p2)
-    assert float(_rel(last[-1:], full[-1:]).max()) < 1e-5
+    assert float(_rel(last[-1:], full[-1:]).max()) < TOL / 10
     for l in micro_cfg.kda_layers:
-        torch.testing.assert_close(p2[l]["state"], p1[l]["state"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(p2[l]["state"], p1[l]["state"], rtol=TOL / 10, atol=TOL / 100)
 
 
 def test_fusion_keeps_the_models_own_forward_and_weights(micro_ckpt, micro_cfg):
@@ -109,7 +111,10 @@ def test_fusion_keeps_the_models_own_forward_and_weights(micro_ckpt, micro_cfg):
         fused = FusedModel.of(m)
         assert FusedModel.of(m) is fused
         after, _ = m.forward(ids, batch, _pools(micro_cfg, 2))
-    assert torch.equal(before, after)
+    if HAS_CUDA:          # cuBLAS may pick another kernel for a strided view of the same weight
+        torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(before, after)
     lins = [lin for layer in m.layers for lin in layer.linears()]
     assert sum(lin.weight.numel() * lin.weight.element_size() for lin in lins) == nbytes
     kda = next(layer.attn for layer in m.layers if hasattr(layer.attn, "qkv"))
@@ -148,6 +153,8 @@ dist.destroy_process_group()
 '''
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="CPU ranks under the Triton interpreter (the GPU image's Triton 3.6 interpreter "
+                    "cannot run the kernels' loops)")
 @pytest.mark.parametrize("ep", [1, 2])
 def test_fused_tp2_over_gloo_equals_tp1(micro_ckpt, tmp_path, ep):
     """TP=2 (experts tensor-parallel, or EP=2) as two CPU processes over gloo: the fused forward's collectives
@@ -155,7 +162,7 @@ def test_fused_tp2_over_gloo_equals_tp1(micro_ckpt, tmp_path, ep):
     the vocab-split embedding and logits) reproduce the TP=1 reference, prefill and decode."""
     script = tmp_path / "tp2.py"
     script.write_text(_TP2)
-    env = {**os.environ, "TRITON_INTERPRET": "1" if not HAS_CUDA else os.environ.get("TRITON_INTERPRET", "0"),
+    env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                         str(script), str(micro_ckpt), str(ep)], capture_output=True, text=True, cwd=ROOT,
