@@ -159,13 +159,22 @@ class _MoE:
         else:
             self.w_out = m.up.weight
 
+    def route(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits z fp32 [T, E] -> (ids int32 [T, k], weights fp32 [T, k]): the top-k kernel on CUDA, its fp32
+        definition on the CPU (the interpreter would run one slow program per token)."""
+        c = self.cfg
+        kw = dict(top_k=c.num_experts_per_token, num_expert_group=c.num_expert_group, topk_group=c.topk_group,
+                  renormalize=c.moe_renormalize)
+        if z.is_cuda:
+            from k3deploy.plugins.moe.kernels import route_topk
+            return route_topk(z, self.m.bias, routed_scaling_factor=c.routed_scaling_factor, **kw)
+        from k3deploy.plugins.moe.reference import route_logits
+        ids, w = route_logits(z, self.m.bias, scaling=c.routed_scaling_factor, **kw)
+        return ids.int(), w
+
     def __call__(self, x, comm, ops):
-        from k3deploy.plugins.moe.kernels import route_topk
         m, c = self.m, self.cfg
-        ids, wts = route_topk(_mm_f32(x, self.gate_w), m.bias, top_k=c.num_experts_per_token,
-                              num_expert_group=c.num_expert_group, topk_group=c.topk_group,
-                              routed_scaling_factor=c.routed_scaling_factor, renormalize=c.moe_renormalize,
-                              impl="triton" if x.is_cuda else "torch")     # the CPU: its fp32 definition
+        ids, wts = self.route(_mm_f32(x, self.gate_w))
         y = _mm(x, self.w_mid)
         yl = ops.mxfp4_moe(y[:, :self.Rl], ids, wts, **m.experts, expert_offset=m.expert_offset,
                            situ_beta=c.situ_beta, situ_linear_beta=c.situ_linear_beta, num_experts=c.num_experts)

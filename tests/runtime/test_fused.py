@@ -4,7 +4,7 @@ The glue kernels around the fp32 reference ops (only the glue runs in Triton; on
 with fp32 activations the fused forward equals the reference to summation order (on the GPU to TF32, the MLA
 glue's tl.dot): prefill, decode, chunked prefill, selected logits rows, TP=2 over gloo (CPU). GPU: the in-place kernels
 (`ops="kernels"`) against the same kernels in K3Model's layer code (`ops="kernels-unfused"`) and the CPU reference,
-bf16 and fp32 dense weights. The runtime tests of tests/runtime/test_runtime_gpu.py (decode = prefill, chunking,
+bf16 and fp32 dense weights. The runtime tests of tests/runtime/test_cuda.py (decode = prefill, chunking,
 slot reuse, CUDA graph = eager) run the fused path through `ops="kernels"` too."""
 from __future__ import annotations
 
@@ -207,7 +207,7 @@ def _teacher(model, cfg, ids, act):
 def test_fused_kernels_on_gpu_against_unfused_and_reference(tiny_ckpt, tiny_model, tiny_cfg, dense_dtype):
     """k3-tiny on the GPU, 4 prompts: the fused forward (bf16 activations with bf16 dense weights, as the model runs)
     against the same kernels in K3Model's layer code and the CPU fp32 reference: median logits rel. error and argmax
-    agreement within the limits of test_runtime_gpu's k3-tiny test (0.15, 0.5); its decode rows reproduce its own
+    agreement within the limits of test_cuda.py's k3-tiny test (0.15, 0.5); its decode rows reproduce its own
     prefill rows (max 0.1, argmax equal on >= 3 of 4); fp32 fused is as close to the reference as unfused."""
     m, fused = _gpu_pair(tiny_ckpt, dense_dtype)
     act = m.dense_dtype
