@@ -1,6 +1,6 @@
 """Typed Kimi K3 configuration: the text model (MODEL.md §1) and, when present, the vision tower (VISION.md §0.1).
 
-`load_config(source)` accepts a preset name (`k3`, `k3-tiny`, `k3-slice`, `k3-tiny-vl`, `k3-vision-slice`), a
+`load_config(source)` accepts a preset name (`k3`, `k3-tiny`, `k3-slice`, `k3-tiny-vl`, `k3-vision-slice`, `k3-tp8-rank`), a
 checkpoint directory holding `config.json`, a path to a `config.json`, or an already-parsed dict (either the
 multimodal wrapper with `text_config` and optionally `vision_config`, or a bare text config). Every validation
 error is a `ConfigError` (a `ValueError`) naming the key, the bad value and the rule.
@@ -229,6 +229,26 @@ def _k3_slice_json() -> dict:
     return j
 
 
+K3_TP8_RANK_EXPERTS = 448     # routed experts per layer of the k3-tp8-rank preset: K3's 896 halved to fit one H200
+
+
+def _k3_tp8_rank_json() -> dict:
+    """K3 as one rank of TP = 8 holds it (MODEL.md §10), written as a tp = 1 config: the 93 layers in K3's order
+    (69 KDA + 24 MLA, AttnRes block 12), 12 KDA and 12 MLA heads (q/k/v/g [1536, 7168], q_b [2304, 1536], kv_b
+    [3072, 512], o_proj [7168, 1536]), the rank's dense MLP (intermediate 4224) and shared experts (2 x 384 = 768),
+    the rank's vocabulary rows (20480 of embed_tokens / lm_head), and each routed expert as the rank's TP slice
+    (moe_intermediate_size 384: w1 / w3 [384, 3584], w2 [3584, 384], MXFP4). Replicated tensors (router, latent
+    down / up, MLA LoRA, norms, f_a) keep K3's shapes. Only the routed expert count differs: 448 of 896 per layer
+    (K3_TP8_RANK_EXPERTS; 23.7 GB dense bf16 + 90.4 GB of MXFP4 expert slices, where 896 would need 180.8 GB).
+    Without the all-reduces a rank's step does, this is the per-rank work of K3 at TP = 8 on one GPU."""
+    j = _k3_json()
+    tc = j["text_config"]
+    tc.update(num_attention_heads=12, num_key_value_heads=12, intermediate_size=4224, moe_intermediate_size=384,
+              vocab_size=20480, num_experts=K3_TP8_RANK_EXPERTS)
+    tc["linear_attn_config"]["num_heads"] = 12
+    return j
+
+
 def _tiny_json() -> dict:
     j = copy.deepcopy(K3_TINY_JSON)
     # k3-tiny keeps MXFP4 experts so the quantized path is exercised everywhere (64 and 128 are multiples of 32).
@@ -270,7 +290,7 @@ def _vision_slice_json() -> dict:
 
 
 PRESETS = {"k3": _k3_json, "k3-tiny": _tiny_json, "k3-slice": _k3_slice_json, "k3-tiny-vl": _tiny_vl_json,
-           "k3-vision-slice": _vision_slice_json}
+           "k3-vision-slice": _vision_slice_json, "k3-tp8-rank": _k3_tp8_rank_json}
 
 
 # ---- parsing ----------------------------------------------------------------------------------

@@ -202,8 +202,8 @@ class LLM:
     (needs engines + export index; full TensorRT and a GPU). device (torch backend): "cpu" (default; the fp32
     reference), "cuda" (cuda:LOCAL_RANK under torchrun) or "cuda:N": weights, decode-state pools and batch metadata
     on that GPU, logits sampled there (runtime.distributed.resolve_device); the tensorrt backend takes "cuda[:N]"
-    and onnxruntime only "cpu". ops (torch backend): "reference" | "torch" | "kernels" (runtime.executor.
-    TorchExecutor; default "reference" on the CPU, "torch" = the Triton kernels on CUDA, which need a block_size
+    and onnxruntime only "cpu". ops (torch backend): "reference" | "torch" | "kernels" (each layer's glue fused
+    around them: runtime/fused.py) | "kernels-unfused" (runtime.executor.TorchExecutor; default "reference" on the CPU, "torch" = the Triton kernels on CUDA, which need a block_size
     multiple of 16). dense_dtype (torch backend): "float32" (default; the reference precision) or "bfloat16" (dense
     weights and their GEMMs in bf16: half the bytes of the step's largest reads; K3Model; the KDA conv history and
     MLA latent cache pools then hold bf16 too, MODEL.md §9, the KDA state stays fp32). profile_comm: count and

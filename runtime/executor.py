@@ -14,8 +14,9 @@ pools (new tensors or the same ones updated in place; the caller writes them bac
 Backends:
 * `TorchExecutor`: `model.reference.K3Model` on the CPU (fp32 reference ops) or on a CUDA GPU (fp32 weights and
   activations, the five custom ops as Triton kernels: `ops="torch"` the torch.library ops, `ops="kernels"` the
-  kernels in place, `ops="reference"` the fp32 references on the GPU for debugging); TP > 1 as one process per rank
-  (SPMD). Logits come back on the executor's device.
+  kernels in place with each layer's glue fused (`runtime.fused.FusedModel`), `ops="kernels-unfused"` the same
+  kernels inside K3Model's own layer code, `ops="reference"` the fp32 references on the GPU for debugging); TP > 1
+  as one process per rank (SPMD). Logits come back on the executor's device.
 * `OnnxRuntimeExecutor`: the per-layer graphs of an export directory (docs/EXPORT_FORMAT.md, index.json), one
   `onnxruntime.InferenceSession` per graph; pools are passed in as inputs and the `*_out` outputs taken back.
   tp > 1: the rank's segments with the collectives between them (SPMD, one process per rank).
@@ -40,13 +41,15 @@ from k3deploy.plugins.workspace import WORKSPACE_RULES, workspace_rules_of
 log = logging.getLogger(__name__)
 
 
-OPS = ("reference", "torch", "kernels")
+OPS = ("reference", "torch", "kernels", "kernels-unfused")
+KERNEL_OPS = ("torch", "kernels", "kernels-unfused")       # the names that run the Triton kernels
 
 
 def resolve_ops(ops, device: torch.device) -> tuple[str, object]:
-    """(name, ops class) for `ops` = None | "reference" | "torch" | "kernels" | an ops class on `device`.
-    None = "reference" on the CPU, "torch" on CUDA. Raises ValueError for an unknown name or "kernels" on the
-    CPU (the Triton kernels run on CPU tensors only under TRITON_INTERPRET=1)."""
+    """(name, ops class) for `ops` = None | "reference" | "torch" | "kernels" | "kernels-unfused" | an ops class on
+    `device`. None = "reference" on the CPU, "torch" on CUDA. "kernels" and "kernels-unfused" both give
+    `KernelOps` (the executor fuses the glue around them for "kernels"). Raises ValueError for an unknown name or
+    the in-place kernels on the CPU (the Triton kernels run on CPU tensors only under TRITON_INTERPRET=1)."""
     import os
     if ops is not None and not isinstance(ops, str):
         return ops_name(ops), ops
@@ -56,8 +59,8 @@ def resolve_ops(ops, device: torch.device) -> tuple[str, object]:
     if name == "reference":
         from k3deploy.model.reference import ReferenceOps
         return name, ReferenceOps
-    if name == "kernels" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("ops = 'kernels': the Triton kernels need a CUDA device (or TRITON_INTERPRET=1); "
+    if name.startswith("kernels") and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"ops = {name!r}: the Triton kernels need a CUDA device (or TRITON_INTERPRET=1); "
                          "use ops 'reference' or 'torch' on the CPU")
     from k3deploy.plugins.torch_ops import KernelOps, TorchOps
     return name, TorchOps if name == "torch" else KernelOps
@@ -72,7 +75,7 @@ def ops_name(ops) -> str:
 def check_block_size(block_size: int, device: torch.device, ops_name: str) -> None:
     """Raise ValueError when the latent block size cannot run on the GPU MLA decode kernel (CUDA with the "torch"
     or "kernels" ops needs a multiple of 16 tokens: its tl.dot tiles never straddle two paged blocks)."""
-    if device.type == "cuda" and ops_name in ("torch", "kernels") and block_size % 16:
+    if device.type == "cuda" and ops_name in KERNEL_OPS and block_size % 16:
         raise ValueError(f"block_size = {block_size}: the GPU MLA decode kernel needs latent blocks of a multiple of "
                          f"16 tokens (16, 32, 64, ...); the runtime default there is {GPU_BLOCK_SIZE}")
 
@@ -85,7 +88,7 @@ def preferred_block_size(device: torch.device, ops_name: str) -> int:
     """Latent block size (tokens) the runtime allocates when the caller gives none: 64 on CUDA with the "torch" /
     "kernels" ops — the MLA decode and prefill tiles take at most one block's keys, so 16-token blocks cap them at
     16 keys (FlashMLA takes 64 too) —, 16 elsewhere (the CPU references)."""
-    return GPU_BLOCK_SIZE if device.type == "cuda" and ops_name in ("torch", "kernels") else CPU_BLOCK_SIZE
+    return GPU_BLOCK_SIZE if device.type == "cuda" and ops_name in KERNEL_OPS else CPU_BLOCK_SIZE
 
 
 POOL_DIMS = ("S", "NB", "BS", "MB", "M")    # KDA slots, latent blocks, tokens per block, block-table width, tokens
@@ -186,7 +189,8 @@ class TorchExecutor(Executor):
     device: "cpu" (default), "cuda" (cuda:LOCAL_RANK under torchrun) or "cuda:N" (runtime.distributed.
     resolve_device). ops: "reference" (fp32 references; the CPU default), "torch" (torch.library ops = Triton
     kernels on CUDA; the CUDA default), "kernels" (the CUDA kernels called directly, pools updated in place:
-    no per-call pool copy), or an ops class. On CUDA the dense weights are fp32 on the GPU (MXFP4 experts stay
+    no per-call pool copy; each layer's glue fused: runtime.fused), "kernels-unfused" (the same kernels in K3Model's
+    layer code: the glue as separate torch ops, for A/B comparisons), or an ops class. On CUDA the dense weights are fp32 on the GPU (MXFP4 experts stay
     packed uint8) and the kernels use bf16/TF32 internally where their tests say so; the pools must be on
     `self.device` (HybridCache(..., device=executor.device)). dense_dtype: "bfloat16" keeps the dense weights
     (projections, embedding, lm_head) in bf16 and runs those GEMMs in bf16 (K3Model; default fp32); `act_dtype`, the
@@ -239,8 +243,12 @@ class TorchExecutor(Executor):
             self.model.comm.profile = True
         self.cfg, self.tp, self.rank = self.model.cfg, self.model.comm.size, self.model.comm.rank
         self.act_dtype = self.model.dense_dtype        # the pools' conv history and latent cache: the model dtype
-        if self.device.type != "cuda" and self.ops_name == "kernels":
+        if self.device.type != "cuda" and self.ops_name.startswith("kernels"):
             self.act_dtype = torch.float32             # the Triton interpreter's bf16 tl.dot is wrong (Triton 3.9)
+        self.runner = self.model                       # what forward runs: K3Model, or its fused-glue form
+        if self.ops_name == "kernels":
+            from k3deploy.runtime.fused import FusedModel
+            self.runner = FusedModel.of(self.model)
         if self.device.type == "cuda":
             log.info("torch executor on %s, ops %s, tp %d rank %d", self.device, self.ops_name, self.tp, self.rank)
 
@@ -261,7 +269,7 @@ class TorchExecutor(Executor):
             raise ValueError("profile_comm and CUDA graphs exclude each other (a replay runs no Python); "
                              "time the graphs' collectives with a kernel profile instead")
         self.close()                                        # graphs captured before (other pools or sizes)
-        self.graphs = DecodeGraphs(self.model, pools, max_batch, max_blocks, capture=capture)
+        self.graphs = DecodeGraphs(self.runner, pools, max_batch, max_blocks, capture=capture)
         return self.graphs
 
     def close(self) -> None:
@@ -279,7 +287,7 @@ class TorchExecutor(Executor):
                 self.model.check_ids(ids)
                 return self.graphs.forward(ids, batch, pools, logits_index)
             with torch.no_grad():
-                return self.model.forward(ids, batch, pools, logits_index, image_rows=image_rows)
+                return self.runner.forward(ids, batch, pools, logits_index, image_rows=image_rows)
 
     def encode_images(self, pixel_values, grid_thws):
         """See `Executor.encode_images`; features in the tower's dtype on `self.device`."""

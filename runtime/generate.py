@@ -48,9 +48,10 @@ def _main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--ep", type=int, default=1, help="expert parallelism under torchrun: 1 or the world size (torch backend)")
     ap.add_argument("--device", default=None,
                     help="cpu (default), cuda (= cuda:LOCAL_RANK under torchrun) or cuda:N (torch backend; tensorrt: cuda:N)")
-    ap.add_argument("--ops", default=None, choices=["reference", "torch", "kernels"],
+    ap.add_argument("--ops", default=None, choices=["reference", "torch", "kernels", "kernels-unfused"],
                     help="custom ops of the torch backend (default: reference on the CPU, torch = Triton kernels on CUDA; "
-                         "kernels = the CUDA kernels in place)")
+                         "kernels = the CUDA kernels in place with each layer's glue fused; kernels-unfused = the same "
+                         "kernels in the reference's layer code)")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="replay the decode step from CUDA graphs (torch backend, CUDA, --ops kernels; size them with "
                          "--max-context)")

@@ -48,7 +48,8 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Decode forwards of `model` (a `model.reference.K3Model` on CUDA with in-place ops) replayed from CUDA graphs.
+    """Decode forwards of `model` (a `model.reference.K3Model` on CUDA with in-place ops, or its fused-glue form
+    `runtime.fused.FusedModel`: anything with `device`, `ops` and `forward_on_device`) replayed from CUDA graphs.
 
     pools: the cache's pools {layer: {name: tensor}} (captured by address; the tensors are remembered); max_batch:
     largest decode batch; max_blocks: block-table width (latent blocks per sequence at the longest context).

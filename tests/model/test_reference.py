@@ -266,7 +266,7 @@ def _walk_linears(obj, seen=None) -> list:
         return [obj]
     if isinstance(obj, (list, tuple)):
         return [x for v in obj for x in _walk_linears(v, seen)]
-    if type(obj).__module__.startswith("model."):
+    if type(obj).__module__.startswith("k3deploy.model."):
         return [x for v in vars(obj).values() for x in _walk_linears(v, seen)]
     return []
 
