@@ -240,8 +240,9 @@ def _k3_tp8_rank_json() -> dict:
     (moe_intermediate_size 384: w1 / w3 [384, 3584], w2 [3584, 384], MXFP4). Replicated tensors (router, latent
     down / up, MLA LoRA, norms, f_a) keep K3's shapes. Only the routed expert count differs: 448 of 896 per layer
     (K3_TP8_RANK_EXPERTS; 23.7 GB dense bf16 + 90.4 GB of MXFP4 expert slices, where 896 would need 180.8 GB).
-    Without the all-reduces a rank's step does, this is the per-rank work of K3 at TP = 8 on one GPU."""
+    Without the all-reduces a rank's step does, this is the per-rank work of K3 at TP = 8 on one GPU. Text only."""
     j = _k3_json()
+    j.pop("vision_config")
     tc = j["text_config"]
     tc.update(num_attention_heads=12, num_key_value_heads=12, intermediate_size=4224, moe_intermediate_size=384,
               vocab_size=20480, num_experts=K3_TP8_RANK_EXPERTS)
