@@ -1,6 +1,10 @@
-"""Helpers shared by the benchmark scripts (bench_kernels.py, sweep_kda_decode_tiles.py): CUDA-graph capture and
-the KDA decode step's inputs. Imported from the scripts' own folder (``python benchmarks/<script>.py``)."""
+"""Helpers shared by the benchmark scripts (bench_kernels.py, sweep_kda_decode_tiles.py, ncu_moe.py,
+moe_decode_floor.py, profile_kda_prefill.py): CUDA-graph capture, the KDA decode step's inputs, and the kernels' own
+choices forced for A/B timing. Imported from the scripts' own folder (``python benchmarks/<script>.py``)."""
 from __future__ import annotations
+
+import contextlib
+from unittest import mock
 
 import torch
 
@@ -36,3 +40,15 @@ def kda_decode_inputs(B: int, H: int, K: int, device, act: torch.dtype = torch.b
     conv = torch.randn(B + 1, 3 * P, 3, device=device).to(act)
     slots = (torch.randperm(B, device=device) + 1).int()
     return d, state, conv, slots
+
+
+@contextlib.contextmanager
+def forced(module, rule: str, value):
+    """Within the block, `module`'s choice function `rule` returns `value` whatever its arguments (the kernels'
+    private variants for A/B timing: e.g. ``forced(kda_k, "_decode_block_v", 32)``, ``forced(moe_k, "_pick_impl",
+    "legacy")``); value None leaves the rule as it is. A CUDA graph captured inside keeps the forced choice."""
+    if value is None:
+        yield
+        return
+    with mock.patch.object(module, rule, lambda *args, **kwargs: value):
+        yield

@@ -444,9 +444,8 @@ def _explain_bf16_failure(rec: dict, other_dtype: str | None, failed: list[str])
     logits_only = all(r.startswith(("logits_relerr", "argmax_agreement")) for r in failed)
     if logits_only and {rec["dense_dtype"], other_dtype} == {"bfloat16", "float32"}:
         log.warning("bf16 dense weights against fp32: the synthetic models' near-tied router scores flip under bf16 "
-                    "rounding, so late positions differ by 20-30% (README 'GPU runtime', benchmarks/RESULTS.md run "
-                    "18); compare bf16 with a bf16 run (--save-logits / --compare-to) or --check with --dense-dtype "
-                    "float32")
+                    "rounding, so late positions differ by 20-30% (README 'GPU runtime'); compare bf16 with a bf16 "
+                    "run (--save-logits / --compare-to) or --check with --dense-dtype float32")
 
 
 def check_against_reference(a, executor, ref_model, prompts, tokens, rank: int) -> dict | None:

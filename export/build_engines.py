@@ -294,8 +294,9 @@ def build(args) -> int:
         if "end_to_end" in report:
             results["end_to_end"] = report["end_to_end"]
         bad = [k for k, r in results.items() if not r["passed"]]
+        scope = "" if args.tp == 1 else ", end to end: TP > 1 segments are compared together"
         return (f"{len(results) - len(bad)}/{len(results)} comparisons pass "
-                f"({'every output and state within tolerance' if not bad else 'FAILED: ' + ', '.join(bad[:5])})",
+                f"({'every output and state within tolerance' if not bad else 'FAILED: ' + ', '.join(bad[:5])}{scope})",
                 {"failed": bad})
 
     verified = pipe.run(4, "verify", exp_inputs, [out / "verify" / "report.json"], step_verify)
@@ -412,8 +413,11 @@ def main(argv=None, prog=None) -> int:
     """CLI entry: every failure becomes one `error: ...` line and exit status 2 (1 for a mismatch)."""
     args = parse_args(argv, prog)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
-    if not args.verbose:   # onnxscript / onnx_ir log each graph rewrite at INFO: hundreds of lines per export
-        for name in ("onnxscript", "onnx_ir"):
+    if not args.verbose:
+        # Each step prints its progress and one summary line (this module's logger); the stages' own INFO lines
+        # (one per graph or engine) and onnxscript / onnx_ir's (each graph rewrite: hundreds per export) show
+        # with -v only. Warnings and errors always show.
+        for name in ("k3deploy", "onnxscript", "onnx_ir"):
             logging.getLogger(name).setLevel(logging.WARNING)
     try:
         return build(args)

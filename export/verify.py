@@ -23,6 +23,7 @@ list of feed dicts and RunResults) so that
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -362,21 +363,53 @@ def _summarize(acc, names) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def polygraphy_logging():
+    """Polygraphy's global logger for one verification, following this module's logger: at DEBUG (`-v`) it prints
+    its warnings; otherwise only its errors (mismatches, shape errors) and warnings outside the comparator.
+
+    The comparator warns "Some values are 0. Will add a small epsilon ..." once per output whose expected values
+    hold exact zeros (every pool's untouched rows and sentinels); `CompareFunc.simple` passes an element when
+    |a-b| <= atol OR |a-b| <= rtol·|b|, so zeros are judged by atol and the note says nothing about the result. Its
+    other warning, an output it skipped, becomes a failure in `compare` (the report lists it). Colours are off:
+    Polygraphy prints "'colored' module is not installed" before its first message otherwise."""
+    from polygraphy.logger import G_LOGGER
+    quiet = {"": G_LOGGER.WARNING} if log.isEnabledFor(logging.DEBUG) else \
+        {"": G_LOGGER.WARNING, "comparator/compare.py": G_LOGGER.ERROR}
+    colors, G_LOGGER.colors = G_LOGGER.colors, False
+    try:
+        with G_LOGGER.verbosity(quiet):
+            yield
+    finally:
+        G_LOGGER.colors = colors
+
+
 def compare(runners, feeds, names) -> dict:
-    """Comparator.run over the feed dicts, then compare_accuracy with the per-output tolerances of `names`; returns
-    {"passed": bool, "outputs": {name: {max_abs, max_rel, passed, atol, rtol}}}."""
-    res = Comparator.run(runners, data_loader=feeds)
-    acc = Comparator.compare_accuracy(res, compare_func=compare_func(names))
+    """Comparator.run over the feed dicts, then compare_accuracy with the per-output tolerances of `names`.
+
+    Returns:
+        {"passed": bool, "outputs": {name: {max_abs, max_rel, passed, atol, rtol}}}, plus "not_compared": [names]
+        (and passed False) when an output of `names` was missing from a runner's results."""
+    with polygraphy_logging():
+        res = Comparator.run(runners, data_loader=feeds)
+        acc = Comparator.compare_accuracy(res, compare_func=compare_func(names))
     outs = _summarize(acc, names)
-    return {"passed": bool(acc) and all(o["passed"] for o in outs.values()), "outputs": outs}
+    result = {"passed": bool(acc) and all(o["passed"] for o in outs.values()), "outputs": outs}
+    missing = [n for n in names if n not in outs]
+    if missing:
+        result.update(passed=False, not_compared=missing)
+    return result
 
 
 def verify(onnx_dir, checkpoint, report_path=None, polygraphy_data=None, end_to_end: bool = True) -> dict:
     """Compare every rank-0 graph (tp == 1 exports) and the whole model against the PyTorch reference.
     Returns the report dict (written to report_path as JSON when given). Raises ValueError when the export's
     config hash differs from the checkpoint's."""
-    from polygraphy.logger import G_LOGGER
-    G_LOGGER.module_severity = G_LOGGER.WARNING
+    with polygraphy_logging():
+        return _verify(onnx_dir, checkpoint, report_path, polygraphy_data, end_to_end)
+
+
+def _verify(onnx_dir, checkpoint, report_path, polygraphy_data, end_to_end: bool) -> dict:
     src = WeightSource.from_checkpoint(checkpoint)
     cfg = src.cfg
     ortm = OrtModel(onnx_dir)
@@ -404,7 +437,11 @@ def verify(onnx_dir, checkpoint, report_path=None, polygraphy_data=None, end_to_
             names = [o["name"] for o in entry["outputs"]]
             r = compare([ref, onx], feeds, names)
             report["graphs"][entry["id"]] = r
-            log.info("%s: %s", entry["id"], "PASS" if r["passed"] else "FAIL")
+            if r["passed"]:
+                log.debug("%s: PASS", entry["id"])
+            else:
+                log.warning("%s: FAIL (%s)", entry["id"], ", ".join(
+                    [n for n, o in r["outputs"].items() if not o["passed"]] + r.get("not_compared", [])))
             if polygraphy_data is not None:
                 write_polygraphy_data(Path(polygraphy_data), entry, ref, feeds)
     else:

@@ -82,8 +82,7 @@ CPU_BLOCK_SIZE = 16     # elsewhere: finer paging, no kernel to feed
 def preferred_block_size(device: torch.device, ops_name: str) -> int:
     """Latent block size (tokens) the runtime allocates when the caller gives none: 64 on CUDA with the "torch" /
     "kernels" ops — the MLA decode and prefill tiles take at most one block's keys, so 16-token blocks cap them at
-    16 keys (H200: 12 heads B=64 L=32K 855-864 µs at 16 vs 654-666 at 64; 96 heads B=64 L=8K 1157 vs 556;
-    benchmarks/RESULTS.md runs 20-21; FlashMLA takes 64 too) —, 16 elsewhere (the CPU references)."""
+    16 keys (FlashMLA takes 64 too) —, 16 elsewhere (the CPU references)."""
     return GPU_BLOCK_SIZE if device.type == "cuda" and ops_name in ("torch", "kernels") else CPU_BLOCK_SIZE
 
 

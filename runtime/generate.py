@@ -19,12 +19,12 @@ from k3deploy.runtime.distributed import init_from_env, shutdown
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     try:
-        return _main(argv)
+        return _main(argv, prog)
     finally:
         shutdown()
 
 
-def _main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from k3deploy.model.layers import DENSE_DTYPES, dense_dtype_name
     ap = argparse.ArgumentParser(prog=prog or "python -m k3deploy.runtime.generate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="checkpoint, ONNX export, engine or build output directory")

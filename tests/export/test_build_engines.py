@@ -1,4 +1,4 @@
-"""The main job (issue 5): `python export/build_engines.py` end to end on k3-tiny, the K3 dry-run plan,
+"""The main job: `python export/build_engines.py` end to end on k3-tiny, the K3 dry-run plan,
 idempotent reruns, and every error path with one clear message."""
 from __future__ import annotations
 
@@ -71,6 +71,21 @@ def test_default_run_end_to_end_tp1(tiny_build_tp1):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["onnx"] == "onnx" and (out / "triton" / "k3" / "config.pbtxt").is_file()
     check_engines(out)
+
+
+def test_default_log_is_each_steps_summary(tiny_build_tp1):
+    """Without -v the log holds each step's start and one-line summary (plus progress bars and the plan); no
+    Polygraphy notes ("[W] ... Some values are 0", the 'colored' module notice) and none of the stages' own
+    per-graph / per-engine lines, which -v shows."""
+    import re
+    out, r = tiny_build_tp1
+    assert r.returncode == 0, r.stdout + r.stderr
+    for i, step in enumerate(be.STEPS, 1):
+        assert re.search(rf"^\[{i}/{len(be.STEPS)}\] {step:<10} done in [0-9.]+ s: \S", r.stderr, re.M), (step, r.stderr)
+    log = r.stdout + r.stderr
+    assert "Some values are 0" not in log and "'colored' module" not in log, log
+    assert not re.search(r"^\[[WE]\]", log, re.M), log
+    assert ": PASS" not in log and ".plan in " not in log, log      # verify's per-graph and engines' per-plan lines
 
 
 def check_engines(out: Path) -> None:

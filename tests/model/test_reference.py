@@ -296,8 +296,8 @@ def test_bf16_dense_weights_close_to_fp32_and_decode_reproduces_prefill(tiny_ckp
 
 
 def test_bf16_dense_error_is_rounding_where_routing_agrees(tiny_ckpt, tiny_model, tiny_cfg, monkeypatch):
-    """Where bf16 dense weights move logits far from fp32 (bench_decode's compare: 0.25-0.27 median on the synthetic
-    models, benchmarks/RESULTS.md run 18) it is MoE routing: a position whose routed experts differ in some layer
+    """Where bf16 dense weights move logits far from fp32 (0.25-0.27 median on the synthetic models: bench_decode.py
+    --dense-dtype bfloat16 --check) it is MoE routing: a position whose routed experts differ in some layer
     carries a large error; up to the first such position the logits stay within bf16 rounding of fp32's."""
     from k3deploy.model.reference import LatentMoE
     seen = []

@@ -181,7 +181,7 @@ def test_batch_invariance_greedy(tiny_model):
 def test_request_token_slice_and_steps_without_all_ids(tiny_model, monkeypatch):
     """Request.token_slice equals all_ids[start:stop] on every range across the prompt / output seam; the scheduler's
     steps never build all_ids (an O(context) list copy per request per step: 1.7 ms of host time per decode step at
-    B=16 and 4K-token prompts on the H200, benchmarks/RESULTS.md run 22)."""
+    B=16 and 4K-token prompts, bench_decode.py on an H200)."""
     from k3deploy.runtime.scheduler import Request
     r = Request("r", list(range(5)), greedy(3), output_ids=[50, 51, 52])
     assert r.num_tokens == 8
@@ -485,6 +485,18 @@ def test_generate_stream_and_seeded_sampling(tiny_ckpt, tiny_model):
     next(it)
     it.close()
     assert llm.metrics()["kda_slots_in_use"] == 0 and llm.metrics()["latent_blocks_in_use"] == 0
+
+
+def test_sample_batch_equals_row_by_row():
+    from k3deploy.runtime.sampling import SamplingParams, make_generator, sample, sample_batch
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 50, generator=g)
+    logits[2, 7] = logits[2, 9] = 99.0                                   # a tie: the lowest id wins
+    params = [SamplingParams(), SamplingParams(temperature=0.7, seed=1), SamplingParams(),
+              SamplingParams(temperature=1.0, top_k=5, top_p=0.9, seed=2), SamplingParams()]
+    rowwise = [sample(logits[i], p, make_generator(p)) for i, p in enumerate(params)]
+    assert sample_batch(logits, params, [make_generator(p) for p in params]) == rowwise
+    assert rowwise[2] == 7
 
 
 def test_cli_prints_generated_ids(tiny_ckpt, tiny_model):
