@@ -3,10 +3,10 @@
 
     python export/build_engines.py [--checkpoint DIR] [--out DIR] [--tp N] [--ep M]
         [--backend tensorrt|tensorrt-rtx|onnxruntime] [--target-cc sm86 ...] [--max-batch B]
-        [--max-num-tokens T] [--max-context L] [--aot] [--dry-run] [--force]
+        [--max-num-tokens T] [--max-context L] [--check-finite full|sampled] [--aot] [--dry-run] [--force]
 
 Steps (each with progress and a one-line summary; skipped on a rerun whose inputs hash the same, redone with
---force): checkpoint (load + validate) -> plan -> export (shard per TP/EP rank, ONNX per layer) -> verify
+--force): checkpoint (load + validate, every float tensor finite: --check-finite) -> plan -> export (shard per TP/EP rank, ONNX per layer) -> verify
 (Polygraphy: ONNX Runtime vs the PyTorch reference, per layer, states included) -> engines (whatever TensorRT is
 installed, or a clear skip) -> repository (manifest.json + Triton model repository) -> smoke (generate a few tokens
 with the runtime and compare them with the reference).
@@ -21,6 +21,8 @@ smoke step adds a two-image prompt. Graphs whose inputs are unchanged keep their
 
 Output layout (OUT): manifest.json, plan.txt, onnx/ (docs/EXPORT_FORMAT.md), verify/report.json, engines/
 (rank{r}/*.plan + manifest.json), triton/ (model repository), smoke.json, .steps.json (step hashes).
+manifest.json exists only while OUT is a complete, verified deployment: a failed or running step removes it, and
+`runtime.api.LLM(OUT)` refuses an OUT without it.
 Exit status: 0 success, 1 verification or smoke mismatch, 2 bad input (one message naming the field and the fix).
 """
 from __future__ import annotations
@@ -323,9 +325,14 @@ def build(args) -> int:
     def step_checkpoint():
         ck = Checkpoint(ckpt)
         ck.validate()
-        return f"{ckpt} valid ({ck.data_bytes():,} B, config {cfg.config_hash()})", {"bytes": ck.data_bytes()}
+        fin = ck.check_finite(sample=args.check_finite == "sampled", progress=sys.stderr.isatty())
+        how = (f"{fin['tensors']} float/scale tensors finite" if not fin["sampled"] else
+               f"{fin['tensors']} float/scale tensors finite in samples ({fin['bytes_read']:,} of "
+               f"{fin['bytes_stored']:,} B read)")
+        return (f"{ckpt} valid ({ck.data_bytes():,} B, config {cfg.config_hash()}; {how})",
+                {"bytes": ck.data_bytes(), "finite": args.check_finite})
 
-    pipe.run(1, "checkpoint", [fp], [], step_checkpoint)
+    pipe.run(1, "checkpoint", [fp, args.check_finite], [], step_checkpoint)
 
     def step_plan():
         (out / "plan.txt").write_text(plan.report() + "\n")
@@ -416,8 +423,12 @@ def build(args) -> int:
              [out / "manifest.json", out / "triton"], step_repository)
 
     def step_smoke():
-        res = smoke(out, ckpt, serve_backend, tp=args.tp, max_batch=args.max_batch,
-                    max_num_tokens=args.max_num_tokens, max_context=max_context)
+        try:
+            res = smoke(out, ckpt, serve_backend, tp=args.tp, max_batch=args.max_batch,
+                        max_num_tokens=args.max_num_tokens, max_context=max_context)
+        except BaseException:
+            (out / "manifest.json").unlink(missing_ok=True)        # unverified: OUT must not look complete
+            raise
         write_json_atomic(res, out / "smoke.json")
         verdict = "equal to the reference" if res["match"] else "DIFFER from the reference"
         return (f"{serve_backend} greedy tokens on {args.tp} rank(s) for {len(res['prompts'])} prompts {verdict}",
@@ -426,7 +437,9 @@ def build(args) -> int:
     sm = pipe.run(7, "smoke", exp_inputs + [serve_backend, args.max_batch, args.max_num_tokens, max_context],
                   [out / "smoke.json"], step_smoke)
     if not sm["match"]:
-        log.error("smoke generation differs from the reference; see %s", out / "smoke.json")
+        (out / "manifest.json").unlink(missing_ok=True)            # OUT must not look complete
+        log.error("smoke generation differs from the reference; see %s (manifest.json removed: %s is not a "
+                  "deployment)", out / "smoke.json", out)
         return 1
     log.info("deployment ready in %s (ran: %s; skipped: %s)", out, ", ".join(pipe.ran) or "-", ", ".join(pipe.skipped) or "-")
     return 0
@@ -460,6 +473,11 @@ def parse_args(argv=None, prog=None):
     ap.add_argument("--block-size", type=int, default=64,
                     help="latent cache tokens per block, fixed in the engine profiles; a multiple of 16 (default 64: "
                          "the MLA kernels' key tiles stay inside one block, so 16 caps them at 16 keys)")
+    ap.add_argument("--check-finite", choices=["full", "sampled"], default="full",
+                    help="checkpoint step: read every float tensor and MXFP4 scale whole for NaN/Inf (full, default; "
+                         "K3: ~199 GB of the 1.56 TB, the FP4 codes need no reading) or every tensor up to 64 KiB and "
+                         "8 windows of 4 KiB of larger ones (sampled: ~8 GB for K3; catches a tensor gone NaN, "
+                         "not a single bad value); docs/OPERATIONS.md")
     ap.add_argument("--aot", action="store_true",
                     help="full TensorRT >= 10.9 only: every kimi op as ahead-of-time plugins (PTX baked into the "
                          "engines, no Python at runtime; Mxfp4Moe, KdaPrefill and MlaPrefill as chains of "

@@ -396,6 +396,9 @@ def parse_config(raw: dict, name: str = "custom") -> K3Config:
     if not isinstance(tc, dict):
         raise ConfigError("text_config: must be a JSON object (MODEL.md §1.1)")
     top = raw if "text_config" in raw else {}
+    if top.get("model_type", "kimi_k3") != "kimi_k3":
+        raise ConfigError(f"model_type = {top.get('model_type')!r}: expected 'kimi_k3' (the Kimi K3 wrapper config, "
+                          "MODEL.md §1.1); this is a checkpoint of another model family")
     if tc.get("model_type", "kimi_linear") != "kimi_linear":
         raise ConfigError(f"text_config.model_type = {tc.get('model_type')!r}: expected 'kimi_linear'")
     act = tc.get("hidden_act", "situ")

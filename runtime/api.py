@@ -18,8 +18,9 @@ its prompt ids pre-expanded (each image's `<|media_pad|>` repeated image.num_tok
 `path` is a checkpoint directory (config.json + safetensors index), an ONNX export directory (index.json), an
 engine directory (engines/ manifest.json) or a build output directory whose manifest.json names them
 (`checkpoint`, `onnx` / `onnx_dir`, `engines` / `engine_dir`; relative to the directory) or holds them as
-subdirectories `checkpoint/`, `onnx/`, `engines/`. A `tiktoken.model` next to the checkpoint (or in `path`) gives
-`llm.tokenizer`.
+subdirectories `checkpoint/`, `onnx/`, `engines/`. A build output directory (it has `.steps.json`) without its
+manifest.json is an incomplete or failed build and is refused (FileNotFoundError). A `tiktoken.model` next to the
+checkpoint (or in `path`) gives `llm.tokenizer`.
 
 Invalid requests raise ValueError naming the field (prompt_ids, max_tokens, temperature, top_k, top_p, seed,
 stop_token_ids, request_id, images) from `generate`, `stream` and `submit`; requests already in flight are
@@ -81,6 +82,10 @@ def resolve_model_dir(path: "str | Path") -> dict[str, Path | None]:
         raise FileNotFoundError(f"{root}: not a directory (expected a checkpoint, ONNX export, engine or build dir)")
     found: dict[str, Path | None] = {"checkpoint": None, "onnx": None, "engines": None, "tokenizer": None}
     manifest = root / "manifest.json"
+    if (root / ".steps.json").is_file() and not manifest.is_file():
+        raise FileNotFoundError(f"{root}: an incomplete build output (no manifest.json: the build failed, was "
+                                "interrupted or is still running; it writes manifest.json only when every step "
+                                f"passed); rerun `k3deploy build --out {root}` until it exits 0")
     if manifest.is_file():
         try:
             m = json.loads(manifest.read_text())
@@ -124,6 +129,7 @@ class AsyncEngine:
         self._stop = False
         self._callers = 0                      # API calls waiting for the lock (`_turn`); guarded by _callers_lock
         self._callers_lock = threading.Lock()
+        self.failure: str | None = None        # why the scheduler thread died (None while it runs or after shutdown)
         self._thread = threading.Thread(target=self._loop, name="k3-scheduler", daemon=True)
         self._thread.start()
 
@@ -149,6 +155,17 @@ class AsyncEngine:
     @property
     def running(self) -> bool:
         return self._thread.is_alive() and not self._stop
+
+    def health(self) -> str | None:
+        """None while the engine serves; else why not ("shut down", or the error that ended the scheduler thread:
+        every request in flight then was finished with that error)."""
+        if self.failure is not None:
+            return self.failure
+        if self._stop:
+            return "engine is shut down"
+        if not self._thread.is_alive():
+            return "scheduler thread is not running"
+        return None
 
     def submit(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams | None = None,
                on_token: Callable[[int | None, bool, str | None], None] | None = None, images=None):
@@ -183,16 +200,23 @@ class AsyncEngine:
                 self._sched.cancel(rid)
 
     def _loop(self) -> None:
-        while True:
+        try:
+            while True:
+                with self._cv:
+                    while not self._stop and (self._callers or not self._sched.has_work()):
+                        self._cv.wait(0.05 if self._callers else None)   # a caller's turn ends with notify_all
+                    if self._stop:
+                        return
+                    try:
+                        self._sched.step()
+                    except Exception:                # keep serving; the step's requests were finished with an error
+                        log.exception("scheduler step failed")
+        except BaseException as e:                   # the thread ends: no request may wait for it
+            self.failure = f"scheduler thread died: {type(e).__name__}: {e}"
+            log.critical("%s; failing every request in flight", self.failure)
             with self._cv:
-                while not self._stop and (self._callers or not self._sched.has_work()):
-                    self._cv.wait(0.05 if self._callers else None)   # a caller's turn ends with notify_all
-                if self._stop:
-                    return
-                try:
-                    self._sched.step()
-                except Exception:                    # keep serving; the step's requests were finished with an error
-                    log.exception("scheduler step failed")
+                for rid in list(self._sched.requests):
+                    self._sched.fail(rid, self.failure)
 
 
 class LLM:
@@ -235,6 +259,12 @@ class LLM:
                  ops: str | None = None, profile_comm: bool = False, cuda_graphs: bool = False,
                  dense_dtype: str | None = None):
         from k3deploy.runtime.distributed import parse_device
+        for name, v in (("max_batch", max_batch), ("max_num_tokens", max_num_tokens), ("max_context", max_context),
+                        ("num_blocks", num_blocks), ("memory_budget", memory_budget),
+                        ("decode_pad_multiple", decode_pad_multiple)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < (2 if name == "num_blocks" else 1)):
+                raise ValueError(f"{name} = {v!r}: give an integer >= {2 if name == 'num_blocks' else 1} or omit it"
+                                 + (" (block 0 is the padding sentinel)" if name == "num_blocks" else ""))
         self.paths = resolve_model_dir(path)
         self.backend = backend
         dev = parse_device(device)                          # ValueError for a malformed string, before any loading
@@ -411,12 +441,7 @@ class LLM:
         plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"params: {len(plist)} SamplingParams for {len(prompts)} prompts")
-        for p in plist:
-            if not isinstance(p, SamplingParams):
-                raise ValueError(f"params: expected SamplingParams, got {type(p).__name__}")
-            p.validate()
-        from k3deploy.runtime.sampling import validate_prompt
-        prompts = [validate_prompt(pr, self.cfg.vocab_size, self.cache.max_context) for pr in prompts]
+        prompts = [self.scheduler.check(pr, p) for pr, p in zip(prompts, plist)]
         images = list(images) if images is not None else [None] * len(prompts)
         if any(im is not None for im in images):
             from k3deploy.runtime.vision import request_images

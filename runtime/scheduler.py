@@ -10,7 +10,13 @@ Each `step()`:
 4. runs the decode tokens as one forward (`Batch(decode=True)`, optionally padded with sentinel rows: slot 0,
    block 0, context 0) and the prefill chunks as a second forward (`Batch(decode=False)`), writes the returned
    pools back into the cache, samples a token for every request whose pending tokens are all processed, and
-   finishes requests (max_tokens, stop/eos, max_context): their slot and blocks are freed at once.
+   finishes requests (max_tokens, stop/eos): their slot and blocks are freed at once.
+
+A step is atomic per request: whatever can fail for one request is checked at `add` (sampling parameters, stop ids
+within the vocabulary, prompt + max_tokens within max_context) or isolated after the forward (NaN/Inf logits, a
+failure while sampling or finishing it): that request alone ends with an error, slot and blocks freed, and every
+other request's state and tokens are as if it had never been there. A forward that raises fails its whole batch
+(every row's state is suspect then), each request with the error.
 
 Images (VISION.md §8.3): a request's prompt holds each image's `<|media_pad|>` expanded to its rows. Before a
 prefill forward, every image whose rows this step's chunks reach and that is not cached yet goes through ONE
@@ -34,7 +40,8 @@ import torch
 
 from k3deploy.model.reference import Batch
 from k3deploy.runtime.cache import HybridCache
-from k3deploy.runtime.sampling import SamplingParams, make_generator, sample_batch, token_logprobs, validate_prompt
+from k3deploy.runtime.sampling import (NON_FINITE, SamplingParams, ban, make_generator, sample, sample_batch,
+                                       token_logprobs, validate_prompt)
 
 log = logging.getLogger(__name__)
 
@@ -133,16 +140,29 @@ class Scheduler:
         self.last_step_requests: list[str] = []
 
     # ---- requests -------------------------------------------------------------------------------------
-    def add(self, request_id: str, prompt_ids, params: SamplingParams, on_token: OnToken | None = None,
-            images=None) -> Request:
-        """Validate and queue a request. images: its runtime.vision.ProcessedImage list, the prompt pre-expanded
-        (each image's `<|media_pad|>` repeated image.num_tokens times, runtime.vision.prepare_images). Raises
-        ValueError naming the field (prompt_ids, request_id, images or a SamplingParams field); nothing is queued
-        then."""
+    def check(self, prompt_ids, params: SamplingParams) -> list[int]:
+        """Validate a request without queuing it; returns the prompt as a list of ints. Raises ValueError naming
+        the field: params (not SamplingParams), a SamplingParams field, stop_token_ids outside the vocabulary,
+        prompt_ids, or max_tokens when prompt + max_tokens exceed max_context (no silent cut at the context end)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
         params.validate()
+        params.check_vocab(self.vocab_size)
         ids = validate_prompt(prompt_ids, self.vocab_size, self.max_context)
+        self.cache.check_admissible(len(ids))
+        if len(ids) + params.max_tokens > self.max_context:
+            raise ValueError(f"max_tokens = {params.max_tokens}: the prompt's {len(ids)} tokens plus {params.max_tokens} "
+                             f"exceed max_context = {self.max_context} tokens per request; ask for at most "
+                             f"{self.max_context - len(ids)}")
+        return ids
+
+    def add(self, request_id: str, prompt_ids, params: SamplingParams, on_token: OnToken | None = None,
+            images=None) -> Request:
+        """Validate (`check`) and queue a request. images: its runtime.vision.ProcessedImage list, the prompt
+        pre-expanded (each image's `<|media_pad|>` repeated image.num_tokens times, runtime.vision.prepare_images).
+        Raises ValueError naming the field (prompt_ids, request_id, images, max_tokens or another SamplingParams
+        field); nothing is queued then."""
+        ids = self.check(prompt_ids, params)
         imgs: list = []
         if images is not None:
             from k3deploy.runtime.vision import request_images
@@ -151,7 +171,6 @@ class Scheduler:
             raise ValueError(f"request_id = {request_id!r}: must be a non-empty string")
         if request_id in self.requests:
             raise ValueError(f"request_id = {request_id!r}: already in flight")
-        self.cache.check_admissible(len(ids))
         req = Request(request_id, ids, params, on_token, self._arrivals, generator=make_generator(params))
         if params.logprobs is not None:
             req.logprobs, req.top_logprobs = [], []
@@ -173,6 +192,14 @@ class Scheduler:
         if req is None:
             return False
         self._finish(req, "cancelled", None, notify_token=None)
+        return True
+
+    def fail(self, request_id: str, error: str) -> bool:
+        """Finish a queued or running request with `error` (slot and blocks freed now). False if unknown."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self._finish(req, "error", error, notify_token=None)
         return True
 
     def has_work(self) -> bool:
@@ -367,28 +394,17 @@ class Scheduler:
         try:
             kw = {"image_rows": image_rows} if image_rows is not None else {}
             logits, pools = self.executor.forward(ids, batch, self.cache.pools, index, **kw)
+            self.cache.set_pools(pools)
         except Exception as e:
             log.exception("forward failed; finishing the %d requests of this batch with an error", len(group))
             for req, _ in group:
                 if req.status != "finished":           # an earlier row's error callback may have cancelled it
                     self._finish(req, "error", f"{type(e).__name__}: {e}", notify_token=None)
             return
-        self.cache.set_pools(pools)
         self._fill_prompt_logprobs(group, logits, first, decode)
         rows = [row for row, (req, n) in enumerate(group) if req.num_computed + n >= req.num_tokens]
-        toks, lps = {}, {}
-        if rows:                                       # one batched draw (logits may be on a GPU)
-            last = [first[r + 1] - 1 if r + 1 < len(first) else len(index) - 1 for r in rows]
-            sel = logits if len(last) == logits.shape[0] else logits[torch.tensor(last, device=logits.device)]
-            reqs = [group[r][0] for r in rows]
-            banned = [self._banned(q) if q.params.bad_words else [] for q in reqs]
-            toks = dict(zip(rows, sample_batch(sel, [q.params for q in reqs], [q.generator for q in reqs],
-                                               banned if any(banned) else None)))
-            want = [j for j, q in enumerate(reqs) if q.logprobs is not None]
-            if want:
-                sub = sel if len(want) == sel.shape[0] else sel[torch.tensor(want, device=sel.device)]
-                got = token_logprobs(sub, [toks[rows[j]] for j in want], [reqs[j].params.logprobs for j in want])
-                lps = {rows[j]: g for j, g in zip(want, got)}
+        last = [first[r + 1] - 1 if r + 1 < len(first) else len(index) - 1 for r in rows]
+        toks, lps = self._sample(group, rows, last, logits)
         for row, (req, n) in enumerate(group):
             if req.status == "finished":               # cancelled by an earlier row's callback in this loop
                 continue
@@ -397,21 +413,67 @@ class Scheduler:
                 self._drop_used_rows(req)
             if req.num_computed < req.num_tokens:
                 continue                               # prefill not done yet: nothing to sample
-            tok = toks[row]
-            req.output_ids.append(tok)
-            if row in lps:
-                req.logprobs.append(lps[row][0])
-                req.top_logprobs.append(lps[row][1])
-            self.stats["tokens_generated"] += 1
-            p = req.params
-            if (tok in p.stop_token_ids or (tok == self.eos_token_id and not p.ignore_eos)
-                    or any(len(w) <= len(req.output_ids) and req.output_ids[-len(w):] == list(w)
-                           for w in p.stop_sequences)):
-                self._finish(req, "stop", None, notify_token=tok)
-            elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_context:
-                self._finish(req, "length", None, notify_token=tok)
-            else:
-                self._notify(req, tok, False, None)
+            try:
+                tok = toks[row]
+                if isinstance(tok, str):
+                    self._finish(req, "error", tok, notify_token=None)
+                else:
+                    self._emit(req, tok, lps.get(row))
+            except Exception as e:                     # this request alone; the others' tokens are already drawn
+                log.exception("finishing request %s failed", req.request_id)
+                if req.status != "finished":
+                    self._finish(req, "error", f"{type(e).__name__}: {e}", notify_token=None)
+
+    def _sample(self, group: list[tuple[Request, int]], rows: list[int], last: list[int], logits
+                ) -> tuple[dict[int, int | str], dict[int, tuple]]:
+        """({row: token id, or an error message for that request alone}, {row: (logprob, top logprobs)} for the
+        rows whose params ask for them) for the group rows that sample; `last[i]` is row rows[i]'s logits row."""
+        if not rows:
+            return {}, {}
+        reqs = [group[r][0] for r in rows]
+        banned = [self._banned(q) if q.params.bad_words else [] for q in reqs]
+        states = [r.generator.get_state() if r.generator is not None else None for r in reqs]
+        sel = logits if len(last) == logits.shape[0] else logits[torch.tensor(last, device=logits.device)]
+        try:                                           # one batched draw (logits may be on a GPU)
+            drawn = sample_batch(sel, [r.params for r in reqs], [r.generator for r in reqs],
+                                 banned if any(banned) else None)
+        except Exception:                              # isolate the failing row: draw each one alone
+            log.exception("batched sampling failed; sampling the %d rows one by one", len(rows))
+            drawn = []
+            for j, (r, state) in enumerate(zip(reqs, states)):
+                if state is not None:
+                    r.generator.set_state(state)       # undo the partial batched draw: same tokens as solo
+                try:
+                    row = ban(sel[j: j + 1], [banned[j]])[0] if banned[j] else sel[j]
+                    drawn.append(sample(row, r.params, r.generator))
+                except Exception as e:
+                    drawn.append(f"{type(e).__name__}: {e}")
+        toks = {row: NON_FINITE if t is None else t for row, t in zip(rows, drawn)}
+        want = [j for j, q in enumerate(reqs) if q.logprobs is not None and isinstance(toks[rows[j]], int)]
+        lps = {}
+        if want:
+            sub = sel if len(want) == sel.shape[0] else sel[torch.tensor(want, device=sel.device)]
+            got = token_logprobs(sub, [toks[rows[j]] for j in want], [reqs[j].params.logprobs for j in want])
+            lps = {rows[j]: g for j, g in zip(want, got)}
+        return toks, lps
+
+    def _emit(self, req: Request, tok: int, logprob: tuple | None = None) -> None:
+        """Append a sampled token (and its (logprob, top logprobs)) to req and notify; finish it at a stop/eos
+        token, a stop sequence or max_tokens."""
+        req.output_ids.append(tok)
+        if logprob is not None:
+            req.logprobs.append(logprob[0])
+            req.top_logprobs.append(logprob[1])
+        self.stats["tokens_generated"] += 1
+        p = req.params
+        if (tok in p.stop_token_ids or (tok == self.eos_token_id and not p.ignore_eos)
+                or any(len(w) <= len(req.output_ids) and req.output_ids[-len(w):] == list(w)
+                       for w in p.stop_sequences)):
+            self._finish(req, "stop", None, notify_token=tok)
+        elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_context:
+            self._finish(req, "length", None, notify_token=tok)
+        else:
+            self._notify(req, tok, False, None)
 
     # ---- one step -------------------------------------------------------------------------------------
     def step(self, token_budget: int | None = None) -> list[str]:

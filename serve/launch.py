@@ -10,7 +10,16 @@ The wheel ships the server binary (``pytriton/tritonserver/bin/tritonserver``), 
 2. put ``nvidia_pytriton.libs`` and this interpreter's ``libpython`` directory on ``LD_LIBRARY_PATH``
    and this interpreter's ``bin`` first on ``PATH`` (the stub resolves ``python`` there, which makes the
    embedded interpreter use this virtual environment's packages),
-3. start the binary with HTTP/gRPC/metrics bound to ``127.0.0.1`` and poll ``/v2/health/ready``.
+3. refuse ports already taken (naming the process holding each one when /proc shows it), start the binary with
+   gRPC/metrics bound to ``127.0.0.1`` and its HTTP on an internal loopback port behind the HTTP front
+   (:mod:`serve.front`: body cap, JSON checks, disconnects cancel) that owns ``--http-port``, and poll readiness;
+4. supervise: tritonserver dies with its launcher (``PR_SET_PDEATHSIG``: SIGKILL when the launching thread exits,
+   even under SIGKILL; a sweeper process then ends the stubs it started and their shared memory), and a watcher
+   thread declares the server failed when tritonserver exits or one of the
+   Python-backend stubs it started dies (Triton 2.51 keeps answering ready then, and every later request fails
+   "Stub process ... is not healthy"): readiness turns 503 with the reason, in-flight HTTP requests get an error,
+   tritonserver's process group is killed (gRPC clients get UNAVAILABLE at once) and :attr:`TritonServer.failure`
+   says why; the CLI exits 1 with it (restart it from the service manager).
 
 CLI::
 
@@ -23,13 +32,16 @@ gRPC port; both stop on SIGINT/SIGTERM (front first), and either one exiting sto
 Python::
 
     with TritonServer(repo, http_port=8000, grpc_port=8001, metrics_port=8002) as srv:
-        ...  # srv.http_url, srv.grpc_url, srv.metrics_url
+        ...  # srv.http_url, srv.grpc_url, srv.metrics_url; srv.failure (None while healthy)
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
+import errno
+import functools
 import importlib.metadata
 import importlib.util
 import logging
@@ -52,6 +64,12 @@ from typing import Optional, Sequence
 LOGGER = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
+WATCH_INTERVAL_S = 0.2
+_PR_SET_PDEATHSIG = 1
+try:                                   # resolved here: a preexec_fn must not import (the child holds no locks)
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):      # not Linux
+    _prctl = None
 
 
 class TritonLaunchError(RuntimeError):
@@ -234,6 +252,102 @@ def free_ports(n: int, host: str = DEFAULT_HOST) -> list[int]:
     return ports
 
 
+def port_owner(port: int) -> Optional[str]:
+    """"pid N (command line)" of a process listening on TCP `port` (any address), from /proc/net/tcp{,6} and the
+    /proc/<pid>/fd links; None when no listener is visible (another user's process, another network namespace)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = pathlib.Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:     # 0A = LISTEN
+                inodes.add(f"socket:[{f[9]}]")
+    if not inodes:
+        return None
+    for d in pathlib.Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            for fd in (d / "fd").iterdir():
+                if os.readlink(fd) in inodes:
+                    cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                    return f"pid {d.name} ({cmd[:200]})"
+        except OSError:
+            continue
+    return None
+
+
+def check_ports_free(host: str, ports: dict) -> None:
+    """Raise TritonLaunchError naming each `{flag: port}` that cannot be bound on `host`, and who holds it."""
+    taken = []
+    for flag, port in ports.items():
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)       # as the servers bind: TIME_WAIT is free
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE:
+                    raise TritonLaunchError(f"{flag} {port}: cannot bind {host}:{port} ({e.strerror})") from e
+                owner = port_owner(port)
+                taken.append(f"{flag} {port}: {host}:{port} is already in use by "
+                             + (owner or "a process not visible here (another user's, or another network namespace)"))
+    if taken:
+        raise TritonLaunchError("; ".join(taken) + ". Stop it (an old server?) or choose other ports.")
+
+
+# The sweeper: a small process that outlives a SIGKILLed launcher by a moment. The parent-death signal ends
+# tritonserver, but not the Python-backend stubs it started (they would keep the model's memory and shared memory):
+# once the launcher is gone (its parent pid changes) the sweeper kills every process of the server's group that
+# carries the server's shared-memory prefix (the `_stubs` rule, never a bare group id) and removes that prefix's
+# shared-memory files. A normal stop ends the sweeper first.
+_SWEEPER = r"""
+import glob, os, signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+launcher, pgid, prefix = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+def members():
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                st = open("/proc/%s/stat" % d).read()
+                st = st[st.rindex(")") + 2:].split()
+                if int(st[2]) == pgid and st[0] != "Z" and prefix.encode() in open("/proc/%s/cmdline" % d, "rb").read():
+                    out.append(int(d))
+            except (OSError, ValueError):
+                pass
+    return out
+while os.getppid() == launcher:
+    time.sleep(0.2)
+for _ in range(100):
+    left = members()
+    if not left:
+        break
+    for p in left:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
+    time.sleep(0.1)
+for f in glob.glob("/dev/shm/" + prefix + "*"):
+    try:
+        os.unlink(f)
+    except OSError:
+        pass
+"""
+
+
+def _die_with_parent(parent: int) -> None:
+    """preexec_fn of tritonserver: SIGKILL when the launching thread exits (also when the launcher is SIGKILLed);
+    exits at once if the launcher is already gone."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 class TritonServer:
     """A ``tritonserver`` child process serving ``repo`` on loopback ports.
 
@@ -250,6 +364,11 @@ class TritonServer:
         extra_args: more ``tritonserver`` flags, appended last.
         stub_site: directory with numpy<2 for the stub when this environment has numpy 2
             (default :func:`default_stub_site`); see :func:`prepare_python_env`.
+
+    ``http_port`` is the HTTP front (:mod:`serve.front`); tritonserver's own HTTP endpoint listens on an internal
+    loopback port. Start it from a thread that outlives the server (the main thread): tritonserver is killed when
+    the thread that started it exits. :attr:`failure` is None while the server is healthy, else why it was
+    stopped (see the module docstring).
     """
 
     def __init__(self, repo: os.PathLike | str, http_port: int, grpc_port: int, metrics_port: Optional[int] = None,
@@ -282,6 +401,12 @@ class TritonServer:
         self._shm_prefix: Optional[str] = None
         self.returncode: Optional[int] = None
         self._final_log = ""
+        self.failure: Optional[str] = None
+        self._internal_http: Optional[int] = None
+        self._front = None
+        self._watcher: Optional[threading.Thread] = None
+        self._stop_watch = threading.Event()
+        self._sweeper: Optional[subprocess.Popen] = None
 
     # -- endpoints ---------------------------------------------------------------------------------
     @property
@@ -312,7 +437,7 @@ class TritonServer:
             f"--model-repository={self.repo}",
             f"--backend-directory={backends}",
             f"--cache-directory={dist.caches}",
-            f"--http-address={self.host}", f"--http-port={self.http_port}",
+            f"--http-address={self.host}", f"--http-port={self._internal_http or self.http_port}",
             f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
             "--allow-sagemaker=false", "--allow-vertex-ai=false",
             "--exit-on-error=true", "--strict-readiness=true",
@@ -329,11 +454,18 @@ class TritonServer:
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self, wait: bool = True, timeout: Optional[float] = None) -> "TritonServer":
-        """Start the server; with ``wait`` (default) block until it is ready (see :meth:`wait_ready`)."""
+        """Start the server; with ``wait`` (default) block until it is ready (see :meth:`wait_ready`).
+
+        Raises:
+            TritonLaunchError: a port is taken (naming the process holding it), the distribution is incomplete,
+                or (``wait``) the server did not become ready.
+        """
         if self._proc is not None and self._proc.poll() is None:
             raise TritonLaunchError(f"server already running (pid {self._proc.pid}); call stop() first")
         if self._proc is not None:          # exited but not stopped: clean up after it before a new run
             self.stop()
+        check_ports_free(self.host, {"--http-port": self.http_port, "--grpc-port": self.grpc_port,
+                                     **({"--metrics-port": self.metrics_port} if self.metrics_port else {})})
         dist = find_distribution()
         if self._own_workdir:
             self.workdir = pathlib.Path(tempfile.mkdtemp(prefix="k3serve_"))
@@ -343,12 +475,24 @@ class TritonServer:
         backends = prepare_backends(dist, self.workdir)
         python_bin = prepare_python_env(self.workdir, self.stub_site)
         self._shm_prefix = f"k3serve_{os.getpid()}_{uuid.uuid4().hex[:8]}_"
+        self._internal_http = free_ports(1, self.host)[0]
+        self.failure = None
+        from k3deploy.serve.front import Front
+        try:
+            self._front = Front(self.host, self.http_port, f"{self.host}:{self._internal_http}",
+                                self.grpc_url).start()
+        except OSError as e:
+            raise TritonLaunchError(f"--http-port {self.http_port}: cannot serve the HTTP front on "
+                                    f"{self.host}:{self.http_port} ({e.strerror or e})") from e
         cmd = self.command(backends)
         self.log_path = self.workdir / "tritonserver.log"
         self._log_file = open(self.log_path, "wb")
         LOGGER.info("starting tritonserver: %s", " ".join(cmd))
         self._proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      env=server_env(dist, python_bin), cwd=self.workdir, start_new_session=True)
+                                      env=server_env(dist, python_bin), cwd=self.workdir, start_new_session=True,
+                                      preexec_fn=functools.partial(_die_with_parent, os.getpid()))
+        self._sweeper = subprocess.Popen([sys.executable, "-S", "-c", _SWEEPER, str(os.getpid()), str(self._proc.pid),
+                                          self._shm_prefix], stdin=subprocess.DEVNULL, start_new_session=True)
         self.returncode = None
         if wait:
             try:
@@ -363,15 +507,15 @@ class TritonServer:
         return self._proc is not None and self._proc.poll() is None
 
     def is_ready(self) -> bool:
-        """True when ``GET /v2/health/ready`` answers 200."""
-        try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        """True when ``GET /v2/health/ready`` answers 200 on the public HTTP port (the front: false once failed)."""
+        return _http_ok(f"http://{self.http_url}/v2/health/ready")
+
+    def _triton_ready(self) -> bool:
+        """tritonserver's own readiness (its internal HTTP port): never another process's answer."""
+        return self._internal_http is not None and _http_ok(f"http://{self.host}:{self._internal_http}/v2/health/ready")
 
     def wait_ready(self, timeout: Optional[float] = None) -> None:
-        """Block until the server is ready.
+        """Block until the server is ready, then start supervising it.
 
         Raises:
             TritonLaunchError: the process exited, or ``timeout`` (default ``startup_timeout``) seconds
@@ -382,18 +526,69 @@ class TritonServer:
         timeout = self.startup_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while True:
-            rc = self._proc.poll()
-            if rc is not None:
-                raise TritonLaunchError(f"tritonserver exited with code {rc} before becoming ready "
-                                        f"(repo {self.repo}). Server log tail:\n{self.log_tail()}")
-            if self.is_ready():
-                LOGGER.info("tritonserver ready: http=%s grpc=%s metrics=%s", self.http_url, self.grpc_url,
-                            self.metrics_url)
+            if self.poll_ready():
                 return
             if time.monotonic() > deadline:
                 raise TritonLaunchError(f"tritonserver not ready after {timeout:.0f}s (repo {self.repo}); "
                                         f"raise the timeout if models load slowly. Server log tail:\n{self.log_tail()}")
             time.sleep(0.2)
+
+    def poll_ready(self) -> bool:
+        """One readiness check of tritonserver itself; on the first success start supervising it. Raises
+        TritonLaunchError (with the log tail) when it exited before becoming ready."""
+        if self._proc is None:
+            raise TritonLaunchError("server not started; call start() first")
+        rc = self._proc.poll()
+        if rc is not None and self._watcher is None:
+            raise TritonLaunchError(f"tritonserver exited with code {rc} before becoming ready "
+                                    f"(repo {self.repo}). Server log tail:\n{self.log_tail()}")
+        if self._watcher is not None:
+            return self.failure is None
+        if not self._triton_ready():
+            return False
+        LOGGER.info("tritonserver ready: http=%s grpc=%s metrics=%s", self.http_url, self.grpc_url, self.metrics_url)
+        self._supervise()
+        return True
+
+    # -- supervision -------------------------------------------------------------------------------
+    def _supervise(self) -> None:
+        """Start the watcher over tritonserver and the stubs it has now (the models are loaded)."""
+        if self._watcher is not None and self._watcher.is_alive():
+            return
+        self._stop_watch.clear()
+        stubs = {pid: _stub_model(pid) for pid in _stubs(self._proc.pid, self._shm_prefix) if pid != self._proc.pid}
+        LOGGER.info("supervising tritonserver pid %d and Python backend stubs %s", self._proc.pid,
+                    ", ".join(f"{pid} ({m})" for pid, m in stubs.items()) or "none")
+        self._watcher = threading.Thread(target=self._watch, args=(self._proc, stubs), name="k3-supervisor",
+                                         daemon=True)
+        self._watcher.start()
+
+    def _watch(self, proc: subprocess.Popen, stubs: dict) -> None:
+        while not self._stop_watch.wait(WATCH_INTERVAL_S):
+            rc = proc.poll()
+            if rc is not None:
+                how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
+                self._fail(f"tritonserver {how}")
+                return
+            alive = set(_stubs(proc.pid, self._shm_prefix)) - {proc.pid}      # its command line has the prefix too
+            dead = [pid for pid in stubs if pid not in alive]
+            if dead:
+                self._fail("; ".join(f"the Python backend stub of model {stubs[pid]!r} (pid {pid}) died" for pid in dead)
+                           + " (killed, crashed, or ended itself on a fatal engine error: see the server log)")
+                return
+            for pid in alive - set(stubs):              # a stub started later (a model loaded later)
+                stubs[pid] = _stub_model(pid)
+
+    def _fail(self, reason: str) -> None:
+        """The server is broken: record why, fail readiness and what is in flight, kill tritonserver's group."""
+        if self.failure is not None:
+            return
+        self.failure = reason
+        LOGGER.error("server failed: %s; stopping tritonserver. Server log tail:\n%s", reason, self.log_tail(20))
+        if self._front is not None:
+            self._front.fail(reason)
+        if self._proc is not None and self._proc.poll() is None:
+            _signal_group(self._proc.pid, signal.SIGKILL)
 
     def log_text(self) -> str:
         """The whole server log so far (kept after :meth:`stop` removes a temporary workdir)."""
@@ -414,7 +609,14 @@ class TritonServer:
         its process group (the server not yet reaped: the group is still ours); then end the Python backend's stubs
         that outlived the server (tritonserver exiting on an error orphans them: `_end_stubs`) and remove the
         shared-memory regions of this server's prefix. Removes a temporary workdir. Returns the server's exit
-        code. Idempotent."""
+        code. Idempotent. The HTTP front and the supervisor stop first (a stop is no failure)."""
+        self._stop_watch.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=5)
+        self._watcher = None
+        if self._front is not None:                  # its connections would hold tritonserver's exit up
+            self._front.stop()
+            self._front = None
         proc = self._proc
         if proc is not None:
             if proc.poll() is None:
@@ -431,6 +633,10 @@ class TritonServer:
                 _end_stubs(proc.pid, self._shm_prefix)
                 _remove_shm(self._shm_prefix)
             self._proc = None
+        if self._sweeper is not None:
+            self._sweeper.kill()
+            self._sweeper.wait()
+            self._sweeper = None
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
@@ -546,6 +752,23 @@ class OpenAIFront:
         self.stop()
 
 
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _stub_model(pid: int) -> str:
+    """The model a Python backend stub serves: <repo>/<model>/<version>/model.py is its first argument."""
+    try:
+        arg = (pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") + [b"", b""])[1].decode()
+        return pathlib.Path(arg).parent.parent.name or "?"
+    except OSError:
+        return "?"
+
+
 def _signal_group(pgid: int, sig: int) -> bool:
     """Send `sig` to process group `pgid`; False when the group has no process left."""
     try:
@@ -621,7 +844,10 @@ def _parse_args(argv: Optional[Sequence[str]] = None, prog: str | None = None) -
     p = argparse.ArgumentParser(
         prog=prog or "python -m k3deploy.serve.launch",
         description="Run the tritonserver bundled in nvidia-pytriton against a model repository, bound to "
-                    "127.0.0.1; prints the endpoints once ready and stops cleanly on SIGINT/SIGTERM.")
+                    "127.0.0.1, behind an HTTP front (request bodies <= 3 MiB, JSON checked, disconnects cancel); "
+                    "refuses ports already taken (naming the process), prints the endpoints once ready, stops "
+                    "cleanly on SIGINT/SIGTERM (exit 0), and exits 1 naming the reason when tritonserver or a model's "
+                    "Python-backend stub dies (tritonserver never outlives this launcher). docs/OPERATIONS.md")
     p.add_argument("--repo", required=True, help="Triton model repository (see `python -m k3deploy.serve.repository`)")
     p.add_argument("--http-port", type=int, default=None, help="HTTP/REST port (default: a free one)")
     p.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default: a free one)")
@@ -659,6 +885,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: str | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     front: Optional[OpenAIFront] = None
     try:
+        if args.openai_port is not None:
+            check_ports_free(args.openai_host, {"--openai-port": args.openai_port})
         free = iter(free_ports(2, args.host))
         http_port = args.http_port if args.http_port is not None else next(free)
         grpc_port = args.grpc_port if args.grpc_port is not None else next(free)
@@ -671,10 +899,10 @@ def main(argv: Optional[Sequence[str]] = None, prog: str | None = None) -> int:
         return 2
     try:
         deadline = time.monotonic() + args.timeout
-        while not server.is_ready():
+        while not server.poll_ready():                # raises (with the log tail) if it exits first
             if stop_event.is_set():
                 return 0
-            if not server.is_alive() or time.monotonic() > deadline:
+            if time.monotonic() > deadline:
                 server.wait_ready(timeout=0)  # raises with the log tail
             time.sleep(0.2)
         # The endpoints are this CLI's output (stdout), one per line, machine-readable.
@@ -688,9 +916,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: str | None = None) -> int:
             print(f"openai  {front.url}", flush=True)
         print("ready", flush=True)
         while not stop_event.wait(0.5):
-            if not server.is_alive():
-                LOGGER.error("tritonserver exited unexpectedly (code %s). Log tail:\n%s",
-                             server._proc.returncode if server._proc else None, server.log_tail())
+            if server.failure is not None:
+                LOGGER.error("exiting with status 1: %s", server.failure)
                 return 1
             if front is not None and not front.is_alive():
                 LOGGER.error("the OpenAI front exited unexpectedly (code %s)", front.stop())

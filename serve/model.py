@@ -28,6 +28,12 @@ Outputs (batch 1, beam 1): ``output_ids [1, 1, n]``, ``sequence_length [1, 1]``;
   request ends with an empty FINAL response);
 * otherwise one response with all generated tokens + FINAL.
 
+Limits (`check_context`, and in `parse_request`): ``request_output_len`` plus the prompt must fit the runtime's
+max_context (an error saying how many fit, never a silent cut); ``end_id``, ``stop_words_list`` and ``bad_words_list`` ids must be below
+vocab_size. Health (`_check_engine`, run by the watcher): when the runtime's engine stops serving (its scheduler
+thread died), every request in flight gets an error naming why and the stub exits, so that the launcher, which
+supervises the stubs, reports the server unhealthy instead of a server that stays "ready" and never answers.
+
 Cancellation: a cancelled request (``sender.is_cancelled()``, seen in the token callback or by a watcher
 thread polling active requests, or a ``stop`` request) is cancelled in the engine (``eng.cancel``), which frees its
 KDA slot and latent blocks; the FINAL flag is still sent. Bad requests and runtime errors become error responses;
@@ -47,6 +53,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import sys
 import threading
 from typing import Any, Optional
@@ -186,6 +193,13 @@ def parse_request(request, vocab_size: Optional[int]) -> dict:
     if bw is not None:
         params["bad_words"] = tuple(tuple(w) for w in parse_words(bw, "bad_words_list"))
     end_id = _scalar(request, "end_id")
+    if end_id is not None and (end_id < -1 or (vocab_size is not None and end_id >= vocab_size)):
+        raise RequestError(f"end_id: {end_id} outside [0, vocab_size={vocab_size or 'vocab'}) (or -1: no end id)")
+    words = stops + [t for w in seqs for t in w] + [t for w in params.get("bad_words", ()) for t in w]
+    if vocab_size is not None and any(not 0 <= t < vocab_size for t in words):
+        bad = [t for t in words if not 0 <= t < vocab_size][:5]
+        raise RequestError(f"stop_words_list / bad_words_list: ids {bad} outside "
+                           f"[0, vocab_size={vocab_size}); the model never emits them")
     if end_id is not None:
         params["ignore_eos"] = True           # end_id replaces the checkpoint's EOS (TensorRT-LLM semantics)
         if end_id >= 0:
@@ -208,6 +222,17 @@ def parse_request(request, vocab_size: Optional[int]) -> dict:
     return {"prompt": [int(x) for x in ids], "streaming": bool(_scalar(request, "streaming") or False),
             "params": params, "stop": False, "return_log_probs": logprobs or bool(k), "top_logprobs": int(k),
             "prompt_log_probs": prompt_lp, "exclude_input": True if exclude is None else bool(exclude)}
+
+
+def check_context(parsed: dict, max_context: Optional[int]) -> None:
+    """Refuse a request whose prompt + request_output_len exceeds max_context (RequestError naming
+    request_output_len and how many tokens fit)."""
+    n, want = len(parsed["prompt"]), parsed["params"]["max_tokens"]
+    if max_context is not None and n + want > max_context:
+        raise RequestError(f"request_output_len: {want} plus the prompt's {n} tokens exceed max_context = "
+                           f"{max_context} tokens per request; send at most {max(0, max_context - n)}"
+                           + ("" if n < max_context else " (shorten the prompt)"))
+
 
 
 def parse_words(words, name: str) -> list[list[int]]:
@@ -341,6 +366,7 @@ class TritonPythonModel:
         self.llm = LLM(model_path, **kwargs)
         self.engine = self.llm.start()
         self.vocab_size = self._vocab_size(params)
+        self.max_context = getattr(getattr(self.llm, "cache", None), "max_context", None)
 
         self._ids = itertools.count()
         self._streams: dict[str, _Stream] = {}
@@ -425,10 +451,27 @@ class TritonPythonModel:
                     if not st.done and (st.cancelled or st.client_cancelled()):
                         self._cancel(st)
                 self._update_metrics()
+                self._check_engine()
             except Exception as e:  # noqa: BLE001 - the watcher must survive anything
                 if repr(e) != last_error:  # log each distinct failure once, not every interval
                     last_error = repr(e)
                     _log("error", f"k3: watcher error: {e!r}")
+
+    def _check_engine(self) -> None:
+        """The engine no longer serving is fatal for this stub (module docstring): error every request in flight,
+        log why, end the process (the launcher sees the stub die and fails the server's readiness)."""
+        health = getattr(self.engine, "health", None)
+        reason = health() if health is not None and not self._stop.is_set() else None
+        if reason is None:
+            return
+        _log("error", f"k3: the runtime engine stopped serving ({reason}); failing every request in flight and "
+                      "ending this stub so that the launcher reports the server unhealthy")
+        with self._streams_lock:
+            streams = list(self._streams.values())
+        for st in streams:
+            self._finish(st, f"the runtime engine stopped serving: {reason}")
+        sys.stderr.flush()
+        os._exit(3)
 
     def _cancel(self, st: _Stream) -> None:
         with st.lock:
@@ -517,6 +560,7 @@ class TritonPythonModel:
                     _log("info", f"k3: stop request {request.request_id()!r} cancelled {n} request(s)")
                     sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                     continue
+                check_context(parsed, self.max_context)
                 params = self._SamplingParams(**parsed["params"])
             except (RequestError, ValueError, TypeError) as e:
                 self._send_error(sender, str(e))

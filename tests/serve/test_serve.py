@@ -251,9 +251,12 @@ def test_http_generate_echo(echo_server):
 
 def test_endpoints_bind_loopback_only(echo_server):
     log = echo_server.log_text()
-    for port in (echo_server.http_port, echo_server.grpc_port, echo_server.metrics_port):
+    for port in (echo_server._internal_http, echo_server.grpc_port, echo_server.metrics_port):   # tritonserver's
         assert f"127.0.0.1:{port}" in log
     assert "0.0.0.0" not in log
+    listen = [line.split()[1] for line in pathlib.Path("/proc/net/tcp").read_text().splitlines()[1:]
+              if line.split()[3] == "0A" and int(line.split()[1].split(":")[1], 16) == echo_server.http_port]
+    assert listen == [f"0100007F:{echo_server.http_port:04X}"]                # the HTTP front: 127.0.0.1 only
 
 
 def test_launch_failure_reports_log_tail(tmp_path):
@@ -282,15 +285,17 @@ def _procs_with(text: str) -> list[int]:
     return pids
 
 
-def test_failed_start_leaves_no_stub_or_shared_memory(echo_repo):
-    """tritonserver exiting on an error (its HTTP port taken) after the Python backend started the model's stub: the
-    stub (which ignores SIGTERM) must not outlive the launch, nor its shared-memory region (a new-user trial found
-    both left behind, ~430 MB each)."""
+def test_failed_start_leaves_no_stub_or_shared_memory(echo_repo, monkeypatch):
+    """tritonserver exiting on an error (its gRPC port taken; the launcher's own port check is bypassed here) after the
+    Python backend started the model's stub: the stub (which ignores SIGTERM) must not outlive the launch, nor its
+    shared-memory region (a new-user trial found both left behind, ~430 MB each)."""
+    from k3deploy.serve import launch
+    monkeypatch.setattr(launch, "check_ports_free", lambda host, ports: None)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
-        h = taken.getsockname()[1]
-        g = free_ports(1)[0]
+        g = taken.getsockname()[1]
+        h = free_ports(1)[0]
         srv = TritonServer(echo_repo, h, g, startup_timeout=WAIT_S, exit_timeout=5)
         with pytest.raises(TritonLaunchError, match="exited with code"):
             srv.start()
