@@ -143,11 +143,12 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token id from logits [vocab] (any float dtype and device; computed in fp32; sampled rows on the
-    generator's device, the host). Raises NonFiniteLogits when the logits hold NaN or Inf."""
+    generator's device, the host). Raises NonFiniteLogits when the logits hold NaN or +Inf or no finite value
+    (-inf entries, e.g. banned tokens, are probability 0)."""
     x = logits.float().reshape(-1)
     if generator is not None and x.device != generator.device:
         x = x.to(generator.device)
-    if not bool(torch.isfinite(x).all()):
+    if not bool(usable(x[None])[0]):
         raise NonFiniteLogits(NON_FINITE)
     if params.temperature == 0:
         return int(torch.argmax(x))
@@ -166,6 +167,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def usable(logits: torch.Tensor) -> torch.Tensor:
+    """[N] bool: row i of logits [N, vocab] holds no NaN and no +Inf and at least one finite value."""
+    return ~torch.isnan(logits).any(-1) & ~torch.isposinf(logits).any(-1) & torch.isfinite(logits).any(-1)
+
+
 def ban(logits: torch.Tensor, banned: Sequence[Sequence[int]]) -> torch.Tensor:
     """A fp32 copy of logits [N, vocab] with row i's `banned[i]` token ids set to -inf."""
     logits = logits.float().clone()
@@ -181,7 +187,7 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
     """One token id per row of logits [N, vocab] (any float dtype, any device) with row i's params and generator.
     Same tokens as `sample` row by row; greedy rows cost one batched argmax (with their finiteness) and one
     device-to-host copy. banned: per row, token ids given -inf first (None: nothing banned). Row i is None when its
-    logits hold NaN/Inf (its generator does not advance)."""
+    logits are not `usable` (NaN / +Inf / nothing finite; its generator does not advance)."""
     n = logits.shape[0]
     if len(params) != n or len(generators) != n:
         raise ValueError(f"sample_batch: {n} logits rows for {len(params)} params and {len(generators)} generators")
@@ -191,7 +197,7 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
     greedy = [i for i, p in enumerate(params) if p.temperature == 0]
     if greedy:
         rows = (logits if len(greedy) == n else logits[torch.tensor(greedy, device=logits.device)]).float()
-        ids, ok = torch.stack([torch.argmax(rows, dim=-1), torch.isfinite(rows).all(dim=-1).long()]).tolist()
+        ids, ok = torch.stack([torch.argmax(rows, dim=-1), usable(rows).long()]).tolist()
         for i, t, good in zip(greedy, ids, ok):
             out[i] = int(t) if good else None
     rest = [i for i, p in enumerate(params) if p.temperature != 0]

@@ -435,8 +435,8 @@ class Scheduler:
         states = [r.generator.get_state() if r.generator is not None else None for r in reqs]
         sel = logits if len(last) == logits.shape[0] else logits[torch.tensor(last, device=logits.device)]
         try:                                           # one batched draw (logits may be on a GPU)
-            drawn = sample_batch(sel, [r.params for r in reqs], [r.generator for r in reqs],
-                                 banned if any(banned) else None)
+            kw = {"banned": banned} if any(banned) else {}
+            drawn = sample_batch(sel, [r.params for r in reqs], [r.generator for r in reqs], **kw)
         except Exception:                              # isolate the failing row: draw each one alone
             log.exception("batched sampling failed; sampling the %d rows one by one", len(rows))
             drawn = []
