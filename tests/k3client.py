@@ -28,9 +28,10 @@ def inputs(fields: dict) -> list:
 
 
 def req(prompt, n: int, **extra) -> dict:
-    """gRPC fields of a k3 request (numpy arrays); extra fields given as numpy arrays too."""
-    d = {"input_ids": np.asarray(prompt, np.int32), "request_output_len": np.array([n], np.int32)}
-    d.update(extra)
+    """gRPC fields of a k3 request as TensorRT-LLM clients shape them (numpy arrays with the batch dimension:
+    input_ids [1, L], scalars [1, 1]); extra fields given as numpy arrays of one value or [1] too."""
+    d = {"input_ids": np.asarray(prompt, np.int32).reshape(1, -1), "request_output_len": np.array([[n]], np.int32)}
+    d.update({k: np.asarray(v).reshape(1, -1) if np.asarray(v).ndim < 2 else v for k, v in extra.items()})
     return d
 
 

@@ -214,7 +214,7 @@ def test_stub_kill_fails_readiness_and_in_flight_requests_at_once(tiny_ckpt, tmp
         t1.start()
         t2.start()
         assert wait_metric(srv.metrics_url, "k3_kda_slots_in_use", lambda v: v >= 2) >= 2
-        [stub] = [p for p in launch._stubs(srv.pid, srv._shm_prefix) if p != srv.pid]
+        [stub] = [p for p in launch._stubs(srv.pid, srv._shm_prefix) if p != srv.pid and launch._stub_model(p) == "k3"]
         os.kill(stub, signal.SIGKILL)
         t1.join(WAIT_S)
         t2.join(WAIT_S)
@@ -279,7 +279,8 @@ def test_engine_that_stopped_serving_ends_the_stub(monkeypatch):
     m = mod.TritonPythonModel()
     m.engine = types.SimpleNamespace(health=lambda: None)
     m._stop, m._wake, m._streams_lock = threading.Event(), threading.Event(), threading.Lock()
-    st = mod._Stream("r#0", Sender(), True)
+    st = mod._Stream("r#0", Sender(), {"streaming": True, "prompt": [1, 2], "exclude_input": True,
+                                      "return_log_probs": False, "top_logprobs": 0, "prompt_log_probs": False})
     m._streams = {"r#0": st}
     m._check_engine()                                          # healthy: nothing happens
     assert not sent and not exits
