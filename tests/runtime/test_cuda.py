@@ -200,6 +200,16 @@ def gpu_model(ckpt, ops: str, device: str = DEV) -> K3Model:
     return K3Model.from_checkpoint(ckpt, ops=resolve_ops(ops, dev)[1], device=dev)
 
 
+def gpu_runner(ckpt, ops: str, device: str = DEV):
+    """What the runtime's executor runs for `ops`: the fused-glue form (runtime.fused.FusedModel) for "kernels", else
+    the K3Model of `gpu_model` (same forward contract, so `teacher_forced` / `forward` take either)."""
+    m = gpu_model(ckpt, ops, device)
+    if ops == "kernels":
+        from k3deploy.runtime.fused import FusedModel
+        return FusedModel.of(m)
+    return m
+
+
 # ---- GPU: device plumbing with the fp32 reference ops -------------------------------------------------------
 
 @on_device
@@ -233,7 +243,7 @@ def test_kernels_on_gpu_match_cpu_reference(micro_ckpt, micro_model, ops):
     with LLM(micro_ckpt, device=DEV, ops=ops, max_batch=3, max_num_tokens=16, max_context=64, block_size=16) as llm:
         assert llm.executor.ops_name == ops
         got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))]
-        m = llm.executor.model
+        m = llm.executor.runner                   # the fused glue for ops "kernels"
         rels = [relerr_rows(teacher_forced(m, p, t), teacher_forced(micro_model, p, t)) for p, t in zip(prompts, want)]
     assert got == want, f"relerr per position: {[r.tolist() for r in rels]}"
     for r in rels:
@@ -244,8 +254,8 @@ def test_kernels_on_gpu_match_cpu_reference(micro_ckpt, micro_model, ops):
 @pytest.mark.parametrize("ops", KERNEL_OPS)
 def test_kernels_on_gpu_logits_close_on_k3_tiny(tiny_ckpt, tiny_model, ops):
     """k3-tiny, Triton kernels: statistics of the logits over 4 prompts x (all prompt positions + 4 decode steps)
-    against the CPU fp32 reference (see the module docstring for the thresholds)."""
-    m = gpu_model(tiny_ckpt, ops)
+    against the CPU fp32 reference (see the module docstring for the thresholds); ops "kernels" with the fused glue."""
+    m = gpu_runner(tiny_ckpt, ops)
     g = torch.Generator().manual_seed(3)
     rels, agree = [], []
     for n in (5, 11, 19, 30):
@@ -322,10 +332,10 @@ def test_chunked_prefill_equals_one_shot_on_gpu(micro_ckpt, micro_model, ops):
 @pytest.mark.parametrize("ops", KERNEL_OPS)
 def test_decode_reproduces_prefill_on_gpu(micro_ckpt, micro_model, ops):
     """Logits of 5 tokens decoded one by one (KdaDecode, MlaDecode) equal those of one prefill over the same
-    tokens (KdaPrefill, MlaPrefill) within 5e-2, with the same argmax."""
+    tokens (KdaPrefill, MlaPrefill) within 5e-2, with the same argmax; ops "kernels" with the fused glue."""
     p = stable_prompts(micro_model, 1, [12], 6, KERNEL_TRIALS, 5e-2, seed=13)[0]
     cont = greedy_path(micro_model, p, 6)
-    m = gpu_model(micro_ckpt, ops)
+    m = gpu_runner(micro_ckpt, ops)
     dec = teacher_forced(m, p, cont)[1:]                              # rows of the 5 decode steps
     with torch.no_grad():
         full, _ = forward(m, p + cont[:-1], SequenceState(m.cfg, 64, device=m.device))
