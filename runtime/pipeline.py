@@ -24,6 +24,7 @@ later use of them. Off CUDA (tests) the same path runs synchronously with pageab
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -80,10 +81,16 @@ class DecodePipeline:
         the one whose ids `src` reads (its sampled ids stay on the device until this launch overwrites them).
         Raises ValueError for more than max_rows rows or a wider block table."""
         B, W = block_tables.shape
-        R, n = self.max_rows, len(reqs)
-        if B > R or W > self.max_blocks or len(src) != B:
+        if B > self.max_rows or W > self.max_blocks or len(src) != B:
             raise ValueError(f"decode step of {B} rows x {W} blocks ({len(src)} inputs): the pipeline takes "
-                             f"{R} rows x {self.max_blocks} blocks")
+                             f"{self.max_rows} rows x {self.max_blocks} blocks")
+        # the copies and events must be on the device's stream, whatever device this thread has current
+        with torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext():
+            return self._launch(reqs, src, host_ids, slots, context_lens, block_tables, pools, top_k)
+
+    def _launch(self, reqs, src, host_ids, slots, context_lens, block_tables, pools, top_k):
+        B, W = block_tables.shape
+        R, n = self.max_rows, len(reqs)
         k = self._next
         self._next ^= 1
         if self._copied[k] is not None:

@@ -495,14 +495,15 @@ class Scheduler:
             r.num_computed += 1
         return ticket
 
-    def _drain(self, ticket=None) -> None:
+    def _drain(self, ticket=None) -> list[str]:
         """Book an overlapped step (default: the one in flight, which is then cleared): wait for its tokens, then
         `_emit` each row of a request still unfinished (a row of a request finished meanwhile is dropped). A device
-        error finishes the step's requests with it."""
+        error finishes the step's requests with it. Returns the step's request ids ([] when none was in flight)."""
         if ticket is None:
             ticket, self._inflight = self._inflight, None
             if ticket is None:
-                return
+                return []
+        booked = [r.request_id for r in ticket.reqs]
         try:
             toks, lps = self.pipeline.wait(ticket)
         except Exception as e:
@@ -510,10 +511,11 @@ class Scheduler:
             for req in ticket.reqs:
                 if req.status != "finished":
                     self._finish(req, "error", f"{type(e).__name__}: {e}", notify_token=None)
-            return
+            return booked
         for row, req in enumerate(ticket.reqs):
             if req.status != "finished":               # stopped, cancelled or failed while this step ran
                 self._emit(req, toks[row], lps[row] if lps is not None else None)
+        return booked
 
     def _step_overlapped(self, plan: list[tuple[Request, int]]) -> list[str]:
         """Launch `plan` (decode rows) behind the step in flight, then book that one."""
@@ -533,16 +535,18 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------------------
     def step(self, token_budget: int | None = None) -> list[str]:
-        """Schedule and run one step; returns the ids of the requests that ran. token_budget overrides
-        max_num_tokens for this step only (tests use it to cut prefills at chosen offsets)."""
+        """Schedule and run one step; returns the ids of the requests that ran (an overlapped step: those it
+        launched; a step with nothing new to run after booking the step in flight: that step's). token_budget
+        overrides max_num_tokens for this step only (tests use it to cut prefills at chosen offsets)."""
         budget = token_budget or self.max_num_tokens
         plan = self._plan(budget)
         if self._overlappable(plan):
             return self._step_overlapped(plan)
+        booked = []
         if self._inflight is not None:                 # book the step in flight before a synchronous one
-            self._drain()
+            booked = self._drain()
             plan = [(r, n) for r, n in plan if r.status == "running"] if plan else self._plan(budget)
-        return self._run_plan(plan)
+        return self._run_plan(plan) if plan else booked
 
     def _record(self, plan: list[tuple[Request, int]]) -> None:
         self.last_step_requests = [r.request_id for r, _ in plan]

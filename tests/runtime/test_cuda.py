@@ -653,18 +653,22 @@ from k3deploy.runtime.api import LLM, SamplingParams
 ps = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [9] * 12, [17, 18, 19], [1, 2, 3, 4, 5, 6]]
 params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (4, 2, 5, 3, 4)]   # batches shrink: padding rows
 out, stats = [], []
-for ops, pad in (("reference", None), ("kernels", None), ("kernels", 4)):
+for ops, pad, overlap in (("reference", None, False), ("kernels", None, False), ("kernels", 4, False),
+                          ("kernels", None, True)):
     with LLM(sys.argv[1], ops=ops, max_batch=5, max_num_tokens=64, max_context=64, decode_pad_multiple=pad,
              device='cpu') as llm:
         if ops == "kernels":     # the graphs' padded static-buffer path, run eagerly (no CUDA here)
             g = llm._enable_graphs(capture=False)
+        llm.scheduler.set_overlap(overlap)     # the overlapped steps' device-side inputs into the static buffers
         res = llm.generate(ps, params)
         assert all(o.finish_reason == "length" for o in res), [(o.finish_reason, o.error) for o in res]
         out.append([o.token_ids for o in res])
         llm.cache.check_consistent()
         if ops == "kernels":
             stats.append((g.buckets, g.replays, g.padded_rows))
-print(out[0] == out[1] == out[2], stats, out)
+        if overlap:
+            assert llm.scheduler.stats["overlapped_steps"] >= 3, llm.scheduler.stats
+print(out[0] == out[1] == out[2] == out[3], stats, out)
 '''
 
 
@@ -672,14 +676,17 @@ def test_decode_graph_padding_path_under_the_interpreter(micro_ckpt, tmp_path):
     """runtime.graphs.DecodeGraphs without capture (CPU, TRITON_INTERPRET=1, fp32 kernels), sized by LLM as for
     capture: decode batches of 5, 4, 3, 2, 1 (staggered max_tokens) copied into the static buffers and run in buckets
     1/2/4/5 with padding rows (slot 0, block 0), and with decode_pad_multiple=4 (batches padded to 8 by the
-    scheduler, graphs sized 8): the reference's tokens exactly; the cache stays consistent."""
+    scheduler, graphs sized 8), and with overlapped decode steps (runtime/pipeline.py: inputs already on the device):
+    the reference's tokens exactly; the cache stays consistent."""
     import ast
     out = _run_interpreted(_GRAPHS_INTERP, micro_ckpt, tmp_path)
     ok, rest = out.split(" ", 1)
     assert ok == "True", out
-    (buckets, replays, padded), (buckets8, replays8, padded8) = ast.literal_eval(rest[: rest.index(")]") + 2])
+    (buckets, replays, padded), (buckets8, replays8, padded8), overlapped = \
+        ast.literal_eval(rest[: rest.index(")]") + 2])
     assert buckets == [1, 2, 4, 5] and replays == 4 and padded == 1, out    # batches 5, 4, 3 (in 4), 1
     assert buckets8 == [1, 2, 4, 8] and replays8 == 4, out   # the scheduler pads 5 -> 8: sized for it, no error
+    assert overlapped == (buckets, replays, padded), out     # overlapped steps: the same decode batches
 
 
 def test_decode_graphs_refuse_what_they_cannot_capture(micro_ckpt):

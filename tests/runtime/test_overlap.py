@@ -201,3 +201,26 @@ def test_overlap_switch_and_defaults(tiny_model):
         cfg, overlap_decode, forward_on_device = m.cfg, False, None
     with pytest.raises(ValueError, match="forward_on_device"):
         Scheduler(NoDevicePath(), HybridCache(m.cfg, 3, 9, 16), 2, 16, overlap=True)
+
+
+def test_llm_generate_stream_and_engine_with_overlap(tiny_ckpt, tiny_model):
+    """The API on overlapped steps: LLM.generate (synchronous stepping), LLM.stream and the AsyncEngine thread give
+    the solo tokens; a stream closed early cancels its request, and the cache ends consistent."""
+    from k3deploy.runtime.api import LLM
+    m = tiny_model
+    ps = [_prompt(n, 50 + n) for n in (5, 9, 13)]
+    with LLM(tiny_ckpt, max_batch=3, max_context=128) as llm:
+        llm.scheduler.set_overlap(True)
+        outs = llm.generate(ps, SamplingParams(max_tokens=6, ignore_eos=True))
+        assert [o.token_ids for o in outs] == [_solo(m, p, 6) for p in ps]
+        assert [o.finish_reason for o in outs] == ["length"] * 3 and llm.scheduler.stats["overlapped_steps"] >= 3
+        it = llm.stream(ps[0], SamplingParams(max_tokens=6, ignore_eos=True))
+        assert [next(it) for _ in range(3)] == _solo(m, ps[0], 3)
+        it.close()
+        eng = llm.start()
+        got = llm.generate(ps[1:], SamplingParams(max_tokens=5, ignore_eos=True))
+        assert [o.token_ids for o in got] == [_solo(m, p, 5) for p in ps[1:]]
+        eng.shutdown()
+        llm.scheduler.run_until_done()
+        llm.cache.check_consistent()
+        assert llm.cache.slots_in_use == 0
