@@ -427,18 +427,22 @@ def test_tp2_two_ranks_on_gpu0_with_gloo_equals_tp1(micro_ckpt, micro_model):
 def test_cuda_graph_decode_equals_eager_on_gpu(micro_ckpt, micro_model):
     """LLM(cuda_graphs=True): the decode steps replay graphs (buckets 1, 2, 4, 5; batches shrink as requests of
     different lengths finish, so some run with padding rows) and give the eager kernels' tokens and the CPU
-    reference's; 6 requests over 5 slots (reuse), cache consistent afterwards."""
+    reference's; 6 requests over 5 slots (reuse), cache consistent afterwards. The eager run steps synchronously,
+    the graph run with the runtime's default overlapped decode steps (runtime/pipeline.py: pinned metadata,
+    device-side ids, one event per step)."""
     from k3deploy.runtime.api import LLM, SamplingParams
     prompts = stable_prompts(micro_model, 6, [4, 7, 12, 5, 9, 3], 6, KERNEL_TRIALS, 5e-2, seed=23)
     lens = [6, 2, 5, 3, 6, 4]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lens]
     kw = dict(device=DEV, ops="kernels", max_batch=5, max_num_tokens=64, max_context=64, block_size=16)  # 2 blocks
     with LLM(micro_ckpt, **kw) as llm:
+        llm.scheduler.set_overlap(False)
         eager = [o.token_ids for o in llm.generate(prompts, params)]
     with LLM(micro_ckpt, cuda_graphs=True, **kw) as llm:
         graphs = [o.token_ids for o in llm.generate(prompts, params)]
         g = llm.executor.graphs
         assert g.capture and sorted(g.graphs) == [1, 2, 4, 5] and g.replays >= 5 and g.padded_rows > 0
+        assert llm.scheduler.stats["overlapped_steps"] >= 3, llm.scheduler.stats
         llm.cache.check_consistent()
     assert graphs == eager == [greedy_path(micro_model, p, n) for p, n in zip(prompts, lens)]
 
