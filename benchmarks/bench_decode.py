@@ -352,7 +352,7 @@ def run_variant(a, executor, prompts, rank: int, progress: bool) -> tuple[dict, 
     if a.kernel_profile:
         if dev.type != "cuda":
             log.warning("--kernel-profile on %s: torch.profiler records no GPU kernels here (empty profile)", dev)
-        kprof = kernel_profile(decode_step, a.kernel_profile, statistics.median(times) * 1e3)
+        kprof = kernel_profile(decode_step, a.kernel_profile, statistics.median(times) * 1e3, sync=lambda: _sync(dev))
         kprof["kernels_per_layer"] = round(kprof["kernels_per_step"] / cfg.num_hidden_layers, 2)
     touched = probe_routing(executor, sched)
     if bar is not None:
@@ -491,8 +491,10 @@ def bound_record(a, executor, attended: float, touched: list[int], step_s: float
     return rec
 
 
-def kernel_profile(step, n: int, unprofiled_step_ms: float, top: int = 12) -> dict:
-    """Run `step` n times under torch.profiler (CPU + CUDA activities). Returns per step: kernels_per_step (GPU
+def kernel_profile(step, n: int, unprofiled_step_ms: float, top: int = 12, sync=lambda: None) -> dict:
+    """Run `step` n times under torch.profiler (CPU + CUDA activities), with `sync()` (the device) before the profiler
+    starts and before it stops: an overlapped step launched earlier is not in the profile, the last one launched is
+    (all of it). Returns per step: kernels_per_step (GPU
     kernels incl. memcpy/memset, not the profiler's user annotations such as "nccl:all_reduce"), gpu_busy_ms_per_step
     (union of the kernels' device intervals: overlapping streams count once), nccl_ms_per_step (NCCL kernels, which
     include waiting for the slower rank), step_ms_median of the profiled steps (the profiler slows the host) and
@@ -502,8 +504,10 @@ def kernel_profile(step, n: int, unprofiled_step_ms: float, top: int = 12) -> di
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sync()
     with profile(activities=acts) as prof:
         times = [step() for _ in range(n)]
+        sync()
     spans, per_name = [], {}
     for e in prof.events():
         if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False) or e.name.startswith("nccl:"):

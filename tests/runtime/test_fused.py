@@ -181,7 +181,7 @@ def test_fused_kernel_ops_decode_reproduces_prefill_under_the_interpreter(micro_
     decoded one token at a time (3 steps: the conv history is then all decode-written), give the same logits rows
     and decode state as the fp32 reference within 1e-4."""
     if HAS_CUDA:
-        pytest.skip("CPU interpreter run (the GPU runs tests/runtime/test_cuda.py's decode = prefill on the fused path)")
+        pytest.skip("CPU interpreter run (on the GPU: tests/runtime/test_cuda.py's decode = prefill, fused path)")
     from k3deploy.plugins.torch_ops import KernelOps
     fused = FusedModel.of(_copy_model(micro_ckpt, ops=KernelOps))
     ref = _copy_model(micro_ckpt)
