@@ -120,8 +120,8 @@ class Scheduler:
     max_batch: running requests at once (<= cache slots - 1); max_num_tokens: tokens per step (decode + prefill);
     decode_pad_multiple: pad the decode batch to a multiple of this with sentinel rows (engines with fixed
     batch buckets); eos_token_id: stops a request unless ignore_eos (< 0 = none); overlap: overlapped decode steps
-    (module docstring; None = `executor.overlap_decode`). ValueError for overlap=True with an executor that has no
-    `forward_on_device`.
+    (module docstring; None = `executor.overlap_decode`, False when absent). ValueError for overlap=True with an
+    executor that has no `forward_on_device`.
     """
 
     def __init__(self, executor, cache: HybridCache, max_batch: int = 8, max_num_tokens: int = 256,
@@ -144,7 +144,7 @@ class Scheduler:
         self.last_step_requests: list[str] = []
         self.pipeline = None                      # runtime.pipeline.DecodePipeline while overlap is on
         self._inflight = None                     # the launched, not yet booked overlapped step (its Ticket)
-        if executor.overlap_decode if overlap is None else overlap:
+        if getattr(executor, "overlap_decode", False) if overlap is None else overlap:
             self.set_overlap(True)
 
     def set_overlap(self, on: bool) -> None:
