@@ -15,7 +15,7 @@
 # tp    : (several GPUs) bench_decode TP=1 on cuda:0 saved, then TP=EP=N over NCCL for N = 2, 4, .. <= GPUs compared
 #         with it (logits, greedy tokens) -> $OUT/decode_tp.jsonl (TP_ARGS overrides the model/run arguments)
 # fused : the fused decode path in one call (~300 s with .autotune/tests and .autotune/decode carried): the GPU tests
-#         of the fused glue and the overlapped steps (-> junit.xml, pytest.log; <= 115 s), k3-slice fused vs unfused
+#         of the fused glue and the overlapped steps (-> junit.xml, pytest.log; <= 110 s), k3-slice fused vs unfused
 #         at B=1/16/64 and 4K prompts (-> decode.jsonl; <= 95 s), k3-tp8-rank at B=1/16/64 (1K prompts) and TTFT
 #         8K / 32K (-> rank.jsonl; <= 90 s; fla configs reused across shapes: benchmarks/fla_configs.py)
 # fla-core travels as a wheel in .whl/ (not in git): python3 -m pip download fla-core==0.6.0 --no-deps -d .whl
@@ -110,7 +110,7 @@ case "$1" in
     if [ -d .autotune/tests ]; then cp -r .autotune/tests/. "$TRITON_CACHE_DIR"/; fi
     T=tests/runtime/test_cuda.py
     G=tests/plugins/test_glue.py
-    timeout "${FUSED_TESTS_TIMEOUT:-115}" python3 -m pytest -q -rs "$G::test_attn_res_norm" \
+    timeout "${FUSED_TESTS_TIMEOUT:-110}" python3 -m pytest -q -rs "$G::test_attn_res_norm" \
       "$G::test_attn_res_norm_k3_width" "$G::test_attn_res_norm_rounds_like_the_bf16_model" \
       tests/runtime/test_fused.py::test_fused_kernels_on_gpu_against_unfused_and_reference \
       "$T::test_decode_reproduces_prefill_on_gpu[kernels]" "$T::test_chunked_prefill_equals_one_shot_on_gpu[kernels]" \
