@@ -248,8 +248,9 @@ def test_fused_kernels_on_gpu_against_unfused_and_reference(tiny_ckpt, tiny_mode
     op correct. The CPU emulation of those roundings (test_cuda.py's `Emulated`) gives such rows too. So k3-tiny is
     judged by statistics, as in test_cuda.py: prefill rows against the reference (median rel. error <= 0.15, argmax
     agreement >= 0.5, fused and unfused alike; fp32 fused as close as unfused) and the 16 decode rows against the
-    model's own prefill rows (median <= 0.15, agreement >= 0.5; a KDA state or conv history that decode does not
-    write gives 0.8-1.2 and ~0.3). Row-exact decode = prefill runs on the micro model's stable prompts (test_cuda.py
+    model's own prefill rows: median <= 0.15 and agreement >= 0.5 with fp32 dense weights, median <= 0.3 with bf16
+    ones (the emulation with 1e-2 relative noise on every op output gives up to 0.27 there, and agreement down to
+    0.3); a KDA state or conv history that decode does not write gives 0.8-1.2. Row-exact decode = prefill runs on the micro model's stable prompts (test_cuda.py
     `test_decode_reproduces_prefill_on_gpu`, fused for ops "kernels")."""
     m, fused = _gpu_pair(tiny_ckpt, dense_dtype)
     act = m.dense_dtype
@@ -279,6 +280,9 @@ def test_fused_kernels_on_gpu_against_unfused_and_reference(tiny_ckpt, tiny_mode
           f"agreement {dagr}; per row {[r.tolist() for r in dec_errs['fused']]}"
     print(msg)
     assert med["fused"] <= 0.15 and agr["fused"] >= 0.5, msg
-    assert dmed["fused"] <= 0.15 and dagr["fused"] >= 0.5, msg
+    if dense_dtype == "float32":
+        assert dmed["fused"] <= 0.15 and dagr["fused"] >= 0.5, msg
+    else:
+        assert dmed["fused"] <= 0.3, msg
     if dense_dtype == "float32":
         assert med["fused"] <= 2 * med["unfused"] + 1e-3, msg
