@@ -20,8 +20,12 @@ kernels in K3Model's layer code, the side-by-side peer):
 2. runs the runtime itself (`runtime.executor.TorchExecutor`, `runtime.cache.HybridCache` on the device,
    `runtime.scheduler.Scheduler`, greedy sampling on the device): B requests of P random prompt tokens are
    prefilled (chunks of `--max-num-tokens`), then `--warmup` decode steps, then `--steps` timed decode steps:
-   one scheduler step = one forward of B tokens + sampling + bookkeeping, wall time between
-   `torch.cuda.synchronize()` calls;
+   one scheduler step = one forward of B tokens + sampling + bookkeeping. With the scheduler's overlapped decode
+   (runtime/pipeline.py; on by default on CUDA with ops kernels / kernels-unfused; `--overlap on|off`) a
+   step launches the next forward before it books the previous one, so steps are timed back to back without syncs
+   (the wall time of each `Scheduler.step()` call, which waits for the step before); then `--steps` more steps run
+   synchronously (between `torch.cuda.synchronize()` calls, as without overlap) for `sync_step_ms_median`,
+   `forward_ms_median` and `host_ms_median` (the host work that overlap takes off the GPU's critical path);
 3. with tp > 1, `--profile-steps` more decode steps with `model.layers.Comm` profiling on (CUDA events around
    every all-reduce / all-gather, no host sync): collective time per step and its share of those steps' time
    (the timed steps run with profiling off);
@@ -55,8 +59,9 @@ kernels in K3Model's layer code, the side-by-side peer):
    (compiles, autotuning) is `ttft_first_ms`. One "bench": "ttft" record each.
 
 Output: one JSON line per batch size and ops variant on stdout (rank 0) and appended to `--out`: step_ms_median / mean / min /
-max, tokens_per_s (= batch / median step), forward_ms_median (the executor's forward alone, synchronized) and
-host_ms_median (the rest of the step: batch building, sampling, bookkeeping), prefill_s, build_s, memory,
+max, tokens_per_s (= batch / median step), overlap (whether the steps were overlapped), sync_step_ms_median (the
+synchronous step), forward_ms_median (the executor's forward alone, synchronized) and host_ms_median (the rest of the
+synchronous step: batch building, sampling, bookkeeping), prefill_s, build_s, memory,
 collectives {op: calls/bytes/ms per step}, collective_ms_per_step, collective_share, per-rank summaries (tp > 1),
 check {...}, compare {...}, kernel_profile {...}, copy_GBps, bound {...}, bound_fraction, bound_fraction_forward,
 predicted {...}; then the ttft records. Exit status: 0, 1 when --check or --compare-to fails, 2 for
@@ -116,6 +121,10 @@ def parse_args(argv=None):
     run.add_argument("--warmup", type=int, default=3, help="untimed decode steps first (default %(default)s)")
     run.add_argument("--profile-steps", type=int, default=None,
                      help="extra decode steps with collective timing (default: min(steps, 8) when tp > 1, else 0)")
+    run.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
+                     help="overlapped decode steps (runtime/pipeline.py): auto = the runtime's default (on for CUDA "
+                          "with ops kernels / kernels-unfused), on (also elsewhere: the same path, synchronous), off "
+                          "(default %(default)s)")
     run.add_argument("--cuda-graphs", action="store_true",
                      help="decode steps replay CUDA graphs (runtime/graphs.py; ops kernels only); the Comm collective "
                           "timing is off then (--kernel-profile shows the NCCL kernels)")
@@ -222,7 +231,9 @@ def run_variant(a, executor, prompts, rank: int, progress: bool) -> tuple[dict, 
     prof = a.profile_steps if a.profile_steps is not None else (min(a.steps, 8) if executor.tp > 1 else 0)
     if a.cuda_graphs:
         prof = 0                                   # a replay runs no Python: Comm sees no collective
-    decode_steps = a.warmup + a.steps + prof + a.kernel_profile + 1        # + the routing probe
+    overlap = {"auto": executor.overlap_decode, "on": True, "off": False}[a.overlap]
+    # + the synchronous pass after overlapped timing, the routing probe, one step in flight
+    decode_steps = a.warmup + a.steps + (a.steps + 1 if overlap else 0) + prof + a.kernel_profile + 2
     # a request whose prompt is done decodes one token in each later prefill step (chunked prefill mixes them)
     early = math.ceil(a.batch * a.prompt_len / a.max_num_tokens)
     max_ctx = a.prompt_len + decode_steps + early + 2
@@ -233,7 +244,7 @@ def run_variant(a, executor, prompts, rank: int, progress: bool) -> tuple[dict, 
     capture_s = None
     if a.cuda_graphs:
         capture_s = executor.enable_cuda_graphs(cache.pools, a.batch, math.ceil(max_ctx / a.block_size)).capture_s
-    sched = Scheduler(executor, cache, a.batch, a.max_num_tokens, eos_token_id=-1)
+    sched = Scheduler(executor, cache, a.batch, a.max_num_tokens, eos_token_id=-1, overlap=overlap)
     tokens: dict[str, list[int]] = {}
     errors: list[str] = []
 
@@ -273,11 +284,13 @@ def run_variant(a, executor, prompts, rank: int, progress: bool) -> tuple[dict, 
         except ImportError:
             bar = None
 
-    def decode_step() -> float:
-        _sync(dev)
+    def decode_step(sync: bool = not overlap) -> float:
+        if sync:
+            _sync(dev)
         t = time.perf_counter()
         ran = sched.step()
-        _sync(dev)
+        if sync:
+            _sync(dev)
         dt = time.perf_counter() - t
         if errors:
             raise RuntimeError(f"decode failed: {errors[0]}")
@@ -289,7 +302,7 @@ def run_variant(a, executor, prompts, rank: int, progress: bool) -> tuple[dict, 
 
     for _ in range(a.warmup):
         decode_step()
-    times, fwd_times = [], []
+    times, fwd_times, sync_times = [], [], []
     inner = executor.forward
 
     def timed_forward(*args):                  # the model's share of a step (the GPU is idle before it: free)
@@ -299,16 +312,28 @@ def run_variant(a, executor, prompts, rank: int, progress: bool) -> tuple[dict, 
         _sync(dev)
         fwd_times.append(time.perf_counter() - t)
         return out
-    executor.forward = timed_forward
     ctx0 = sum(r.num_computed for r in sched.running)
+    if not overlap:
+        executor.forward = timed_forward
     try:
         for i in range(a.steps):
             times.append(decode_step())
             if bar is None and (i + 1) % max(1, a.steps // 4) == 0:
                 log.info("decode step %d/%d: %.3f ms", i + 1, a.steps, times[-1] * 1e3)
     finally:
-        del executor.forward
+        executor.__dict__.pop("forward", None)
     attended = (ctx0 + sum(r.num_computed for r in sched.running)) / 2 + a.batch / 2   # mean keys per step, all requests
+    if overlap:                                # the same steps synchronously: forward and host time apart
+        sched.set_overlap(False)
+        decode_step(sync=True)
+        executor.forward = timed_forward
+        try:
+            sync_times = [decode_step(sync=True) for _ in range(a.steps)]
+        finally:
+            del executor.forward
+        sched.set_overlap(True)
+    else:
+        sync_times = times
     coll, coll_ms, share, prof_times = {}, None, None, []
     if prof:
         comm.reset_stats()
@@ -327,7 +352,7 @@ def run_variant(a, executor, prompts, rank: int, progress: bool) -> tuple[dict, 
     if a.kernel_profile:
         if dev.type != "cuda":
             log.warning("--kernel-profile on %s: torch.profiler records no GPU kernels here (empty profile)", dev)
-        kprof = kernel_profile(decode_step, a.kernel_profile, statistics.median(times) * 1e3)
+        kprof = kernel_profile(decode_step, a.kernel_profile, statistics.median(times) * 1e3, sync=lambda: _sync(dev))
         kprof["kernels_per_layer"] = round(kprof["kernels_per_step"] / cfg.num_hidden_layers, 2)
     touched = probe_routing(executor, sched)
     if bar is not None:
@@ -343,8 +368,10 @@ def run_variant(a, executor, prompts, rank: int, progress: bool) -> tuple[dict, 
         "step_ms_median": round(med * 1e3, 4), "step_ms_mean": round(statistics.fmean(times) * 1e3, 4),
         "step_ms_min": round(min(times) * 1e3, 4), "step_ms_max": round(max(times) * 1e3, 4),
         "tokens_per_s": round(a.batch / med, 1),
+        "overlap": overlap, "sync_step_ms_median": round(statistics.median(sync_times) * 1e3, 4),
         "forward_ms_median": round(statistics.median(fwd_times) * 1e3, 4),
-        "host_ms_median": round((med - statistics.median(fwd_times)) * 1e3, 4), "profile_steps": prof,
+        "host_ms_median": round((statistics.median(sync_times) - statistics.median(fwd_times)) * 1e3, 4),
+        "profile_steps": prof,
         "profiled_step_ms_median": round(statistics.median(prof_times) * 1e3, 4) if prof_times else None,
         "collectives": coll, "collective_ms_per_step": None if coll_ms is None else round(coll_ms, 4),
         "collective_share": None if share is None else round(share, 4),
@@ -464,8 +491,10 @@ def bound_record(a, executor, attended: float, touched: list[int], step_s: float
     return rec
 
 
-def kernel_profile(step, n: int, unprofiled_step_ms: float, top: int = 12) -> dict:
-    """Run `step` n times under torch.profiler (CPU + CUDA activities). Returns per step: kernels_per_step (GPU
+def kernel_profile(step, n: int, unprofiled_step_ms: float, top: int = 12, sync=lambda: None) -> dict:
+    """Run `step` n times under torch.profiler (CPU + CUDA activities), with `sync()` (the device) before the profiler
+    starts and before it stops: an overlapped step launched earlier is not in the profile, the last one launched is
+    (all of it). Returns per step: kernels_per_step (GPU
     kernels incl. memcpy/memset, not the profiler's user annotations such as "nccl:all_reduce"), gpu_busy_ms_per_step
     (union of the kernels' device intervals: overlapping streams count once), nccl_ms_per_step (NCCL kernels, which
     include waiting for the slower rank), step_ms_median of the profiled steps (the profiler slows the host) and
@@ -475,8 +504,10 @@ def kernel_profile(step, n: int, unprofiled_step_ms: float, top: int = 12) -> di
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sync()
     with profile(activities=acts) as prof:
         times = [step() for _ in range(n)]
+        sync()
     spans, per_name = [], {}
     for e in prof.events():
         if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False) or e.name.startswith("nccl:"):
@@ -878,8 +909,10 @@ def bench_variant(a, v: str, model, ref_model, prompts, base: dict, rank: int, w
             with a.out.open("a") as f:
                 f.write(line + "\n")
         kp = rec["kernel_profile"] or {}
-        log.info("%s ops=%s B=%d: decode step %.3f ms median (%.3f mean), %.1f tokens/s%s%s%s", rec["model"], v,
-                 rec["batch"], rec["step_ms_median"], rec["step_ms_mean"], rec["tokens_per_s"],
+        log.info("%s ops=%s B=%d: decode step %.3f ms median (%.3f mean%s), %.1f tokens/s%s%s%s", rec["model"], v,
+                 rec["batch"], rec["step_ms_median"], rec["step_ms_mean"],
+                 f"; overlapped, {rec['sync_step_ms_median']:.3f} ms synchronous" if rec["overlap"] else "",
+                 rec["tokens_per_s"],
                  "" if rec["bound_fraction"] is None else
                  f", bound {rec['bound']['ms']:.3f} ms = {100 * rec['bound_fraction']:.1f}% reached",
                  "" if not kp.get("kernels_per_layer") else

@@ -169,6 +169,10 @@ class Executor:
         updated pools). ValueError for an invalid batch."""
         raise NotImplementedError
 
+    overlap_decode: bool = False        # the scheduler overlaps decode steps with its host work by default
+
+    forward_on_device = None            # executors that enqueue a decode forward without host reads define it
+
     def encode_images(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
         """Images packed end to end (pixel_values [L, 3, p, p] fp32, grid_thws [S, 3]) -> features [N, d] (VISION.md
         §2-§6), one tower run for all of them. ValueError when the model has no vision tower or a grid is bad."""
@@ -288,6 +292,23 @@ class TorchExecutor(Executor):
                 return self.graphs.forward(ids, batch, pools, logits_index)
             with torch.no_grad():
                 return self.runner.forward(ids, batch, pools, logits_index, image_rows=image_rows)
+
+    @property
+    def overlap_decode(self) -> bool:
+        """Whether the scheduler overlaps decode steps with its host work by default (runtime/pipeline.py): on CUDA
+        with the in-place kernels (ops "kernels" / "kernels-unfused")."""
+        return self.device.type == "cuda" and self.ops_name in ("kernels", "kernels-unfused")
+
+    def forward_on_device(self, ids, batch, pools, logits_index):
+        """A decode forward whose inputs are on `self.device` already, enqueued without host reads or syncs (the
+        overlapped decode of runtime/pipeline.py): ids [B] int64 produced on the device (not validated), batch
+        (decode=True, int32 metadata on the device), logits_index [M] int64 on the device. The decode graphs when
+        enabled, else the runner's `forward_on_device`. Returns (logits [M, vocab] fp32 on the device, pools)."""
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            if self.graphs is not None and batch.decode:
+                return self.graphs.forward(ids, batch, pools, logits_index)
+            with torch.no_grad():
+                return self.runner.forward_on_device(ids, batch, pools, logits_index)
 
     def encode_images(self, pixel_values, grid_thws):
         """See `Executor.encode_images`; features in the tower's dtype on `self.device`."""

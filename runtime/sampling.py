@@ -211,6 +211,28 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
     return out
 
 
+def logprob_tensors(logits: torch.Tensor, token_ids: torch.Tensor, k: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """log_softmax(logits) in fp32 at token_ids and its top k, on logits' device with no host read: (chosen [N] fp32,
+    top values [N, k] fp32, top ids [N, k] int64; k = 0: [N, 0]). logits [N, vocab] any float dtype; token_ids [N]
+    int64 on the same device."""
+    lsm = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lsm.gather(1, token_ids.view(-1, 1)).view(-1)
+    if k > 0:
+        v, i = torch.topk(lsm, k, dim=-1)
+    else:
+        v, i = lsm.new_empty(lsm.shape[0], 0), torch.empty(lsm.shape[0], 0, dtype=torch.long, device=lsm.device)
+    return chosen, v, i
+
+
+def logprob_lists(chosen: list[float], top_v: list[list[float]], top_i: list[list[int]], top_k: Sequence[int | None]
+                  ) -> list[tuple[float, list[tuple[int, float]]] | None]:
+    """Per row (chosen logprob, its top_k[i] (id, logprob) pairs) from host lists of `logprob_tensors`' outputs;
+    None for a row whose top_k is None (no logprobs asked)."""
+    return [None if top_k[r] is None else (chosen[r], list(zip(top_i[r][:top_k[r]], top_v[r][:top_k[r]])))
+            for r in range(len(top_k))]
+
+
 def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], top_k: Sequence[int]
                    ) -> list[tuple[float, list[tuple[int, float]]]]:
     """Row i's log-softmax at token_ids[i] and its top_k[i] (id, logprob) pairs, most likely first, from logits
@@ -220,12 +242,5 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], top_k: Sequen
         raise ValueError(f"token_logprobs: {n} logits rows for {len(token_ids)} tokens and {len(top_k)} top_k")
     if n == 0:
         return []
-    lsm = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lsm.gather(1, torch.tensor(list(token_ids), device=lsm.device).view(-1, 1)).view(-1).tolist()
-    k = max(top_k)
-    top_v = top_i = None
-    if k > 0:
-        v, i = torch.topk(lsm, k, dim=-1)
-        top_v, top_i = v.tolist(), i.tolist()
-    return [(chosen[r], [] if not top_k[r] else list(zip(top_i[r][:top_k[r]], top_v[r][:top_k[r]])))
-            for r in range(n)]
+    chosen, v, i = logprob_tensors(logits, torch.tensor(list(token_ids), device=logits.device), max(top_k))
+    return logprob_lists(chosen.tolist(), v.tolist(), i.tolist(), top_k)

@@ -24,6 +24,15 @@ prefill forward, every image whose rows this step's chunks reach and that is not
 each chunk writes its slice over the embedding (`image_rows`); an image's rows are dropped once the prefill has
 passed them (a preempted request encodes them again). Decode steps never run the tower.
 
+Overlapped decode (`overlap`, runtime/pipeline.py; on by default where the executor says so: the torch backend on
+a CUDA GPU with the in-place kernels): a step whose plan is decode only, with every request greedy and without bad
+words, is launched before the tokens of the step in flight are read, then that step is booked (tokens, logprobs,
+stop checks, callbacks). Planning counts an in-flight request's token as pending: a request whose pending token
+ends it by length gets no next row; one that ends on a stop token / eos / stop sequence already has a row in the
+step launched meanwhile, whose output is dropped. Any other step (prefill chunks, sampled rows, bad words) books
+the step in flight first and runs synchronously, as does a step whose launch fails. `step()` returns the requests
+it launched; their tokens arrive with the next step (`run_until_done` books the last one).
+
 Events go to each request's `on_token(token_id | None, finished, error)` callback. When the params ask for
 them, a token's logprob (and top alternatives) is on the Request (`logprobs[-1]`, `top_logprobs[-1]`) before its
 callback fires, and a prefill chunk fills `prompt_logprobs` for the prompt tokens it predicts (logits of every
@@ -117,11 +126,13 @@ class Scheduler:
 
     max_batch: running requests at once (<= cache slots - 1); max_num_tokens: tokens per step (decode + prefill);
     decode_pad_multiple: pad the decode batch to a multiple of this with sentinel rows (engines with fixed
-    batch buckets); eos_token_id: stops a request unless ignore_eos (< 0 = none).
+    batch buckets); eos_token_id: stops a request unless ignore_eos (< 0 = none); overlap: overlapped decode steps
+    (module docstring; None = `executor.overlap_decode`, False when absent). ValueError for overlap=True with an
+    executor that has no `forward_on_device`.
     """
 
     def __init__(self, executor, cache: HybridCache, max_batch: int = 8, max_num_tokens: int = 256,
-                 eos_token_id: int = -1, decode_pad_multiple: int | None = None):
+                 eos_token_id: int = -1, decode_pad_multiple: int | None = None, overlap: bool | None = None):
         if max_num_tokens < 1 or max_batch < 1:
             raise ValueError(f"max_num_tokens = {max_num_tokens}, max_batch = {max_batch}: both must be >= 1")
         self.executor, self.cache = executor, cache
@@ -136,8 +147,29 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._arrivals = 0
         self.stats = {"tokens_generated": 0, "preemptions": 0, "steps": 0, "max_requests_per_step": 0,
-                      "images_encoded": 0}
+                      "images_encoded": 0, "overlapped_steps": 0}
         self.last_step_requests: list[str] = []
+        self.pipeline = None                      # runtime.pipeline.DecodePipeline while overlap is on
+        self._inflight = None                     # the launched, not yet booked overlapped step (its Ticket)
+        if getattr(executor, "overlap_decode", False) if overlap is None else overlap:
+            self.set_overlap(True)
+
+    def set_overlap(self, on: bool) -> None:
+        """Turn overlapped decode steps on or off (module docstring); the step in flight is booked first. ValueError
+        when turning it on for an executor without `forward_on_device`."""
+        self._drain()
+        if not on:
+            self.pipeline = None
+            return
+        if self.pipeline is not None:
+            return
+        if getattr(self.executor, "forward_on_device", None) is None:
+            raise ValueError(f"overlap: {type(self.executor).__name__} cannot launch a decode step without host reads "
+                             "(no forward_on_device); use the torch backend or overlap=False")
+        from k3deploy.runtime.pipeline import DecodePipeline
+        m = self.decode_pad_multiple or 1
+        self.pipeline = DecodePipeline(self.executor, -(-self.max_batch // m) * m,
+                                       -(-self.max_context // self.cache.block_size))
 
     # ---- requests -------------------------------------------------------------------------------------
     def check(self, prompt_ids, params: SamplingParams) -> list[int]:
@@ -247,6 +279,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if self._ends_in_flight(req):
+                i += 1                                 # its token in flight ends it (length): no next row
+                continue
             rid = req.request_id
             n = 1 if req.is_decode else min(req.num_tokens - req.num_computed, budget)
             while not self.cache.can_append(rid, n):
@@ -279,6 +314,12 @@ class Scheduler:
             plan.append((req, n))
             budget -= n
         return plan
+
+    def _ends_in_flight(self, req: Request) -> bool:
+        """req's last token is still in flight (an overlapped step: num_computed caught up with num_tokens) and
+        reaches max_tokens or max_context."""
+        return (req.num_computed == req.num_tokens and req.status == "running"
+                and (len(req.output_ids) + 1 >= req.params.max_tokens or req.num_tokens + 1 >= self.max_context))
 
     def _batch(self, group: list[tuple[Request, int]], decode: bool
                ) -> tuple[torch.Tensor, Batch, torch.Tensor, list[int]]:
@@ -475,18 +516,109 @@ class Scheduler:
         else:
             self._notify(req, tok, False, None)
 
+    # ---- overlapped decode ------------------------------------------------------------------------------
+    def _overlappable(self, plan: list[tuple[Request, int]]) -> bool:
+        """The plan can run as an overlapped step: decode rows only, greedy without bad words (sampled rows draw
+        on the host with the request's CPU generator)."""
+        return (self.pipeline is not None and bool(plan) and len(plan) <= self.pipeline.max_rows
+                and all(r.is_decode and r.params.temperature == 0 and not r.params.bad_words for r, _ in plan))
+
+    def _launch(self, group: list[tuple[Request, int]]):
+        """Enqueue the decode step of `group` (one token each) behind the step in flight; returns its Ticket. A row
+        whose input token is the in-flight step's (num_computed == num_tokens) reads it on the device."""
+        prev = self._inflight.rows if self._inflight is not None else {}
+        src, host = [], []
+        for r, _ in group:
+            if r.num_computed == r.num_tokens:
+                if r not in prev:
+                    raise RuntimeError(f"request {r.request_id}: its input token is in no step in flight")
+                src.append(prev[r])
+                host.append(0)
+            else:
+                src.append(-1)
+                host.append(r.token_slice(r.num_computed, r.num_computed + 1)[0])
+        rids: list[str | None] = [r.request_id for r, _ in group]
+        slots = [self.cache.slot(rid) for rid in rids]
+        ctx = [r.num_computed for r, _ in group]
+        pad = -len(group) % self.decode_pad_multiple if self.decode_pad_multiple else 0
+        src += [-1] * pad
+        host += [0] * pad
+        slots += [0] * pad
+        ctx += [0] * pad
+        rids += [None] * pad
+        ticket, pools = self.pipeline.launch([r for r, _ in group], src, host, slots, ctx,
+                                             self.cache.block_tables(rids), self.cache.pools,
+                                             [r.params.logprobs for r, _ in group])
+        self.cache.set_pools(pools)
+        for r, _ in group:
+            r.num_computed += 1
+        return ticket
+
+    def _drain(self, ticket=None) -> list[str]:
+        """Book an overlapped step (default: the one in flight, which is then cleared): wait for its tokens, then
+        `_emit` each row of a request still unfinished (a row of a request finished meanwhile is dropped). A device
+        error finishes the step's requests with it. Returns the step's request ids ([] when none was in flight)."""
+        if ticket is None:
+            ticket, self._inflight = self._inflight, None
+            if ticket is None:
+                return []
+        booked = [r.request_id for r in ticket.reqs]
+        try:
+            toks, lps = self.pipeline.wait(ticket)
+        except Exception as e:
+            log.exception("overlapped decode step failed; finishing its %d requests with an error", len(ticket.reqs))
+            for req in ticket.reqs:
+                if req.status != "finished":
+                    self._finish(req, "error", f"{type(e).__name__}: {e}", notify_token=None)
+            return booked
+        for row, req in enumerate(ticket.reqs):
+            if req.status != "finished":               # stopped, cancelled or failed while this step ran
+                self._emit(req, toks[row], lps[row] if lps is not None else None)
+        return booked
+
+    def _step_overlapped(self, plan: list[tuple[Request, int]]) -> list[str]:
+        """Launch `plan` (decode rows) behind the step in flight, then book that one."""
+        prev = self._inflight
+        try:
+            ticket = self._launch(plan)
+        except Exception:
+            log.exception("overlapped decode launch failed; running the step synchronously")
+            self._drain()
+            return self._run_plan([(r, n) for r, n in plan if r.status == "running"])
+        self._inflight = ticket
+        self._record(plan)
+        self.stats["overlapped_steps"] += 1
+        if prev is not None:
+            self._drain(prev)
+        return self.last_step_requests
+
     # ---- one step -------------------------------------------------------------------------------------
     def step(self, token_budget: int | None = None) -> list[str]:
-        """Schedule and run one step; returns the ids of the requests that ran. token_budget overrides
-        max_num_tokens for this step only (tests use it to cut prefills at chosen offsets)."""
-        plan = self._plan(token_budget or self.max_num_tokens)
+        """Schedule and run one step; returns the ids of the requests that ran (an overlapped step: those it
+        launched; a step with nothing new to run after booking the step in flight: that step's). token_budget
+        overrides max_num_tokens for this step only (tests use it to cut prefills at chosen offsets)."""
+        budget = token_budget or self.max_num_tokens
+        plan = self._plan(budget)
+        if self._overlappable(plan):
+            return self._step_overlapped(plan)
+        booked = []
+        if self._inflight is not None:                 # book the step in flight before a synchronous one
+            booked = self._drain()
+            plan = [(r, n) for r, n in plan if r.status == "running"] if plan else self._plan(budget)
+        return self._run_plan(plan) if plan else booked
+
+    def _record(self, plan: list[tuple[Request, int]]) -> None:
+        self.last_step_requests = [r.request_id for r, _ in plan]
+        self.stats["steps"] += 1
+        self.stats["max_requests_per_step"] = max(self.stats["max_requests_per_step"], len(plan))
+
+    def _run_plan(self, plan: list[tuple[Request, int]]) -> list[str]:
+        """Run a plan synchronously: its decode rows as one forward, then its prefill chunks as another."""
         if not plan:
             return []
         decode = [(r, n) for r, n in plan if r.is_decode]
         prefill = [(r, n) for r, n in plan if not r.is_decode]
-        self.last_step_requests = [r.request_id for r, _ in plan]
-        self.stats["steps"] += 1
-        self.stats["max_requests_per_step"] = max(self.stats["max_requests_per_step"], len(plan))
+        self._record(plan)
         if decode:
             self._run(decode, decode=True)
         prefill = [(r, n) for r, n in prefill if r.status != "finished"]   # a decode row's callback may cancel one
@@ -499,3 +631,4 @@ class Scheduler:
         while self.has_work():
             if not self.step() and self.has_work():
                 raise RuntimeError("scheduler made no progress with requests pending (cache too small?)")
+        self._drain()                                  # an overlapped step of finished requests may be in flight

@@ -48,7 +48,9 @@ def _attn_res_norm_kernel(p_ptr, add_ptr, bank_ptr, q_ptr, w_ptr, out_ptr, rows_
     """One program per output row. Sources: bank rows 0..NB-1 (one [NBP, BD] tile per column step) and the block
     sum P' = P + add (P_IN / ADD; stored to P with P_OUT 1, to bank row NB with P_OUT 2). Pass 1: square sums and
     query dots; softmax of the scores; pass 2: the mix, rounded and staged in the output row with its square sum;
-    pass 3: the RMSNorm with w in place."""
+    pass 3: the RMSNorm with w in place. The sums accumulate elementwise over the column steps and are reduced
+    across the program once after each pass (a block-wide reduction per column step would cost a barrier each:
+    the kernel is latency-bound, one program per row)."""
     i = tl.program_id(0)
     t = tl.load(rows_ptr + i).to(tl.int64) if ROWS else i.to(tl.int64)
     adt = out_ptr.dtype.element_ty
@@ -58,10 +60,10 @@ def _attn_res_norm_kernel(p_ptr, add_ptr, bank_ptr, q_ptr, w_ptr, out_ptr, rows_
     arow = add_ptr + t * stride_add
     bptr = bank_ptr + t * stride_bt + r[:, None].to(tl.int64) * stride_br
     orow = out_ptr + i.to(tl.int64) * stride_out
-    ss = tl.zeros([NBP], tl.float32)
-    dq = tl.zeros([NBP], tl.float32)
-    ss_p = tl.full((), 0.0, tl.float32)
-    dq_p = tl.full((), 0.0, tl.float32)
+    acc_ss = tl.zeros([NBP, BD], tl.float32)
+    acc_dq = tl.zeros([NBP, BD], tl.float32)
+    acc_ssp = tl.zeros([BD], tl.float32)
+    acc_dqp = tl.zeros([BD], tl.float32)
     for c0 in range(0, D, BD):                                   # pass 1
         cc = c0 + tl.arange(0, BD)
         cm = cc < D
@@ -71,12 +73,16 @@ def _attn_res_norm_kernel(p_ptr, add_ptr, bank_ptr, q_ptr, w_ptr, out_ptr, rows_
             tl.store(prow + cc, pn.to(adt), mask=cm)
         if P_OUT == 2:
             tl.store(bank_ptr + t * stride_bt + NB * stride_br + cc, pn.to(adt), mask=cm)
-        ss_p += tl.sum(pn * pn, 0)
-        dq_p += tl.sum(pn * qv, 0)
+        acc_ssp += pn * pn
+        acc_dqp += pn * qv
         if NB > 0:
             v = tl.load(bptr + cc[None, :], mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
-            ss += tl.sum(v * v, 1)
-            dq += tl.sum(v * qv[None, :], 1)
+            acc_ss += v * v
+            acc_dq += v * qv[None, :]
+    ss_p = tl.sum(acc_ssp, 0)
+    dq_p = tl.sum(acc_dqp, 0)
+    ss = tl.sum(acc_ss, 1)
+    dq = tl.sum(acc_dq, 1)
     s = tl.where(rm, dq * tl.rsqrt(ss / D + eps), float("-inf"))
     s_p = dq_p * tl.rsqrt(ss_p / D + eps)
     mx = tl.maximum(tl.max(s, 0), s_p)
@@ -87,7 +93,7 @@ def _attn_res_norm_kernel(p_ptr, add_ptr, bank_ptr, q_ptr, w_ptr, out_ptr, rows_
     pp = e_p / z
     if P_OUT != 0:
         tl.debug_barrier()
-    hsq = tl.full((), 0.0, tl.float32)
+    acc_h = tl.zeros([BD], tl.float32)
     for c0 in range(0, D, BD):                                   # pass 2
         cc = c0 + tl.arange(0, BD)
         cm = cc < D
@@ -104,8 +110,8 @@ def _attn_res_norm_kernel(p_ptr, add_ptr, bank_ptr, q_ptr, w_ptr, out_ptr, rows_
         h = h.to(adt)
         tl.store(orow + cc, h, mask=cm)
         hf = h.to(tl.float32)
-        hsq += tl.sum(hf * hf, 0)
-    rstd = tl.rsqrt(hsq / D + eps)
+        acc_h += hf * hf
+    rstd = tl.rsqrt(tl.sum(acc_h, 0) / D + eps)
     tl.debug_barrier()
     for c0 in range(0, D, BD):                                   # pass 3
         cc = c0 + tl.arange(0, BD)
@@ -141,14 +147,22 @@ def attn_res_norm(P: torch.Tensor, add: torch.Tensor | None, bank: torch.Tensor,
     if M == 0:
         return out
     a = add if add is not None else P
-    BD = min(2048, triton.next_power_of_2(D))
+    NBP, BD, warps = attn_res_tiles(D, int(num_rows))
     _attn_res_norm_kernel[(M,)](
         P, a, bank, query, norm_w, out, rows if rows is not None else P,
         P.stride(0), a.stride(0), bank.stride(0), bank.stride(1), out.stride(0), D, float(eps),
-        NB=int(num_rows), NBP=max(2, triton.next_power_of_2(int(num_rows))), P_IN=not restart,
+        NB=int(num_rows), NBP=NBP, P_IN=not restart,
         ADD=add is not None, P_OUT={"P": 1, "bank": 2, None: 0}[store], ROWS=rows is not None, BD=BD,
-        num_warps=16 if BD >= 2048 else 4)
+        num_warps=warps)
     return out
+
+
+def attn_res_tiles(D: int, num_rows: int) -> tuple[int, int, int]:
+    """(NBP bank-row tile, BD columns per step, warps) of `_attn_res_norm_kernel` for width D and num_rows bank
+    sources: its [NBP, BD] fp32 accumulators stay in registers with 16 warps at K3's width, 2048 columns per step
+    below 8 bank rows and 1024 from 8 up."""
+    NBP = max(2, triton.next_power_of_2(num_rows))
+    return NBP, min(2048 if NBP < 8 else 1024, triton.next_power_of_2(D)), 16 if D >= 2048 else 4
 
 
 @triton.jit

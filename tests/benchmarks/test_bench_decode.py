@@ -277,6 +277,7 @@ def test_batch_list_and_ttft_records(tmp_path):
         assert 1 <= b["experts_touched_per_layer"] <= 4 * x["batch"] and x["copy_GBps"] is None
         assert x["predicted"]["experts_per_layer"] == 32 and x["predicted"]["experts"] > 0
     assert dec[1]["bound"]["kda_state"] == 3 * dec[0]["bound"]["kda_state"]
+    assert not any(x["overlap"] for x in dec) and all(x["sync_step_ms_median"] == x["step_ms_median"] for x in dec)
     assert all(x["ttft_ms"] > 0 and x["ttft_first_ms"] > 0 and x["batch"] == 1 for x in ttft)
     r, _ = _run_cpu(["--preset", str(cfg), "--batch", "1,2", "--check"], tmp_path)
     assert r.returncode == 2 and "one --batch" in r.stderr
@@ -295,3 +296,16 @@ def test_fused_and_unfused_side_by_side_under_the_interpreter(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert [x["ops"] for x in recs] == ["kernels", "kernels-unfused"]
     assert recs[0]["bound"]["total"] == recs[1]["bound"]["total"] and all(x["check"]["passed"] for x in recs)
+
+
+def test_overlapped_steps_timed_back_to_back(tmp_path):
+    """--overlap on (the CPU runs the overlapped path synchronously): the steps are timed without syncs, then the
+    same number synchronously for sync_step_ms_median and the forward / host split; --check still passes (the
+    tokens came through the overlapped steps)."""
+    cfg = _micro(tmp_path)
+    r, recs = _run_cpu(["--preset", str(cfg), "--batch", "2", "--prompt-len", "4", "--steps", "3", "--warmup", "1",
+                        "--overlap", "on", "--check", "--check-steps", "3"], tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (x,) = recs
+    assert x["overlap"] and x["check"]["passed"] and x["sync_step_ms_median"] > 0 and x["forward_ms_median"] > 0
+    assert x["host_ms_median"] == pytest.approx(x["sync_step_ms_median"] - x["forward_ms_median"], abs=1e-3)

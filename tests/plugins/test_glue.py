@@ -232,9 +232,10 @@ def build(fn, const, ptr_types, nw):
           "ld.global.nc.v4" in k.asm["ptx"]))
 
 f32 = {"q_ptr": "*fp32", "w_ptr": "*fp32", "rows_ptr": "*i64"}
-for nb, p_in, add, p_out, rows in ((0, 1, 0, 2, 0), (8, 1, 1, 1, 0), (7, 0, 1, 0, 1)):
-    build(gk._attn_res_norm_kernel, dict(NB=nb, NBP=max(2, triton.next_power_of_2(nb)), P_IN=p_in, ADD=add,
-          P_OUT=p_out, ROWS=rows, BD=2048), f32, 16)
+for nb, p_in, add, p_out, rows in ((0, 1, 0, 2, 0), (3, 1, 1, 1, 0), (8, 1, 1, 1, 0), (7, 0, 1, 0, 1)):
+    nbp, bd, warps = gk.attn_res_tiles(7168, nb)
+    build(gk._attn_res_norm_kernel, dict(NB=nb, NBP=nbp, P_IN=p_in, ADD=add, P_OUT=p_out, ROWS=rows, BD=bd), f32,
+          warps)
 build(gk._lora_norms_kernel, dict(QR=1536, KR=512, DR=64, BQ=2048, BK=512, BR=64), {"qw_ptr": "*fp32", "kvw_ptr": "*fp32"}, 8)
 build(gk._mla_out_kernel, dict(DN=128, DV=128, R=512, BT=64, BK=64, BD=64, CDT=tl.bfloat16), {}, 4)
 for inter, has_yl in ((768, 1), (4224, 0)):
@@ -249,7 +250,7 @@ def test_glue_kernels_compile_for_sm90():
     the row kernels' loads vectorized to 16 bytes."""
     from kernel_checks import compile_in_subprocess
     out = compile_in_subprocess(_COMPILE)
-    assert len(out) == 7, out
+    assert len(out) == 8, out
     for name, shared, local, vec in out:
         assert int(shared) <= 232448 and local == "0", (name, shared, local)
         assert vec == "1" or name == "_mla_out_kernel", (name, "no 16-byte loads")

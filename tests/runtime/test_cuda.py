@@ -200,6 +200,16 @@ def gpu_model(ckpt, ops: str, device: str = DEV) -> K3Model:
     return K3Model.from_checkpoint(ckpt, ops=resolve_ops(ops, dev)[1], device=dev)
 
 
+def gpu_runner(ckpt, ops: str, device: str = DEV):
+    """What the runtime's executor runs for `ops`: the fused-glue form (runtime.fused.FusedModel) for "kernels", else
+    the K3Model of `gpu_model` (same forward contract, so `teacher_forced` / `forward` take either)."""
+    m = gpu_model(ckpt, ops, device)
+    if ops == "kernels":
+        from k3deploy.runtime.fused import FusedModel
+        return FusedModel.of(m)
+    return m
+
+
 # ---- GPU: device plumbing with the fp32 reference ops -------------------------------------------------------
 
 @on_device
@@ -233,7 +243,7 @@ def test_kernels_on_gpu_match_cpu_reference(micro_ckpt, micro_model, ops):
     with LLM(micro_ckpt, device=DEV, ops=ops, max_batch=3, max_num_tokens=16, max_context=64, block_size=16) as llm:
         assert llm.executor.ops_name == ops
         got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))]
-        m = llm.executor.model
+        m = llm.executor.runner                   # the fused glue for ops "kernels"
         rels = [relerr_rows(teacher_forced(m, p, t), teacher_forced(micro_model, p, t)) for p, t in zip(prompts, want)]
     assert got == want, f"relerr per position: {[r.tolist() for r in rels]}"
     for r in rels:
@@ -244,8 +254,8 @@ def test_kernels_on_gpu_match_cpu_reference(micro_ckpt, micro_model, ops):
 @pytest.mark.parametrize("ops", KERNEL_OPS)
 def test_kernels_on_gpu_logits_close_on_k3_tiny(tiny_ckpt, tiny_model, ops):
     """k3-tiny, Triton kernels: statistics of the logits over 4 prompts x (all prompt positions + 4 decode steps)
-    against the CPU fp32 reference (see the module docstring for the thresholds)."""
-    m = gpu_model(tiny_ckpt, ops)
+    against the CPU fp32 reference (see the module docstring for the thresholds); ops "kernels" with the fused glue."""
+    m = gpu_runner(tiny_ckpt, ops)
     g = torch.Generator().manual_seed(3)
     rels, agree = [], []
     for n in (5, 11, 19, 30):
@@ -322,10 +332,10 @@ def test_chunked_prefill_equals_one_shot_on_gpu(micro_ckpt, micro_model, ops):
 @pytest.mark.parametrize("ops", KERNEL_OPS)
 def test_decode_reproduces_prefill_on_gpu(micro_ckpt, micro_model, ops):
     """Logits of 5 tokens decoded one by one (KdaDecode, MlaDecode) equal those of one prefill over the same
-    tokens (KdaPrefill, MlaPrefill) within 5e-2, with the same argmax."""
+    tokens (KdaPrefill, MlaPrefill) within 5e-2, with the same argmax; ops "kernels" with the fused glue."""
     p = stable_prompts(micro_model, 1, [12], 6, KERNEL_TRIALS, 5e-2, seed=13)[0]
     cont = greedy_path(micro_model, p, 6)
-    m = gpu_model(micro_ckpt, ops)
+    m = gpu_runner(micro_ckpt, ops)
     dec = teacher_forced(m, p, cont)[1:]                              # rows of the 5 decode steps
     with torch.no_grad():
         full, _ = forward(m, p + cont[:-1], SequenceState(m.cfg, 64, device=m.device))
@@ -417,18 +427,22 @@ def test_tp2_two_ranks_on_gpu0_with_gloo_equals_tp1(micro_ckpt, micro_model):
 def test_cuda_graph_decode_equals_eager_on_gpu(micro_ckpt, micro_model):
     """LLM(cuda_graphs=True): the decode steps replay graphs (buckets 1, 2, 4, 5; batches shrink as requests of
     different lengths finish, so some run with padding rows) and give the eager kernels' tokens and the CPU
-    reference's; 6 requests over 5 slots (reuse), cache consistent afterwards."""
+    reference's; 6 requests over 5 slots (reuse), cache consistent afterwards. The eager run steps synchronously,
+    the graph run with the runtime's default overlapped decode steps (runtime/pipeline.py: pinned metadata,
+    device-side ids, one event per step)."""
     from k3deploy.runtime.api import LLM, SamplingParams
     prompts = stable_prompts(micro_model, 6, [4, 7, 12, 5, 9, 3], 6, KERNEL_TRIALS, 5e-2, seed=23)
     lens = [6, 2, 5, 3, 6, 4]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lens]
     kw = dict(device=DEV, ops="kernels", max_batch=5, max_num_tokens=64, max_context=64, block_size=16)  # 2 blocks
     with LLM(micro_ckpt, **kw) as llm:
+        llm.scheduler.set_overlap(False)
         eager = [o.token_ids for o in llm.generate(prompts, params)]
     with LLM(micro_ckpt, cuda_graphs=True, **kw) as llm:
         graphs = [o.token_ids for o in llm.generate(prompts, params)]
         g = llm.executor.graphs
         assert g.capture and sorted(g.graphs) == [1, 2, 4, 5] and g.replays >= 5 and g.padded_rows > 0
+        assert llm.scheduler.stats["overlapped_steps"] >= 3, llm.scheduler.stats
         llm.cache.check_consistent()
     assert graphs == eager == [greedy_path(micro_model, p, n) for p, n in zip(prompts, lens)]
 
@@ -643,18 +657,22 @@ from k3deploy.runtime.api import LLM, SamplingParams
 ps = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [9] * 12, [17, 18, 19], [1, 2, 3, 4, 5, 6]]
 params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (4, 2, 5, 3, 4)]   # batches shrink: padding rows
 out, stats = [], []
-for ops, pad in (("reference", None), ("kernels", None), ("kernels", 4)):
+for ops, pad, overlap in (("reference", None, False), ("kernels", None, False), ("kernels", 4, False),
+                          ("kernels", None, True)):
     with LLM(sys.argv[1], ops=ops, max_batch=5, max_num_tokens=64, max_context=64, decode_pad_multiple=pad,
              device='cpu') as llm:
         if ops == "kernels":     # the graphs' padded static-buffer path, run eagerly (no CUDA here)
             g = llm._enable_graphs(capture=False)
+        llm.scheduler.set_overlap(overlap)     # the overlapped steps' device-side inputs into the static buffers
         res = llm.generate(ps, params)
         assert all(o.finish_reason == "length" for o in res), [(o.finish_reason, o.error) for o in res]
         out.append([o.token_ids for o in res])
         llm.cache.check_consistent()
         if ops == "kernels":
             stats.append((g.buckets, g.replays, g.padded_rows))
-print(out[0] == out[1] == out[2], stats, out)
+        if overlap:
+            assert llm.scheduler.stats["overlapped_steps"] >= 3, llm.scheduler.stats
+print(out[0] == out[1] == out[2] == out[3], stats, out)
 '''
 
 
@@ -662,14 +680,17 @@ def test_decode_graph_padding_path_under_the_interpreter(micro_ckpt, tmp_path):
     """runtime.graphs.DecodeGraphs without capture (CPU, TRITON_INTERPRET=1, fp32 kernels), sized by LLM as for
     capture: decode batches of 5, 4, 3, 2, 1 (staggered max_tokens) copied into the static buffers and run in buckets
     1/2/4/5 with padding rows (slot 0, block 0), and with decode_pad_multiple=4 (batches padded to 8 by the
-    scheduler, graphs sized 8): the reference's tokens exactly; the cache stays consistent."""
+    scheduler, graphs sized 8), and with overlapped decode steps (runtime/pipeline.py: inputs already on the device):
+    the reference's tokens exactly; the cache stays consistent."""
     import ast
     out = _run_interpreted(_GRAPHS_INTERP, micro_ckpt, tmp_path)
     ok, rest = out.split(" ", 1)
     assert ok == "True", out
-    (buckets, replays, padded), (buckets8, replays8, padded8) = ast.literal_eval(rest[: rest.index(")]") + 2])
+    (buckets, replays, padded), (buckets8, replays8, padded8), overlapped = \
+        ast.literal_eval(rest[: rest.index(")]") + 2])
     assert buckets == [1, 2, 4, 5] and replays == 4 and padded == 1, out    # batches 5, 4, 3 (in 4), 1
     assert buckets8 == [1, 2, 4, 8] and replays8 == 4, out   # the scheduler pads 5 -> 8: sized for it, no error
+    assert overlapped == (buckets, replays, padded), out     # overlapped steps: the same decode batches
 
 
 def test_decode_graphs_refuse_what_they_cannot_capture(micro_ckpt):

@@ -172,7 +172,41 @@ def test_fused_tp2_over_gloo_equals_tp1(micro_ckpt, tmp_path, ep):
     assert sorted(int(x[1]) for x in lines) == [0, 1] and all(float(x[2]) < 1e-4 for x in lines), r.stdout
 
 
-# ---- GPU: the in-place kernels -------------------------------------------------------------------------------
+# ---- the in-place kernels (KernelOps) --------------------------------------------------------------------
+
+def test_fused_kernel_ops_decode_reproduces_prefill_under_the_interpreter(micro_ckpt, micro_cfg):
+    """The fused forward with the in-place Triton kernels (KernelOps: strided views of the concatenated GEMM outputs
+    fed to kda_prefill / kda_decode / mxfp4_moe, pools updated in place) on the CPU under TRITON_INTERPRET=1, where
+    the kernels compute in fp32: a prompt prefilled in one chunk, and the same prompt prefilled up to 5 tokens then
+    decoded one token at a time (3 steps: the conv history is then all decode-written), give the same logits rows
+    and decode state as the fp32 reference within 1e-4."""
+    if HAS_CUDA:
+        pytest.skip("CPU interpreter run (on the GPU: tests/runtime/test_cuda.py's decode = prefill, fused path)")
+    from k3deploy.plugins.torch_ops import KernelOps
+    fused = FusedModel.of(_copy_model(micro_ckpt, ops=KernelOps))
+    ref = _copy_model(micro_ckpt)
+    ids = torch.randint(3, micro_cfg.vocab_size, (8,), generator=torch.Generator().manual_seed(3))
+
+    def run(model):
+        full, _ = model.forward(ids, _prefill(micro_cfg, [8])[1], _pools(micro_cfg, 1))
+        _, pools = model.forward(ids[:5], _prefill(micro_cfg, [5])[1], _pools(micro_cfg, 1))
+        rows = []
+        for i in range(5, 8):
+            out, pools = model.forward(ids[i:i + 1], _decode(micro_cfg, [i], 0)[1], pools)
+            rows.append(out)
+        return full, torch.cat(rows), pools
+
+    with torch.no_grad():
+        full, dec, pools = run(fused)
+        rfull, rdec, rpools = run(ref)
+    assert float(_rel(dec, full[-3:]).max()) < TOL, _rel(dec, full[-3:])
+    assert float(_rel(full, rfull).max()) < TOL and float(_rel(dec, rdec).max()) < TOL
+    for l in micro_cfg.kda_layers:
+        torch.testing.assert_close(pools[l]["state"], rpools[l]["state"], rtol=TOL, atol=TOL)
+        torch.testing.assert_close(pools[l]["conv"], rpools[l]["conv"], rtol=TOL, atol=TOL)
+    for l in micro_cfg.mla_layers:
+        torch.testing.assert_close(pools[l]["cache"], rpools[l]["cache"], rtol=TOL, atol=TOL)
+
 
 def _gpu_pair(ckpt, dense_dtype):
     from k3deploy.plugins.torch_ops import KernelOps
@@ -206,14 +240,25 @@ def _teacher(model, cfg, ids, act):
 @pytest.mark.parametrize("dense_dtype", ["float32", "bfloat16"])
 def test_fused_kernels_on_gpu_against_unfused_and_reference(tiny_ckpt, tiny_model, tiny_cfg, dense_dtype):
     """k3-tiny on the GPU, 4 prompts: the fused forward (bf16 activations with bf16 dense weights, as the model runs)
-    against the same kernels in K3Model's layer code and the CPU fp32 reference: median logits rel. error and argmax
-    agreement within the limits of test_cuda.py's k3-tiny test (0.15, 0.5); its decode rows reproduce its own
-    prefill rows (max 0.1, argmax equal on >= 3 of 4); fp32 fused is as close to the reference as unfused."""
+    against the same kernels in K3Model's layer code and the CPU fp32 reference.
+
+    k3-tiny amplifies the kernels' bf16 / TF32 roundings into MoE routing flips (tests/runtime/test_cuda.py's module
+    docstring; KDA prefill runs fla's chunk on bf16 q/k/v even with fp32 dense weights, the decode recurrence runs
+    fp32): a decode row and the prefill row of the same token can pick other experts and differ by 0.2-0.5 with every
+    op correct. The CPU emulation of those roundings (test_cuda.py's `Emulated`) gives such rows too. So k3-tiny is
+    judged by statistics, as in test_cuda.py: prefill rows against the reference (median rel. error <= 0.15, argmax
+    agreement >= 0.5, fused and unfused alike; fp32 fused as close as unfused) and the 16 decode rows against the
+    model's own prefill rows: median <= 0.15 and agreement >= 0.5 with fp32 dense weights, median <= 0.3 with bf16
+    ones (the emulation with 1e-2 relative noise on every op output gives up to 0.25 there, and agreement down to
+    0.3); a KDA state or conv history that decode does not write gives 0.8-1.2. Row-exact decode = prefill runs on the micro model's stable prompts (test_cuda.py
+    `test_decode_reproduces_prefill_on_gpu`, fused for ops "kernels")."""
     m, fused = _gpu_pair(tiny_ckpt, dense_dtype)
     act = m.dense_dtype
     g = torch.Generator().manual_seed(3)
     errs = {"fused": [], "unfused": []}
     agree = {"fused": [], "unfused": []}
+    dec_errs = {"fused": [], "unfused": []}
+    dec_agree = {"fused": [], "unfused": []}
     for n in (9, 14, 21, 30):
         ids = torch.randint(3, 1024, (n,), generator=g)
         with torch.no_grad():
@@ -225,12 +270,19 @@ def test_fused_kernels_on_gpu_against_unfused_and_reference(tiny_ckpt, tiny_mode
             full, dec = _teacher(model, tiny_cfg, ids, act)
             errs[name].append(_rel(full, ref))
             agree[name].append((full.argmax(-1) == ref.argmax(-1)).float())
-            if name == "fused":
-                assert float(_rel(dec, full[-4:]).max()) < 0.1
-                assert int((dec.argmax(-1) == full[-4:].argmax(-1)).sum()) >= 3
+            dec_errs[name].append(_rel(dec, full[-4:]))
+            dec_agree[name].append((dec.argmax(-1) == full[-4:].argmax(-1)).float())
     med = {k: float(torch.cat(v).median()) for k, v in errs.items()}
     agr = {k: float(torch.cat(v).mean()) for k, v in agree.items()}
-    print(dense_dtype, med, agr)
-    assert med["fused"] <= 0.15 and agr["fused"] >= 0.5, (med, agr)
+    dmed = {k: float(torch.cat(v).median()) for k, v in dec_errs.items()}
+    dagr = {k: float(torch.cat(v).mean()) for k, v in dec_agree.items()}
+    msg = f"{dense_dtype}: prefill vs reference median {med} agreement {agr}; decode vs own prefill median {dmed} " \
+          f"agreement {dagr}; per row {[r.tolist() for r in dec_errs['fused']]}"
+    print(msg)
+    assert med["fused"] <= 0.15 and agr["fused"] >= 0.5, msg
     if dense_dtype == "float32":
-        assert med["fused"] <= 2 * med["unfused"] + 1e-3, (med, agr)
+        assert dmed["fused"] <= 0.15 and dagr["fused"] >= 0.5, msg
+    else:
+        assert dmed["fused"] <= 0.3, msg
+    if dense_dtype == "float32":
+        assert med["fused"] <= 2 * med["unfused"] + 1e-3, msg
