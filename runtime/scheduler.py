@@ -12,6 +12,12 @@ Each `step()`:
    pools back into the cache, samples a token for every request whose pending tokens are all processed, and
    finishes requests (max_tokens, stop/eos, max_context): their slot and blocks are freed at once.
 
+With prefix caching (`HybridCache(num_snapshots > 0)`, docs/PREFIX_CACHING.md) admission first restores the
+deepest published snapshot of the request's tokens (`_admit`), prefill chunks end at the periodic snapshot
+positions (`_align_chunk`), and after a completed step the requests standing at one are snapshotted
+(`_publish_snapshots`), as is every request that finishes normally (`_cache_finished`), at the end of its prompt +
+reply, where the next turn of a conversation resumes.
+
 Events go to each request's `on_token(token_id | None, finished, error)` callback. Not thread safe: the
 `AsyncEngine` serializes calls with its lock.
 """
@@ -25,6 +31,7 @@ import torch
 
 from k3deploy.model.reference import Batch
 from k3deploy.runtime.cache import HybridCache
+from k3deploy.runtime.prefix_cache import check_content_keys
 from k3deploy.runtime.sampling import SamplingParams, make_generator, sample_batch, validate_prompt
 
 log = logging.getLogger(__name__)
@@ -35,7 +42,9 @@ OnToken = Callable[[int | None, bool, str | None], None]
 @dataclasses.dataclass(eq=False)
 class Request:
     """One request's scheduling state. all_ids = prompt + output; num_computed = leading tokens of all_ids in
-    the cache; prefill_end = len(all_ids) when it was (re)admitted (tokens before it go through prefill)."""
+    the cache; prefill_end = len(all_ids) when it was (re)admitted (tokens before it go through prefill).
+    content_keys: (start, end, digest) spans folded into its prefix-cache keys (runtime/prefix_cache.py);
+    num_cached_tokens: prompt tokens restored from the prefix cache at its first admission."""
 
     request_id: str
     prompt_ids: list[int]
@@ -49,6 +58,9 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     generator: torch.Generator | None = None
+    content_keys: tuple = ()
+    num_cached_tokens: int = 0
+    admissions: int = 0
 
     @property
     def all_ids(self) -> list[int]:
@@ -102,9 +114,13 @@ class Scheduler:
         self.last_step_requests: list[str] = []
 
     # ---- requests -------------------------------------------------------------------------------------
-    def add(self, request_id: str, prompt_ids, params: SamplingParams, on_token: OnToken | None = None) -> Request:
-        """Validate and queue a request. Raises ValueError naming the field (prompt_ids, request_id or a
-        SamplingParams field); nothing is queued then."""
+    def add(self, request_id: str, prompt_ids, params: SamplingParams, on_token: OnToken | None = None,
+            content_keys=None) -> Request:
+        """Validate and queue a request. content_keys: optional (start, end, digest) spans of the prompt whose
+        tokens stand for content hashed to digest (an image: its placeholder tokens and the processed image's
+        content hash), folded into the prefix-cache keys (runtime.prefix_cache.check_content_keys). Raises
+        ValueError naming the field (prompt_ids, request_id, content_keys or a SamplingParams field); nothing is
+        queued then."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
         params.validate()
@@ -114,7 +130,9 @@ class Scheduler:
         if request_id in self.requests:
             raise ValueError(f"request_id = {request_id!r}: already in flight")
         self.cache.check_admissible(len(ids))
-        req = Request(request_id, ids, params, on_token, self._arrivals, generator=make_generator(params))
+        keys = check_content_keys(content_keys, len(ids))
+        req = Request(request_id, ids, params, on_token, self._arrivals, generator=make_generator(params),
+                      content_keys=keys)
         self._arrivals += 1
         self.requests[request_id] = req
         self.waiting.append(req)
@@ -132,8 +150,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def metrics(self) -> dict:
+        """Slots and blocks in use (blocks: held by requests or cached prefixes), the step counters and, with
+        prefix caching, `HybridCache.prefix_metrics`."""
         return {"kda_slots_in_use": self.cache.slots_in_use, "latent_blocks_in_use": self.cache.blocks_in_use,
-                **self.stats}
+                **self.stats, **self.cache.prefix_metrics()}
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prefix (requests in flight keep their own state); returns how many snapshots."""
+        return self.cache.reset_prefix_cache()
 
     # ---- internals ------------------------------------------------------------------------------------
     def _notify(self, req: Request, token: int | None, finished: bool, error: str | None) -> None:
@@ -145,6 +169,8 @@ class Scheduler:
             log.exception("on_token callback of request %s raised", req.request_id)
 
     def _finish(self, req: Request, reason: str, error: str | None, notify_token: int | None) -> None:
+        if reason in ("stop", "length"):
+            self._cache_finished(req)
         self.cache.free(req.request_id)
         if req in self.running:
             self.running.remove(req)
@@ -165,6 +191,50 @@ class Scheduler:
         self.waiting.sort(key=lambda r: r.arrival)
         self.stats["preemptions"] += 1
 
+    def _cache_finished(self, req: Request) -> None:
+        """Snapshot a request that finished normally at its last computed token (prompt + reply but the last
+        sampled token): where the next turn of the conversation resumes. Cancelled or failed requests are not."""
+        if self.cache.prefix_caching and req.status == "running" and req.request_id in self.cache:
+            self.cache.publish(req.request_id, req.token_slice, final=True, keys=req.content_keys)
+
+    def _publish_snapshots(self, group: list[tuple[Request, int]]) -> None:
+        """After a step completed: snapshot every running request of `group` that stands at a periodic snapshot
+        position (its chunk was cut there by `_align_chunk`)."""
+        if not self.cache.prefix_caching:
+            return
+        for req, _ in group:
+            if req.status == "running" and req.num_computed % self.cache.snapshot_interval == 0:
+                self.cache.publish(req.request_id, req.token_slice, keys=req.content_keys)
+
+    def _align_chunk(self, req: Request, start: int, n: int) -> int:
+        """A prefill chunk [start, start + n) cut at the first periodic snapshot position inside it (prefix
+        caching), so that a step ends exactly there."""
+        s = self.cache.next_snapshot(start, req.content_keys)
+        return n if s is None or s >= start + n else s - start
+
+    def _admit(self, req: Request, budget: int) -> int:
+        """Give the first waiting request `req` a slot, restoring its deepest cached prefix (prefix caching), and
+        reserve its first chunk of at most `budget` tokens; returns the chunk's tokens, or 0 when it does not fit
+        (nothing stays allocated then)."""
+        rid = req.request_id
+        snap = self.cache.lookup(rid, req.token_slice, req.num_tokens, req.content_keys)
+        self.cache.allocate(rid, snap)
+        cached = snap.length if snap is not None else 0
+        n = self._align_chunk(req, cached, min(req.num_tokens - cached, budget, self.cache.room(rid)))
+        if n <= 0:
+            self.cache.free(rid)
+            return 0
+        self.waiting.pop(0)
+        req.status, req.num_computed, req.prefill_end = "running", cached, req.num_tokens
+        if not req.admissions:
+            req.num_cached_tokens = min(cached, len(req.prompt_ids))
+        req.admissions += 1
+        if self.cache.prefix_caching:
+            self.cache.record_admission(req.num_tokens, cached)
+        self.running.append(req)
+        self.cache.append(rid, n)
+        return n
+
     def _plan(self, budget: int) -> list[tuple[Request, int]]:
         """Choose (request, tokens) for this step and reserve their cache room."""
         plan: list[tuple[Request, int]] = []
@@ -174,7 +244,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             rid = req.request_id
-            n = 1 if req.is_decode else min(req.num_tokens - req.num_computed, budget)
+            n = 1 if req.is_decode else self._align_chunk(req, req.num_computed,
+                                                          min(req.num_tokens - req.num_computed, budget))
             while not self.cache.can_append(rid, n):
                 room = self.cache.room(rid)
                 if not req.is_decode and room > 0:
@@ -194,14 +265,11 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.max_batch and self.cache.free_slots
                and self.waiting[0].request_id not in preempted):
             req = self.waiting[0]
-            n = min(req.num_tokens, budget, self.cache.room(None))
+            if min(req.num_tokens, budget, self.cache.room(None)) <= 0:
+                break
+            n = self._admit(req, budget)
             if n <= 0:
                 break
-            self.waiting.pop(0)
-            self.cache.allocate(req.request_id)
-            req.status, req.num_computed, req.prefill_end = "running", 0, req.num_tokens
-            self.running.append(req)
-            self.cache.append(req.request_id, n)
             plan.append((req, n))
             budget -= n
         return plan
@@ -259,6 +327,7 @@ class Scheduler:
                 self._finish(req, "length", None, notify_token=tok)
             else:
                 self._notify(req, tok, False, None)
+        self._publish_snapshots(group)
 
     # ---- one step -------------------------------------------------------------------------------------
     def step(self, token_budget: int | None = None) -> list[str]:
