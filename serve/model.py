@@ -9,6 +9,10 @@ thread. Responses are sent from that thread through each request's response send
   response carrying only the FINAL flag (clients see it with ``enable_empty_final_response=True``);
 * otherwise one response with all generated tokens (``output_ids [1, n]``, ``sequence_length [n]``) + FINAL.
 
+The final response of a request that completed (not cancelled, no error) also carries ``num_cached_tokens``
+(``[1]`` INT32: prompt tokens served from the runtime's prefix cache, 0 when it is off); in streaming mode it is
+that final response's only output.
+
 ``output_ids`` holds generated tokens only (like TensorRT-LLM with ``exclude_input_in_output=true``).
 ``end_id`` is the end-of-sequence id as in TensorRT-LLM: it replaces the checkpoint's EOS (``end_id = -1``: no
 EOS, generate ``request_output_len`` tokens); ``pad_id`` is accepted and unused (no padding: one sequence per
@@ -22,12 +26,14 @@ latent blocks; the FINAL flag is still sent. Bad requests and runtime errors bec
 raised here escapes ``execute`` or the callbacks.
 
 Custom metrics (``pb_utils.MetricFamily``, label ``model``): gauges ``k3_kda_slots_in_use``,
-``k3_latent_blocks_in_use``, ``k3_max_requests_per_step``, ``k3_active_requests``; counters
-``k3_tokens_generated``, ``k3_preemptions``, ``k3_steps``. Updated by the watcher thread, which the token
+``k3_latent_blocks_in_use``, ``k3_max_requests_per_step``, ``k3_active_requests`` and, with prefix caching,
+``k3_prefix_cache_hit_rate``, ``k3_prefix_cache_tokens``, ``k3_snapshot_pool_bytes``, ``k3_latent_blocks_cached``;
+counters ``k3_tokens_generated``, ``k3_preemptions``, ``k3_steps``, ``k3_prefix_cache_hit_tokens``. Updated by the watcher thread, which the token
 callback wakes after every token.
 
 Config parameters (string values): ``project_root`` (prepended to ``sys.path``), ``model_path``,
-``backend``, ``max_batch``, ``max_num_tokens``, ``max_context``, ``vocab_size`` (optional).
+``backend``, ``max_batch``, ``max_num_tokens``, ``max_context``, ``vocab_size`` (optional),
+``enable_prefix_caching`` ("true": ``LLM(enable_prefix_caching=True)``).
 """
 
 from __future__ import annotations
@@ -189,11 +195,16 @@ def _error_response(msg: str, code=None):
     return pb_utils.InferenceResponse(output_tensors=[], error=err)
 
 
-def _tokens_response(tokens: list[int]):
-    return pb_utils.InferenceResponse(output_tensors=[
-        pb_utils.Tensor("output_ids", np.asarray(tokens, dtype=np.int32).reshape(1, -1)),
-        pb_utils.Tensor("sequence_length", np.asarray([len(tokens)], dtype=np.int32)),
-    ])
+def _tokens_response(tokens: list[int], num_cached_tokens: Optional[int] = None):
+    out = [pb_utils.Tensor("output_ids", np.asarray(tokens, dtype=np.int32).reshape(1, -1)),
+           pb_utils.Tensor("sequence_length", np.asarray([len(tokens)], dtype=np.int32))]
+    if num_cached_tokens is not None:
+        out.append(_cached_tensor(num_cached_tokens))
+    return pb_utils.InferenceResponse(output_tensors=out)
+
+
+def _cached_tensor(n: int):
+    return pb_utils.Tensor("num_cached_tokens", np.asarray([n], dtype=np.int32))
 
 
 class _Stream:
@@ -207,6 +218,7 @@ class _Stream:
         self.cancelled = False  # client cancelled; engine cancel requested
         self.cancel_sent = False
         self.done = False
+        self.request = None  # the engine's Request (num_cached_tokens), set by execute
         self.lock = threading.Lock()
 
     def client_cancelled(self) -> bool:
@@ -252,6 +264,8 @@ class TritonPythonModel:
                 kwargs[key] = params[key]
         if params.get("cuda_graphs", "").lower() == "true":
             kwargs["cuda_graphs"] = True
+        if params.get("enable_prefix_caching", "").lower() == "true":
+            kwargs["enable_prefix_caching"] = True
         _log("info", f"k3: loading {model_path} with {kwargs}")
         self.llm = LLM(model_path, **kwargs)
         self.engine = self.llm.start()
@@ -296,11 +310,16 @@ class TritonPythonModel:
             for key, desc in (("kda_slots_in_use", "KDA state slots held by requests"),
                               ("latent_blocks_in_use", "MLA latent-cache blocks held by requests"),
                               ("max_requests_per_step", "Most requests the scheduler ran in one step"),
-                              ("active_requests", "Requests submitted and not yet finished")):
+                              ("active_requests", "Requests submitted and not yet finished"),
+                              ("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / looked up"),
+                              ("prefix_cache_tokens", "Tokens whose latents the prefix cache holds"),
+                              ("snapshot_pool_bytes", "Bytes of KDA snapshots the prefix cache holds"),
+                              ("latent_blocks_cached", "MLA latent-cache blocks held only by the prefix cache")):
                 self._gauges[key] = family(f"k3_{key}", desc, G)
             for key, desc in (("tokens_generated", "Tokens generated"),
                               ("preemptions", "Requests preempted by the scheduler"),
-                              ("steps", "Scheduler steps")):
+                              ("steps", "Scheduler steps"),
+                              ("prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache")):
                 self._counters[key] = family(f"k3_{key}", desc, C)
         except Exception as e:  # noqa: BLE001 - metrics disabled on the server, or an old backend
             _log("warn", f"k3: custom metrics unavailable ({e}); serving without them")
@@ -370,13 +389,12 @@ class TritonPythonModel:
             if error is not None:
                 st.sender.send(_error_response(f"k3: generation failed: {error}",
                                                getattr(pb_utils.TritonError, "INTERNAL", None)), flags=final)
-            elif st.cancelled or not st.streaming:
-                if st.cancelled:
-                    st.sender.send(flags=final)
-                else:
-                    st.sender.send(_tokens_response(st.tokens), flags=final)
-            else:
+            elif st.cancelled:
                 st.sender.send(flags=final)
+            else:
+                cached = int(getattr(st.request, "num_cached_tokens", 0) or 0)
+                st.sender.send(pb_utils.InferenceResponse(output_tensors=[_cached_tensor(cached)]) if st.streaming
+                               else _tokens_response(st.tokens, cached), flags=final)
         except Exception as e:  # noqa: BLE001 - client gone
             _log("verbose", f"k3: final send for {st.rid} failed: {e!r}")
         self._wake.set()
@@ -424,8 +442,9 @@ class TritonPythonModel:
             with self._streams_lock:
                 self._streams[rid] = st
             try:
-                self.engine.submit(rid, parsed["prompt"], params,
-                                   lambda tok, fin, err, st=st: self._on_token(st, tok, fin, err))
+                with self.engine._turn():  # st.request is set before the request's first step can finish it
+                    st.request = self.engine.submit(rid, parsed["prompt"], params,
+                                                    lambda tok, fin, err, st=st: self._on_token(st, tok, fin, err))
             except ValueError as e:  # runtime validation; names the field
                 with self._streams_lock:
                     self._streams.pop(rid, None)

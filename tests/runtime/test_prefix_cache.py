@@ -560,3 +560,21 @@ def test_tp2_ranks_take_identical_decisions(tiny_ckpt, tmp_path):
         o = off.generate([hist, hist[:18] + [9, 9]], SamplingParams(max_tokens=3, ignore_eos=True))
         assert [x.token_ids for x in o] == [t for t, _ in a["outs"][turn]], turn
         hist = hist + o[0].token_ids + [7 + turn]
+
+
+def test_build_plan_with_prefix_caching(capsys, tmp_path):
+    """`k3deploy plan --enable-prefix-caching` (build --dry-run) budgets the runtime's default snapshot pool:
+    2 x max_batch rows of one request's KDA state + conv history."""
+    from k3deploy.cli import main
+    from k3deploy.export.build_engines import parse_args
+    from k3deploy.export.plan import make_plan
+    assert parse_args(["--enable-prefix-caching"]).enable_prefix_caching and not parse_args([]).enable_prefix_caching
+    cfg = load_config("k3-tiny")
+    p = make_plan(cfg, 2, 2, max_batch=8, max_context=4096, prefix_caching=True)
+    assert p.memory.num_snapshots == 16 and p.memory.snapshot_pool_bytes == 16 * p.kda_bytes_per_request
+    assert make_plan(cfg, 2, 2, max_batch=8, max_context=4096).memory.num_snapshots == 0
+    import json
+    from k3deploy.model.config import preset_json
+    (tmp_path / "config.json").write_text(json.dumps(preset_json("k3-tiny")))      # a config-only checkpoint
+    assert main(["plan", "--checkpoint", str(tmp_path), "--enable-prefix-caching"]) == 0
+    assert "snapshot pool           16 x KDA total" in capsys.readouterr().out
