@@ -13,7 +13,6 @@ executor is compared too (tokens equal, logits close).
 """
 from __future__ import annotations
 
-import functools
 import math
 import random
 
