@@ -189,6 +189,7 @@ class _Alloc:
     slot: int
     blocks: list[int]
     num_tokens: int = 0          # tokens whose latents are (or are being) written
+    last_snapshot: int = 0       # prefix-cache snapshot position it was restored from or last published
     # `blocks` as int32 (first len(blocks) entries; capacity doubles): block_tables copies rows of it instead of
     # converting a Python list per step, which costs O(context) host time at long contexts
     table: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))
@@ -218,7 +219,7 @@ class HybridCache:
     restores it into the new slot (copy-on-restore; full blocks shared, a partial block copied), `publish` adds the
     request's current position (block aligned while it runs, any position when it finishes); snapshot_interval
     (tokens, default runtime.prefix_cache.default_snapshot_interval) is where periodic snapshots go
-    (`next_snapshot`). Blocks held only by snapshots are `available`: taking one evicts snapshots, least recently
+    (`chunk_end` cuts prefill chunks there). Blocks held only by snapshots are `available`: taking one evicts snapshots, least recently
     used first; `reset_prefix_cache` evicts them all.
     """
 
@@ -428,7 +429,7 @@ class HybridCache:
             self._hold(src, -1)
             ids.append(dst)
         a.add_blocks(ids)
-        a.num_tokens = snap.length
+        a.num_tokens = a.last_snapshot = snap.length
 
     def publish(self, rid: str, tokens: TokenSlice, final: bool = False, keys=()) -> bool:
         """Snapshot `rid` at its current length (its written tokens, `tokens(start, stop)` gives them): copy its KDA
@@ -446,6 +447,7 @@ class HybridCache:
         if length == 0 or (r and not final) or inside_span(length, chain.keys):
             return False
         key, base = chain.key(length, tokens)
+        a.last_snapshot = length
         if key in self.index:
             self.index.touch(key)
             return False
@@ -485,15 +487,23 @@ class HybridCache:
             n += 1
         return n
 
-    def next_snapshot(self, pos: int, keys=()) -> int | None:
-        """The first periodic snapshot position after `pos` (a multiple of snapshot_interval outside every content
-        span); None without prefix caching. Prefill chunks end there, so the snapshot is the state after a step."""
+    def chunk_end(self, rid: str, n: int, keys=()) -> int:
+        """Tokens of `rid`'s next prefill chunk when `n` are asked (it starts at num_tokens(rid)): with prefix
+        caching, cut at the last periodic snapshot position (a multiple of snapshot_interval outside every content
+        span) strictly inside it, so that the step ends there and the state can be snapshotted after it — unless
+        the chunk already ends on one, or `rid` holds a snapshot position less than snapshot_interval tokens before
+        it (restored from or published: one more would cost a step for little). At most one cut per chunk: a chunk
+        crossing several positions is snapshotted at the last."""
         if self.index is None:
-            return None
-        s = (pos // self.snapshot_interval + 1) * self.snapshot_interval
-        while inside_span(s, keys):
-            s += self.snapshot_interval
-        return s
+            return n
+        a, step = self._allocs[rid], self.snapshot_interval
+        start, end = a.num_tokens, a.num_tokens + n
+        if end % step == 0 and not inside_span(end, keys):
+            return n
+        cut = (end - 1) // step * step
+        while cut > start and inside_span(cut, keys):
+            cut -= step
+        return n if cut <= start or cut - a.last_snapshot < step else cut - start
 
     def record_admission(self, num_tokens: int, cached: int) -> None:
         """Count one admitted request of `num_tokens` tokens of which `cached` came from the prefix cache."""

@@ -206,11 +206,10 @@ class Scheduler:
             if req.status == "running" and req.num_computed % self.cache.snapshot_interval == 0:
                 self.cache.publish(req.request_id, req.token_slice, keys=req.content_keys)
 
-    def _align_chunk(self, req: Request, start: int, n: int) -> int:
-        """A prefill chunk [start, start + n) cut at the first periodic snapshot position inside it (prefix
-        caching), so that a step ends exactly there."""
-        s = self.cache.next_snapshot(start, req.content_keys)
-        return n if s is None or s >= start + n else s - start
+    def _align_chunk(self, req: Request, n: int) -> int:
+        """The request's next prefill chunk of at most n tokens, cut at a periodic snapshot position (prefix caching,
+        `HybridCache.chunk_end`) so that a step ends exactly there."""
+        return self.cache.chunk_end(req.request_id, n, req.content_keys)
 
     def _admit(self, req: Request, budget: int) -> int:
         """Give the first waiting request `req` a slot, restoring its deepest cached prefix (prefix caching), and
@@ -220,7 +219,7 @@ class Scheduler:
         snap = self.cache.lookup(rid, req.token_slice, req.num_tokens, req.content_keys)
         self.cache.allocate(rid, snap)
         cached = snap.length if snap is not None else 0
-        n = self._align_chunk(req, cached, min(req.num_tokens - cached, budget, self.cache.room(rid)))
+        n = self._align_chunk(req, min(req.num_tokens - cached, budget, self.cache.room(rid)))
         if n <= 0:
             self.cache.free(rid)
             return 0
@@ -244,8 +243,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             rid = req.request_id
-            n = 1 if req.is_decode else self._align_chunk(req, req.num_computed,
-                                                          min(req.num_tokens - req.num_computed, budget))
+            n = 1 if req.is_decode else self._align_chunk(req, min(req.num_tokens - req.num_computed, budget))
             while not self.cache.can_append(rid, n):
                 room = self.cache.room(rid)
                 if not req.is_decode and room > 0:
