@@ -1,6 +1,11 @@
-"""Helpers shared by the benchmark scripts (bench_kernels.py, sweep_kda_decode_tiles.py): CUDA-graph capture and
-the KDA decode step's inputs. Imported from the scripts' own folder (``python benchmarks/<script>.py``)."""
+"""Helpers shared by the benchmark scripts (bench_kernels.py, sweep_kda_decode_tiles.py, ncu_moe.py,
+moe_decode_floor.py, profile_kda_prefill.py, bench_decode.py): CUDA-graph capture, the KDA decode step's inputs, the
+kernels' own choices forced for A/B timing, and the device copy rate. Imported from the scripts' own folder
+(``python benchmarks/<script>.py``)."""
 from __future__ import annotations
+
+import contextlib
+from unittest import mock
 
 import torch
 
@@ -36,3 +41,35 @@ def kda_decode_inputs(B: int, H: int, K: int, device, act: torch.dtype = torch.b
     conv = torch.randn(B + 1, 3 * P, 3, device=device).to(act)
     slots = (torch.randperm(B, device=device) + 1).int()
     return d, state, conv, slots
+
+
+@contextlib.contextmanager
+def forced(module, rule: str, value):
+    """Within the block, `module`'s choice function `rule` returns `value` whatever its arguments (the kernels'
+    private variants for A/B timing: e.g. ``forced(kda_k, "_decode_block_v", 32)``, ``forced(moe_k, "_pick_impl",
+    "legacy")``); value None leaves the rule as it is. A CUDA graph captured inside keeps the forced choice."""
+    if value is None:
+        yield
+        return
+    with mock.patch.object(module, rule, lambda *args, **kwargs: value):
+        yield
+
+
+def copy_rate_gbps(device, nbytes: int = 1 << 30, reps: int = 10) -> float:
+    """The device's copy rate in GB/s: a contiguous copy of `nbytes` (read) into another buffer (written), 2 * nbytes
+    per copy over the median of `reps` CUDA-event-timed copies after 3 warm-up copies (the bound of
+    benchmarks/bench_decode.py divides the bytes a step must move by it). CUDA only."""
+    x = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y.copy_(x)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del x, y
+    return 2 * nbytes / sorted(times)[len(times) // 2] / 1e9

@@ -3,10 +3,16 @@
     python benchmarks/bench_decode.py --preset k3-tiny --device cuda --batch 8 --prompt-len 64 --steps 16 --check
     python benchmarks/bench_decode.py --preset k3-slice --device cuda --batch 16 --prompt-len 512 --steps 32 \\
         --ops torch,kernels --out bench_decode.jsonl
+    python benchmarks/bench_decode.py --preset k3-slice --device cuda --batch 1,16,64 --prompt-len 4096 \\
+        --ops kernels,kernels-unfused --cuda-graphs --dense-dtype bfloat16 --kernel-profile 4   # fused vs unfused
+    python benchmarks/bench_decode.py --preset k3-tp8-rank --device cuda --batch 1,16,64 --prompt-len 4096 \\
+        --ops kernels --cuda-graphs --dense-dtype bfloat16 --kernel-profile 4 --ttft 8192,32768 --predict-experts 896
     torchrun --standalone --nproc-per-node 8 benchmarks/bench_decode.py --preset k3-slice --tp 8 --ep 8 --device cuda
     python benchmarks/bench_decode.py --checkpoint DIR ...      # weights from a checkpoint instead of drawn on the device
 
-What it does, per ops variant (`--ops`, comma-separated; the model is built once):
+What it does, per batch size (`--batch`, comma-separated) and ops variant (`--ops`, comma-separated; the model is
+built once; "kernels" = the kernels with each layer's glue fused, runtime/fused.py; "kernels-unfused" = the same
+kernels in K3Model's layer code, the side-by-side peer):
 1. builds the model for `--preset` with `model.synthetic` weights drawn directly on the device
    (`K3Model.from_synthetic`: no 17 GB k3-slice checkpoint on disk; a CUDA generator draws other values than the
    CPU checkpoint of the same seed), or loads `--checkpoint`; every rank draws the same full tensors and keeps its
@@ -32,19 +38,34 @@ What it does, per ops variant (`--ops`, comma-separated; the model is built once
 5. `--save-logits FILE` / `--compare-to FILE`: the same teacher-forced logits compared with another run's instead
    of the CPU reference (e.g. TP=2 over NCCL against TP=1 on one GPU; same pass rule as --check), plus the greedy
    tokens both runs generated from the same prompts (requests equal throughout, first divergence each).
-6. `--kernel-profile STEPS`: STEPS more decode steps under torch.profiler: GPU kernels per step, GPU busy time
-   and its share of the step (below 1: the step waits on the host), the top kernels.
+6. `--kernel-profile STEPS`: STEPS more decode steps under torch.profiler: GPU kernels per step and per layer
+   (all of the step's kernels / layers: embedding, head and sampling included), GPU busy time and its share of the
+   step (below 1: the step waits on the host), the top kernels.
+7. the step's bound (`step_bytes`): the bytes one decode step must move on this rank — dense weights read once
+   (bf16 checkpoint tensors at the dense dtype's size, TP-split ones at the rank's share, lm_head whole, the
+   batch's embedding rows), the routed experts the batch touches (distinct local experts per MoE layer, counted in
+   one more decode step through a recording router, times one expert's MXFP4 bytes), the KDA state and conv
+   history read and written, the MLA latents read (mean attended context over the timed steps) — over the device
+   copy rate measured at start-up (`bench_common.copy_rate_gbps`, 1 GiB read + written); `bound_fraction` = bound /
+   step median. `--predict-experts N` adds the bound with N routed experts per layer (touched experts at the
+   uniform-routing expectation N (1 - (1 - k/N)^B), router rows N) and the step predicted at this run's fraction:
+   for `k3-tp8-rank` (448 of K3's 896 experts) `--predict-experts 896` is the real TP=8 rank's.
+8. `--ttft L1,L2`: per ops variant, time to first token of one request of each prompt length on a fresh cache
+   (prefill in chunks of --max-num-tokens, then the first token), run twice: `ttft_ms` is the second run, the first
+   (compiles, autotuning) is `ttft_first_ms`. One "bench": "ttft" record each.
 
-Output: one JSON line per ops variant on stdout (rank 0) and appended to `--out`: step_ms_median / mean / min /
+Output: one JSON line per batch size and ops variant on stdout (rank 0) and appended to `--out`: step_ms_median / mean / min /
 max, tokens_per_s (= batch / median step), forward_ms_median (the executor's forward alone, synchronized) and
 host_ms_median (the rest of the step: batch building, sampling, bookkeeping), prefill_s, build_s, memory,
 collectives {op: calls/bytes/ms per step}, collective_ms_per_step, collective_share, per-rank summaries (tp > 1),
-check {...}, compare {...}, kernel_profile {...}. Exit status: 0, 1 when --check or --compare-to fails, 2 for
+check {...}, compare {...}, kernel_profile {...}, copy_GBps, bound {...}, bound_fraction, bound_fraction_forward,
+predicted {...}; then the ttft records. Exit status: 0, 1 when --check or --compare-to fails, 2 for
 bad arguments.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import math
@@ -88,7 +109,8 @@ def parse_args(argv=None):
     run.add_argument("--ep", type=int, default=1, help="expert parallelism: 1 or tp (default %(default)s)")
     run.add_argument("--dist-backend", default=None, choices=["gloo", "nccl"],
                      help="default nccl on CUDA, gloo on the CPU (gloo + --device cuda:0: several ranks on one GPU)")
-    run.add_argument("--batch", "-B", type=int, default=8, help="concurrent requests = decode batch (default %(default)s)")
+    run.add_argument("--batch", "-B", type=_int_list, default=[8], metavar="B[,B...]",
+                     help="concurrent requests = decode batch; comma-separated: one run per size (default 8)")
     run.add_argument("--prompt-len", "-P", type=int, default=128, help="prompt tokens per request (default %(default)s)")
     run.add_argument("--steps", "-N", type=int, default=32, help="timed decode steps (default %(default)s)")
     run.add_argument("--warmup", type=int, default=3, help="untimed decode steps first (default %(default)s)")
@@ -101,6 +123,11 @@ def parse_args(argv=None):
                      help="STEPS more decode steps under torch.profiler: GPU kernels per step, GPU busy time per step "
                           "(union of kernel intervals) and its share of the step, top kernels (default off)")
     run.add_argument("--max-num-tokens", type=int, default=8192, help="prefill tokens per step (default %(default)s)")
+    run.add_argument("--ttft", type=_int_list, default=[], metavar="L[,L...]",
+                     help="also time the first token of one request of each prompt length (default none)")
+    run.add_argument("--predict-experts", type=int, default=None, metavar="N",
+                     help="also report the bound and the step predicted with N routed experts per layer (e.g. 896 "
+                          "for k3-tp8-rank: K3's TP=8 rank)")
     run.add_argument("--block-size", type=int, default=None,
                      help="latent block size (multiple of 16 on CUDA; default 64 on CUDA, 16 on the CPU: "
                           "runtime.executor.preferred_block_size)")
@@ -127,7 +154,14 @@ def parse_args(argv=None):
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
     out.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
-    for name in ("batch", "prompt_len", "steps", "max_num_tokens", "block_size", "check_requests", "check_steps"):
+    if any(b < 1 for b in a.batch) or any(n < 1 for n in a.ttft):
+        ap.error(f"--batch {a.batch} / --ttft {a.ttft}: every value must be >= 1")
+    if len(a.batch) > 1 and (a.check or a.save_logits or a.compare_to):
+        ap.error("--check / --save-logits / --compare-to compare one batch size's runs: give one --batch")
+    if a.predict_experts is not None and a.predict_experts < 1:
+        ap.error(f"--predict-experts {a.predict_experts}: must be >= 1")
+    a.batches, a.batch = a.batch, a.batch[0]
+    for name in ("prompt_len", "steps", "max_num_tokens", "block_size", "check_requests", "check_steps"):
         if getattr(a, name) is not None and getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} = {getattr(a, name)}: must be >= 1")
     for name in ("warmup", "kernel_profile", "profile_steps"):
@@ -136,6 +170,14 @@ def parse_args(argv=None):
     if a.warmup < 0 or (a.profile_steps is not None and a.profile_steps < 0):
         ap.error("--warmup / --profile-steps must be >= 0")
     return a
+
+
+def _int_list(text: str) -> list[int]:
+    """argparse type: "1,16,64" -> [1, 16, 64]."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated integers expected") from None
 
 
 def _sync(device: torch.device) -> None:
@@ -180,7 +222,7 @@ def run_variant(a, executor, prompts, rank: int, progress: bool) -> tuple[dict, 
     prof = a.profile_steps if a.profile_steps is not None else (min(a.steps, 8) if executor.tp > 1 else 0)
     if a.cuda_graphs:
         prof = 0                                   # a replay runs no Python: Comm sees no collective
-    decode_steps = a.warmup + a.steps + prof + a.kernel_profile
+    decode_steps = a.warmup + a.steps + prof + a.kernel_profile + 1        # + the routing probe
     # a request whose prompt is done decodes one token in each later prefill step (chunked prefill mixes them)
     early = math.ceil(a.batch * a.prompt_len / a.max_num_tokens)
     max_ctx = a.prompt_len + decode_steps + early + 2
@@ -258,6 +300,7 @@ def run_variant(a, executor, prompts, rank: int, progress: bool) -> tuple[dict, 
         fwd_times.append(time.perf_counter() - t)
         return out
     executor.forward = timed_forward
+    ctx0 = sum(r.num_computed for r in sched.running)
     try:
         for i in range(a.steps):
             times.append(decode_step())
@@ -265,6 +308,7 @@ def run_variant(a, executor, prompts, rank: int, progress: bool) -> tuple[dict, 
                 log.info("decode step %d/%d: %.3f ms", i + 1, a.steps, times[-1] * 1e3)
     finally:
         del executor.forward
+    attended = (ctx0 + sum(r.num_computed for r in sched.running)) / 2 + a.batch / 2   # mean keys per step, all requests
     coll, coll_ms, share, prof_times = {}, None, None, []
     if prof:
         comm.reset_stats()
@@ -284,6 +328,8 @@ def run_variant(a, executor, prompts, rank: int, progress: bool) -> tuple[dict, 
         if dev.type != "cuda":
             log.warning("--kernel-profile on %s: torch.profiler records no GPU kernels here (empty profile)", dev)
         kprof = kernel_profile(decode_step, a.kernel_profile, statistics.median(times) * 1e3)
+        kprof["kernels_per_layer"] = round(kprof["kernels_per_step"] / cfg.num_hidden_layers, 2)
+    touched = probe_routing(executor, sched)
     if bar is not None:
         bar.close()
     for rid in list(sched.requests):
@@ -305,7 +351,117 @@ def run_variant(a, executor, prompts, rank: int, progress: bool) -> tuple[dict, 
         "kernel_profile": kprof, "pools_gib": _gib(pool_bytes),
         "mem_peak_gib": _gib(torch.cuda.max_memory_allocated(dev)) if dev.type == "cuda" else None,
     }
+    rec.update(bound_record(a, executor, attended, touched, med, statistics.median(fwd_times)))
     return rec, tokens
+
+
+def probe_routing(executor, sched) -> list[int]:
+    """Distinct local routed experts per MoE layer (layer order) in one more decode step of the running batch, run
+    eagerly through K3Model's own layer code with a recording router (the CUDA graphs and the fused glue are set
+    aside for that step; the routing is the model's either way, up to rounding)."""
+    model = executor.model
+    base, seen = model.ops, []
+
+    class Recording(base):
+        @staticmethod
+        def route(x, *args, **kw):
+            ids, w = base.route(x, *args, **kw)
+            seen.append(ids)
+            return ids, w
+    graphs, runner = executor.graphs, executor.runner
+    executor.graphs, executor.runner, model.ops = None, model, Recording
+    try:
+        sched.step()
+    finally:
+        executor.graphs, executor.runner, model.ops = graphs, runner, base
+    moe = [layer.mlp for layer in model.layers if model.cfg.is_moe(layer.l)]
+    out = []
+    for ids, mlp in zip(seen, moe):
+        lo, n = mlp.expert_offset, mlp.experts["w13_packed"].shape[0]
+        ids = ids.long()
+        out.append(int(torch.unique(ids[(ids >= lo) & (ids < lo + n)]).numel()))
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def expert_bytes(cfg, tp: int, ep: int) -> int:
+    """Bytes of one routed expert on a rank: its w1, w2, w3 (MXFP4 packed + scales, or bf16) over tp in TP mode
+    (ep == 1: every rank holds every expert's slice), whole in EP mode."""
+    from k3deploy.model.weights import layer_tensors
+    l = cfg.first_k_dense_replace
+    n = sum(s.nbytes for s in layer_tensors(cfg, l) if s.expert == 0)
+    return n // tp if ep == 1 else n
+
+
+def uniform_touched(num_experts: int, top_k: int, batch: int, ep: int = 1) -> float:
+    """Expected distinct experts of one rank that `batch` tokens pick, each its top_k of num_experts uniformly:
+    E_local (1 - (1 - k/E)^B), E_local = E / ep."""
+    return num_experts / ep * (1 - (1 - top_k / num_experts) ** batch)
+
+
+@functools.lru_cache(maxsize=8)
+def _dense_specs(cfg) -> tuple:
+    """Every layer's non-expert checkpoint tensors (model.weights.layer_tensors), built once per config."""
+    from k3deploy.model.weights import layer_tensors
+    return tuple(s for l in range(cfg.num_hidden_layers) for s in layer_tensors(cfg, l) if s.expert is None)
+
+
+def step_bytes(cfg, tp: int, ep: int, dense_itemsize: int, act_itemsize: int, batch: int, attended: float,
+               touched: list[float], num_experts: int | None = None) -> dict:
+    """The bytes one decode step of `batch` requests must move on one rank (module docstring, item 7): dense
+    weights (checkpoint BF16 tensors at `dense_itemsize` bytes, col / row / vocab splits at 1/tp, lm_head whole on
+    the rank, `batch` embedding rows), `touched` experts per MoE layer x `expert_bytes`, KDA state (fp32) and conv
+    history (`act_itemsize`) read + written per request, MLA latents read: `attended` keys (all requests, mean per
+    step) + the rows written. num_experts: the router's rows (default cfg.num_experts). Returns {dense, experts,
+    kda_state, mla_latents, total} in bytes."""
+    from k3deploy.model.weights import BYTES, model_tensors
+    E = num_experts or cfg.num_experts
+
+    def nbytes(s):
+        n = s.nbytes // BYTES[s.dtype] * (dense_itemsize if s.dtype == "BF16" else BYTES[s.dtype])
+        if s.name.endswith(("gate.weight", "gate.e_score_correction_bias")) and ".block_sparse_moe." in s.name:
+            n = n // cfg.num_experts * E
+        return n // tp if s.split in ("col", "row", "vocab") else n
+    dense = sum(nbytes(s) for s in _dense_specs(cfg))
+    for s in model_tensors(cfg):
+        dense += batch * cfg.hidden_size * dense_itemsize if "embed_tokens" in s.name else nbytes(s)
+    H, K = cfg.kda_num_heads // tp, cfg.kda_head_dim
+    kda = len(cfg.kda_layers) * batch * 2 * (H * K * K * 4 + 3 * H * K * (cfg.conv_kernel_size - 1) * act_itemsize)
+    mla = len(cfg.mla_layers) * (attended + batch) * cfg.latent_dim * act_itemsize
+    experts = sum(touched) * expert_bytes(cfg, tp, ep)
+    total = dense + experts + kda + mla
+    return {"dense": int(dense), "experts": int(experts), "kda_state": int(kda), "mla_latents": int(mla),
+            "total": int(total)}
+
+
+def bound_record(a, executor, attended: float, touched: list[int], step_s: float, forward_s: float) -> dict:
+    """The record's bound fields (module docstring, item 7): copy_GBps (measured at start-up; None off CUDA, then
+    only the bytes), bound {bytes..., experts_touched_per_layer, experts_touched_uniform, ms}, bound_fraction (bound /
+    step median), bound_fraction_forward (bound / forward median), and with --predict-experts N: predicted
+    {experts, bound bytes and ms, step_ms at this run's fraction}."""
+    cfg, tp, ep = executor.cfg, executor.tp, a.ep
+    dsz = torch.empty((), dtype=executor.model.dense_dtype).element_size()
+    asz = torch.empty((), dtype=executor.act_dtype).element_size()
+    b = step_bytes(cfg, tp, ep, dsz, asz, a.batch, attended, touched)
+    b["experts_touched_per_layer"] = round(statistics.fmean(touched), 2) if touched else 0.0
+    b["experts_touched_uniform"] = round(uniform_touched(cfg.num_experts, cfg.num_experts_per_token, a.batch, ep), 2)
+    b["attended_keys_per_step"] = round(attended, 1)
+    rate = a.copy_gbps
+    b["ms"] = round(b["total"] / rate / 1e6, 4) if rate else None
+    rec = {"copy_GBps": round(rate, 1) if rate else None, "bound": b,
+           "bound_fraction": round(b["ms"] / (step_s * 1e3), 4) if rate else None,
+           "bound_fraction_forward": round(b["ms"] / (forward_s * 1e3), 4) if rate else None, "predicted": None}
+    if a.predict_experts:
+        N = a.predict_experts
+        n_moe = sum(cfg.is_moe(l) for l in range(cfg.num_hidden_layers))
+        p = step_bytes(cfg, tp, ep, dsz, asz, a.batch, attended,
+                       [uniform_touched(N, cfg.num_experts_per_token, a.batch, ep)] * n_moe, num_experts=N)
+        p["experts_per_layer"] = N
+        p["experts_touched_uniform"] = round(uniform_touched(N, cfg.num_experts_per_token, a.batch, ep), 2)
+        p["ms"] = round(p["total"] / rate / 1e6, 4) if rate else None
+        p["step_ms"] = round(p["ms"] / rec["bound_fraction"], 4) if rate else None
+        rec["predicted"] = p
+    return rec
 
 
 def kernel_profile(step, n: int, unprofiled_step_ms: float, top: int = 12) -> dict:
@@ -444,9 +600,8 @@ def _explain_bf16_failure(rec: dict, other_dtype: str | None, failed: list[str])
     logits_only = all(r.startswith(("logits_relerr", "argmax_agreement")) for r in failed)
     if logits_only and {rec["dense_dtype"], other_dtype} == {"bfloat16", "float32"}:
         log.warning("bf16 dense weights against fp32: the synthetic models' near-tied router scores flip under bf16 "
-                    "rounding, so late positions differ by 20-30% (README 'GPU runtime', benchmarks/RESULTS.md run "
-                    "18); compare bf16 with a bf16 run (--save-logits / --compare-to) or --check with --dense-dtype "
-                    "float32")
+                    "rounding, so late positions differ by 20-30% (README 'GPU runtime'); compare bf16 with a bf16 "
+                    "run (--save-logits / --compare-to) or --check with --dense-dtype float32")
 
 
 def check_against_reference(a, executor, ref_model, prompts, tokens, rank: int) -> dict | None:
@@ -594,8 +749,9 @@ def main(argv=None) -> int:
         for v in variants:
             from k3deploy.runtime.executor import resolve_ops
             resolve_ops(v, device)
-        if a.cuda_graphs and (device.type != "cuda" or variants != ["kernels"]):
-            raise ValueError("--cuda-graphs: needs a CUDA device and --ops kernels (the pools are updated in place)")
+        if a.cuda_graphs and (device.type != "cuda" or any(v not in ("kernels", "kernels-unfused") for v in variants)):
+            raise ValueError("--cuda-graphs: needs a CUDA device and --ops kernels and/or kernels-unfused (the pools "
+                             "are updated in place)")
         saved_runs = {}
         if a.compare_to is not None:                # before the run: a mismatch would only show at its end
             saved_runs = check_saved(a.compare_to, variants, {"model": str(a.checkpoint) if a.checkpoint else cfg.name,
@@ -611,6 +767,10 @@ def main(argv=None) -> int:
     log.info("building %s on %s (tp %d ep %d, %s)", a.checkpoint or cfg.name, device, tp, a.ep,
              "checkpoint" if a.checkpoint else f"synthetic seed {a.seed} drawn on the device")
     keep_full = {} if (a.check and rank == 0 and a.checkpoint is None) else None
+    from bench_common import copy_rate_gbps
+    a.copy_gbps = copy_rate_gbps(device) if device.type == "cuda" else None     # before the weights fill the memory
+    if a.copy_gbps:
+        log.info("device copy rate %.0f GB/s", a.copy_gbps)
     _sync(device)
     t0 = time.perf_counter()
     model = build_model(a, cfg, rank, tp, device, keep_full)
@@ -626,7 +786,6 @@ def main(argv=None) -> int:
         else:
             ref_model = K3Model(cfg, keep_full["model"], lambda l: keep_full["layers"].pop(l), None, ReferenceOps)
         log.info("CPU fp32 reference built for --check")
-    prompts = prompts_for(a, cfg.vocab_size)
     base = {
         "bench": "decode", "model": str(a.checkpoint) if a.checkpoint else cfg.name,
         "weights": weights_label(a, device),
@@ -634,7 +793,7 @@ def main(argv=None) -> int:
         "torch": torch.__version__, "tp": tp, "ep": a.ep, "world": world, "dense_dtype": a.dense_dtype,
         "dist_backend": (torch.distributed.get_backend() if world > 1 else None),
         "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
-        "batch": a.batch, "prompt_len": a.prompt_len, "steps": a.steps, "warmup": a.warmup,
+        "prompt_len": a.prompt_len, "steps": a.steps, "warmup": a.warmup,
         "block_size": a.block_size, "max_num_tokens": a.max_num_tokens, "build_s": round(build_s, 2),
         "weights_gib": weights_gib, "label": a.label,
     }
@@ -645,9 +804,14 @@ def main(argv=None) -> int:
         base["triton"] = None
     status = 0
     try:
-        for v in variants:
-            status = max(status, bench_variant(a, v, model, ref_model, prompts, base, rank, world, progress,
-                                               saved_runs.get(v)))
+        for B in a.batches:
+            a.batch = B
+            prompts = prompts_for(a, cfg.vocab_size)
+            for v in variants:
+                status = max(status, bench_variant(a, v, model, ref_model, prompts, {**base, "batch": B}, rank,
+                                                   world, progress, saved_runs.get(v)))
+        for v in variants if a.ttft else ():
+            bench_ttft(a, v, model, base, rank, progress)
     except ValueError as e:                     # e.g. a block size the GPU kernels cannot use
         print(f"error: {e}", file=sys.stderr)
         status = 2
@@ -713,11 +877,68 @@ def bench_variant(a, v: str, model, ref_model, prompts, base: dict, rank: int, w
             a.out.parent.mkdir(parents=True, exist_ok=True)
             with a.out.open("a") as f:
                 f.write(line + "\n")
-        log.info("%s ops=%s: decode step %.3f ms median (%.3f mean), %.1f tokens/s%s", rec["model"], v,
-                 rec["step_ms_median"], rec["step_ms_mean"], rec["tokens_per_s"],
+        kp = rec["kernel_profile"] or {}
+        log.info("%s ops=%s B=%d: decode step %.3f ms median (%.3f mean), %.1f tokens/s%s%s%s", rec["model"], v,
+                 rec["batch"], rec["step_ms_median"], rec["step_ms_mean"], rec["tokens_per_s"],
+                 "" if rec["bound_fraction"] is None else
+                 f", bound {rec['bound']['ms']:.3f} ms = {100 * rec['bound_fraction']:.1f}% reached",
+                 "" if not kp.get("kernels_per_layer") else
+                 f", {kp['kernels_per_layer']:.1f} kernels/layer, GPU busy {100 * (kp['gpu_busy_share'] or 0):.1f}%",
                  "" if rec["collective_share"] is None else
                  f", collectives {rec['collective_ms_per_step']:.3f} ms/step = {100 * rec['collective_share']:.1f}%")
     return status
+
+
+def run_ttft(a, executor, length: int) -> dict:
+    """Time to first token of one request of `length` random tokens on a fresh cache (module docstring, item 8):
+    wall seconds from `Scheduler.add` to its first token, twice. Returns {prompt_len, ttft_ms (second run),
+    ttft_first_ms, prefill_steps, prefill_tokens_per_s}."""
+    from k3deploy.runtime.cache import HybridCache
+    from k3deploy.runtime.sampling import SamplingParams
+    from k3deploy.runtime.scheduler import Scheduler
+    cfg, dev = executor.cfg, executor.device
+    g = torch.Generator().manual_seed(2000 + a.seed + length)
+    prompt = torch.randint(3, cfg.vocab_size, (length,), generator=g).tolist()
+    runs = []
+    for _ in range(2):
+        cache = HybridCache(cfg, 2, 1 + math.ceil((length + 2) / a.block_size), a.block_size, executor.tp,
+                            executor.act_dtype, dev, length + 2)
+        sched = Scheduler(executor, cache, 1, a.max_num_tokens, eos_token_id=-1)
+        got = []
+        _sync(dev)
+        t0 = time.perf_counter()
+        sched.add("t", prompt, SamplingParams(max_tokens=1, ignore_eos=True),
+                  lambda tok, finished, error: got.append((tok, error)))
+        steps = 0
+        while not any(tok is not None for tok, _ in got):
+            if not sched.step() or any(e for _, e in got):
+                raise RuntimeError(f"ttft: the {length}-token prefill made no progress or failed: {got}")
+            steps += 1
+        _sync(dev)
+        runs.append(time.perf_counter() - t0)
+        sched.run_until_done()
+    return {"prompt_len": length, "ttft_ms": round(runs[1] * 1e3, 3), "ttft_first_ms": round(runs[0] * 1e3, 3),
+            "prefill_steps": steps, "prefill_tokens_per_s": round(length / runs[1], 1)}
+
+
+def bench_ttft(a, v: str, model, base: dict, rank: int, progress: bool) -> None:
+    """--ttft for ops variant v: one "bench": "ttft" record per prompt length (rank 0 prints and appends)."""
+    from k3deploy.runtime.executor import TorchExecutor
+    executor = TorchExecutor(model, ops=v)
+    try:
+        for L in a.ttft:
+            rec = {**base, "bench": "ttft", "ops": executor.ops_name, "batch": 1, **run_ttft(a, executor, L),
+                   "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            if rank == 0:
+                line = json.dumps(rec)
+                print(line, flush=True)
+                if a.out is not None:
+                    with a.out.open("a") as f:
+                        f.write(line + "\n")
+                log.info("%s ops=%s: TTFT %d tokens %.1f ms (first run %.1f ms)", rec["model"], v, L, rec["ttft_ms"],
+                         rec["ttft_first_ms"])
+    finally:
+        executor.close()
 
 
 if __name__ == "__main__":

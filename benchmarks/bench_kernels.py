@@ -1,4 +1,4 @@
-"""One-H200-run benchmark: our Triton kernels vs the peers at K3 per-rank shapes (TP=8: 12 heads; TP=1: 96).
+"""Our Triton kernels vs the peers at K3 per-rank shapes (TP=8: 12 heads; TP=1: 96), on one GPU (written for an H200).
 
 Usage (GPU; or `bash benchmarks/h200_session.sh bench`, which sets up fla-core and $OUT):
     PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/bench.jsonl [--junit $OUT/junit.xml] [--only ...]
@@ -7,14 +7,15 @@ Speeds are reported only for kernels whose correctness check passed in the same 
 shape; plus the pytest junit results when given). A roofline PNG is written beside --out.
 """
 import argparse, json, math, os, statistics, sys, time, xml.etree.ElementTree as ET
+from unittest import mock
 
 FAMILIES = "kda_decode,layers,graph,mla,mla_prefill,moe,router,kda_prefill,aot_prefill"
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--out", default="/tmp/k3deploy_bench/bench.jsonl",
                 help="JSON lines output; roofline.png goes beside it (default: %(default)s)")
 ap.add_argument("--junit", default=None,
-                help="junit XML of a pytest run of tests/test_kernels.py in the same session: a failed test family "
-                     "marks its kernels' records correct=false")
+                help="junit XML of a pytest run of tests/plugins/test_kernels.py on the same machine: a failed test "
+                     "family marks its kernels' records correct=false")
 ap.add_argument("--only", default=FAMILIES,
                 help=f"comma-separated families to run (default: all = {FAMILIES}); record names: kda_decode, "
                      "kda_decode_layers (one step of several layers in a CUDA graph, with the state-traffic floors), "
@@ -33,19 +34,15 @@ ap.add_argument("--prefill-breakdown", action=argparse.BooleanOptionalAction, de
                 help="KDA prefill: also time chunk_kda under each flag combination and our varlen path (each new "
                      "combination autotunes fla's kernels: minutes on a fresh machine); --no-prefill-breakdown keeps "
                      "ours, the peer, both in CUDA graphs and our conv/norm passes, and checks a dense two-call split")
-ap.add_argument("--moe-variants", default=None,
-                help="MoE: JSON list of mxfp4_moe keyword sets to time beside the default (default: MOE_VARIANTS), "
-                     'e.g. \'[{"dequant":2},{"block_n2":256}]\' (no spaces when it goes through h200_session.sh\'s '
-                     "BENCH_ARGS, which the shell splits on spaces)")
 ap.add_argument("--moe-tokens", default="64,1,8,256",
                 help="MoE: comma-separated token counts T (default: %(default)s)")
 ap.add_argument("--moe-experts", default="112",
                 help="MoE: comma-separated local expert counts (default %(default)s = K3 at TP=8 / EP=8; 64 = k3-slice "
                      "at TP=1, 896 = K3 at TP=1: ~15 GB of MXFP4 weights plus ~60 GB for the bf16 peer)")
 ap.add_argument("--moe-global-experts", type=int, default=0,
-                help="MoE: routed experts over all EP ranks (default 0 = the local count: every choice local, the "
-                     "issue's T=64 shape); 896 with --moe-experts 112 = K3 at EP=8 as deployed, each token's 16 "
-                     "choices drawn over 896 experts, ~1/8 of them on this rank's 112")
+                help="MoE: routed experts over all EP ranks (default 0 = the local count: every choice local); 896 "
+                     "with --moe-experts 112 = K3 at EP=8 as deployed, each token's 16 choices drawn over 896 experts, "
+                     "~1/8 of them on this rank's 112")
 ap.add_argument("--config", default="k3-slice",
                 help="model config whose per-layer dims the shapes take (a preset name or a checkpoint directory; "
                      "default %(default)s = K3's dims with 5 layers and 64 experts): KDA head dim, MLA latent / rope / "
@@ -96,14 +93,6 @@ MOE_GLOBAL = args.moe_global_experts
 if MOE_GLOBAL < 0:
     ap.error(f"--moe-global-experts {MOE_GLOBAL}: give the routed experts over all EP ranks (896 for K3), or 0")
 MOE_EXPERTS = int_list("--moe-experts", args.moe_experts, KK, f"112,64 (top-{KK} needs {KK})")
-MOE_VARIANTS_ARG = None
-if args.moe_variants is not None:
-    try:
-        MOE_VARIANTS_ARG = json.loads(args.moe_variants)
-    except ValueError as e:
-        ap.error(f"--moe-variants {args.moe_variants!r}: not JSON ({e})")
-    if not isinstance(MOE_VARIANTS_ARG, list) or not all(isinstance(v, dict) for v in MOE_VARIANTS_ARG):
-        ap.error(f"--moe-variants {args.moe_variants!r}: expected a JSON list of objects, e.g. '[{{\"dequant\":2}}]'")
 
 try:                                                  # after --help, which needs neither
     import torch, triton                              # noqa: E402
@@ -118,8 +107,9 @@ if not torch.cuda.is_available():
 from k3deploy.plugins.kda import kernels as kda_k   # noqa: E402
 from k3deploy.plugins.mla import kernels as mla_k   # noqa: E402
 from k3deploy.plugins.moe import kernels as moe_k   # noqa: E402
+from k3deploy.plugins.moe.reference import route_logits   # noqa: E402
 import bench_common                        # noqa: E402  (benchmarks/, this script's folder)
-from bench_common import capture_graph     # noqa: E402
+from bench_common import capture_graph, forced     # noqa: E402
 
 os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 dev = "cuda"
@@ -261,21 +251,20 @@ if "kda_decode" in ONLY:
                 st0, cv0 = state.clone(), conv.clone()
                 ro, rS = torch_kda_decode(d, st0, cv0, slots, H)
                 ok = fam_ok.get("kda_decode", True)
-                res, errs, fns = {}, {}, {}
-                variants = [{}] + [dict(block_v=bv) for bv in (32, 64, 16, 128)] + [
-                    dict(block_v=bv, num_warps=w) for bv, w in ((32, 2), (32, 8), (16, 2), (64, 4))] + [
-                    dict(prefetch=False)] + [   # A/B of the state tile's L2 prefetch (run 8)
-                    dict(iv_fast=False)]   # run 12: the grid order before (tokens fastest)
-                for kw in variants:   # {} = the kernel's default choice
-                    name = json.dumps(kw)
+                res, errs, fns, tile_of = {}, {}, {}, {}
+                # the default (the kernel's V-tile rule, "{}") and each V tile forced (`_decode_block_v`)
+                for bv in (None, 32, 64, 16, 128):
+                    name = json.dumps({} if bv is None else dict(block_v=bv))
                     state.copy_(st0); conv.copy_(cv0)
-                    o, _, _ = kda_k.kda_decode(**d, state=state, conv=conv, slots=slots, num_heads=H, head_dim=K, **kw)
+                    with forced(kda_k, "_decode_block_v", bv):
+                        o, _, _ = kda_k.kda_decode(**d, state=state, conv=conv, slots=slots, num_heads=H, head_dim=K)
                     e1, e2 = rel(o.float(), ro), rel(state[slots.long()], rS)
                     errs[name] = (e1, e2)
                     if not (e1 < 2e-2 and e2 < 1e-3):
-                        ok = ok and bool(kw); res[name] = f"wrong: {e1:.2e} {e2:.2e}"; continue
-                    fns[name] = lambda kw=kw: kda_k.kda_decode(**d, state=state, conv=conv, slots=slots, num_heads=H,
-                                                               head_dim=K, **kw)
+                        ok = ok and bv is not None; res[name] = f"wrong: {e1:.2e} {e2:.2e}"; continue
+                    fns[name] = lambda: kda_k.kda_decode(**d, state=state, conv=conv, slots=slots, num_heads=H,
+                                                         head_dim=K)
+                    tile_of[name] = bv
                 err_o, err_s = max(e[0] for e in errs.values()), max(e[1] for e in errs.values())
                 nbytes = kda_decode_bytes(B, H)
                 peer_full_err = None
@@ -292,11 +281,12 @@ if "kda_decode" in ONLY:
                     except Exception as e:
                         peer_full_err = repr(e)[:300]
                 # microsecond kernels: ROUNDS interleaved rounds over all variants and the peer, median per variant
-                # (run 7 timed identical configurations 38-56 us apart within one pass)
+                # (one pass alone varies between identical configurations)
                 times = {name: [] for name in fns}
                 for _ in range(ROUNDS):
                     for name, fn_v in fns.items():
-                        times[name].append(bench(fn_v, rep=50) * 1e3)
+                        with forced(kda_k, "_decode_block_v", tile_of.get(name)):
+                            times[name].append(bench(fn_v, rep=50) * 1e3)
                 peer_ts = times.pop("peer", None)
                 peer = statistics.median(peer_ts) / 1e3 if peer_ts else float("nan")
                 full_ts = times.pop("peer_full", None)
@@ -396,7 +386,7 @@ def state_floors(B, H, L, nbytes):
     bv = kda_k._decode_block_v(B * H, K)
     pools = [torch.zeros(B + 1, H, K, K, device=dev) for _ in range(L)]
     slots = (torch.randperm(B, device=dev) + 1).int()
-    (grid, fast) = kda_k._decode_grid(B, H, K // bv, True)
+    (grid, fast) = kda_k._decode_grid(B, H, K // bv)
     if not fast:
         raise ValueError(f"state_floors: B={B} takes the tokens-fast grid, which _floor_state_kernel does not model")
     nw = kda_k._decode_num_warps(bv, K)
@@ -436,16 +426,15 @@ if "layers" in ONLY:
             d0, sl0 = layers[0][0], layers[0][3]
             st0, cv0 = layers[0][1].clone(), layers[0][2].clone()   # pristine: the timed graphs update the pools
             ro, rS = torch_kda_decode(d0, st0.clone(), cv0.clone(), sl0, H)
-            # the latency-bound target shape: V tile and grid order inside the graph too
-            # above 1024 (token, head) items (V tile 64, 4 warps: 128 registers = 4 programs per SM): a 96-register
-            # cap (5 per SM, 48 bytes of spills offline) and the V tile of 32 (72 registers: 7 per SM; 64: 8)
-            checks = ([dict(block_v=64), dict(block_v=16), dict(block_v=128), dict(iv_fast=False)]
-                      if (H, B) == (H8, 64) else
-                      [dict(maxnreg=96), dict(block_v=32), dict(block_v=32, maxnreg=64)] if B * H > 1024 else [])
+            # other V tiles forced in the graph too (`_decode_block_v`): the latency-bound target shape, and 32 above
+            # 1024 (token, head) items (the default there: 64)
+            checks = [64, 16, 128] if (H, B) == (H8, 64) else [32] if B * H > 1024 else []
 
-            def layer0_ok(**kw):
+            def layer0_ok(block_v=None):
                 st1 = st0.clone()
-                o1, _, _ = kda_k.kda_decode(**d0, state=st1, conv=cv0.clone(), slots=sl0, num_heads=H, head_dim=K, **kw)
+                with forced(kda_k, "_decode_block_v", block_v):
+                    o1, _, _ = kda_k.kda_decode(**d0, state=st1, conv=cv0.clone(), slots=sl0, num_heads=H,
+                                                head_dim=K)
                 return rel(o1.float(), ro) < 2e-2 and rel(st1[sl0.long()], rS) < 1e-3
             if not (layer0_ok() and fam_ok.get("kda_decode", True)):   # no speed for a wrong kernel
                 out(what="kda_decode_layers", H=H, B=B, correct=False)
@@ -453,12 +442,16 @@ if "layers" in ONLY:
                 continue
             outs = [torch.empty(B, H * K, dtype=torch.bfloat16, device=dev) for _ in range(L)]
 
-            def ours(**kw):
+            def ours():
                 return [lambda d=d, st=st, cv=cv, sl=sl, o=o: kda_k.kda_decode(
-                    **d, state=st, conv=cv, slots=sl, num_heads=H, head_dim=K, out=o, **kw)
+                    **d, state=st, conv=cv, slots=sl, num_heads=H, head_dim=K, out=o)
                     for (d, st, cv, sl), o in zip(layers, outs)]
+
+            def tiled_us(bv):       # captured with the tile forced: the graph keeps it
+                with forced(kda_k, "_decode_block_v", bv):
+                    return graph_us_per_call(ours())
             us = graph_us_per_call(ours())
-            variants = {json.dumps(kw): graph_us_per_call(ours(**kw)) if layer0_ok(**kw) else "wrong" for kw in checks}
+            variants = {json.dumps(dict(block_v=bv)): tiled_us(bv) if layer0_ok(bv) else "wrong" for bv in checks}
             nbytes = kda_decode_bytes(B, H)
             rec = dict(what="kda_decode_layers", H=H, B=B, layers=L, correct=True, us=us, variants=variants,
                        bytes=nbytes, GBps=nbytes / us / 1e3, pct_copy=100 * nbytes / us / 1e3 / COPY)
@@ -536,32 +529,8 @@ if "mla" in ONLY:
             ok = err < 1e-2 and fam_ok.get("mla_decode", True)
             del ref
             nbytes = B * L * (R + DR) * 2
-            res = {}
-            variants = ([dict(), dict(block_n=16, num_stages=4), dict(num_stages=4), dict(programs_per_sm=16),
-                         dict(programs_per_sm=4), dict(num_warps=8)] if H <= 16 else
-                        # the default on sm_90 since run 21: 64 heads x 64 keys, 2 stages (1.06-1.21x); 64 x 32 with
-                        # 3 stages = the default before (and on sm_80)
-                        [dict(), dict(block_h=16, num_warps=4), dict(block_h=32), dict(block_n=32, num_stages=3),
-                         dict(block_h=16, num_warps=4, block_n=64, num_stages=2), dict(num_splits=64),
-                         dict(num_splits=32), dict(programs_per_sm=2)])
-            best, us_default = None, float("nan")
-            for vv in variants:
-                if not ok:
-                    break
-                try:
-                    o2, _ = mla_k.mla_decode(q, lat, cache, bt, ctx, num_heads=H, kv_lora_rank=R, scale=scale, **vv)
-                    if rel(o2.float(), o.float()) > 1e-2:
-                        out(what="mla_decode_variant_mismatch", H=H, B=B, L=L, variant=vv); continue
-                    ms = bench(lambda: mla_k.mla_decode(q, lat, cache, bt, ctx, num_heads=H, kv_lora_rank=R, scale=scale, **vv),
-                               rep=200 if not vv else 100)
-                except Exception as e:
-                    res[json.dumps(vv)] = repr(e)[:200]; continue
-                res[json.dumps(vv)] = ms * 1e3
-                if not vv:
-                    us_default = ms * 1e3
-                if best is None or ms < best[0]:
-                    best = (ms, vv)
-            ms = us_default / 1e3
+            ms = bench(lambda: mla_k.mla_decode(q, lat, cache, bt, ctx, num_heads=H, kv_lora_rank=R, scale=scale),
+                       rep=200) if ok else float("nan")
             peer = bench(peer_fn)
             graph = {}
             if B == 1 and ok:
@@ -569,10 +538,8 @@ if "mla" in ONLY:
                 # so no call finds its latents in the 50 MB L2), per-call time; the peer likewise on contiguous copies
                 ins = [(q, lat, cache, bt, ctx)] + [mla_inputs(B, H, L) for _ in range(7)]
                 conts = [C] + [x[2].view(-1, R + DR)[(x[3].long()[:, pos // BS] * BS + pos % BS)] for x in ins[1:]]
-                for vv in variants:                                   # {} = the default
-                    graph[json.dumps(vv) if vv else "us"] = graph_us_per_call(
-                        [lambda x=x, vv=vv: mla_k.mla_decode(*x, num_heads=H, kv_lora_rank=R, scale=scale, **vv)
-                         for x in ins])
+                graph["us"] = graph_us_per_call([lambda x=x: mla_k.mla_decode(*x, num_heads=H, kv_lora_rank=R,
+                                                                              scale=scale) for x in ins])
 
                 def peer_of(qq, cc):
                     p = torch.softmax(torch.bmm(qq, cc.transpose(1, 2)).float() * scale, -1).to(torch.bfloat16)
@@ -581,8 +548,8 @@ if "mla" in ONLY:
                                                       for x, cc in zip(ins, conts)])
                 graph["ratio"] = graph["peer_us"] / graph["us"]
                 del ins, conts
-            out(what="mla_decode", H=H, B=B, L=L, correct=ok, err=err, us=ms * 1e3, variants=res, cuda_graph=graph,
-                best=best[1] if best else None, us_best=best[0] * 1e3 if best else None, peer="torch bmm-softmax-bmm (contiguous cache)", peer_us=peer * 1e3,
+            out(what="mla_decode", H=H, B=B, L=L, correct=ok, err=err, us=ms * 1e3, cuda_graph=graph,
+                peer="torch bmm-softmax-bmm (contiguous cache)", peer_us=peer * 1e3,
                 ratio=peer / ms, bytes=nbytes, GBps=nbytes / ms / 1e6, pct_copy=100 * nbytes / ms / 1e6 / COPY)
             del q, lat, cache, C
         except Exception as e:
@@ -590,12 +557,12 @@ if "mla" in ONLY:
     torch.cuda.empty_cache()
 
 # ------------------------------------------------------------------ CUDA graph decode step (one KDA + one MLA layer, B=1)
-# Issue 7 item 4. `us` ("cold", since run 23): one graph of N_STEP decode steps, each a KDA layer + an MLA layer
-# (8192-token context) on pools of its own, as in a model whose layers each own their pools: a replay touches each
-# pool once and do_bench clears L2 before each replay, so no step finds its state or latents in L2; per step =
-# replay / N_STEP. `us_hot`: 100 replays of one step's graph over the same pools per timed run (after the first, its
-# 1.5-12 MB of pools are in L2: the method of runs 3-22). Checked first: the first KDA step against the fp32 torch
-# step, the first MLA step against fp32 attention over its cache.
+# `us` ("cold"): one graph of N_STEP decode steps, each a KDA layer + an MLA layer (8192-token context) on pools of
+# its own, as in a model whose layers each own their pools: a replay touches each pool once and do_bench clears L2
+# before each replay, so no step finds its state or latents in L2; per step = replay / N_STEP. `us_hot`: 100 replays
+# of one step's graph over the same pools per timed run (after the first, its 1.5-12 MB of pools are in L2).
+# Checked first: the first KDA step against the fp32 torch step, the first MLA step against fp32 attention over its
+# cache.
 N_STEP = 8
 
 
@@ -638,17 +605,18 @@ if "graph" in ONLY:
                     gph = capture_graph(calls[:len(calls) // N_STEP], warmup=3)
                     n = 100   # 100 replays of the one step
                     us_hot[name] = bench(lambda: [gph.replay() for _ in range(n)], rep=300) / n * 1e3
-            # the KDA step's V tile, cold (the B=1 default was chosen on the hot graph: runs 3-12)
+            # the KDA step's V tile forced (`_decode_block_v`), cold
             kda_variants = {}
             for bv in (16, 32, 64, 128):
                 st = st0.clone()
-                o3, _, _ = kda_k.kda_decode(**d, state=st, conv=cv0.clone(), slots=slots, num_heads=H, head_dim=K,
-                                            block_v=bv)
-                if ok and rel(o3.float(), ro) < 2e-2 and rel(st[slots.long()], rS) < 1e-3:
-                    kda_variants[f"block_v={bv}"] = bench(capture_graph(
-                        [lambda x=x, o=o, bv=bv: kda_k.kda_decode(**x[0], state=x[1], conv=x[2], slots=x[3],
-                                                                 num_heads=H, head_dim=K, out=o, block_v=bv)
-                         for x, o in zip(kins, kouts)]).replay, rep=100) * 1e3 / N_STEP
+                with forced(kda_k, "_decode_block_v", bv):
+                    o3, _, _ = kda_k.kda_decode(**d, state=st, conv=cv0.clone(), slots=slots, num_heads=H,
+                                                head_dim=K)
+                    if ok and rel(o3.float(), ro) < 2e-2 and rel(st[slots.long()], rS) < 1e-3:
+                        kda_variants[f"block_v={bv}"] = bench(capture_graph(
+                            [lambda x=x, o=o: kda_k.kda_decode(**x[0], state=x[1], conv=x[2], slots=x[3],
+                                                               num_heads=H, head_dim=K, out=o)
+                             for x, o in zip(kins, kouts)]).replay, rep=100) * 1e3 / N_STEP
             out(what="cuda_graph_decode_step", H=H, B=1, L=8192, correct=ok, err_kda=err_kda, err_mla=err_mla,
                 us=us, us_hot=us_hot, kda_variants=kda_variants, steps_per_graph=N_STEP)
             del kins, mins, kouts, mouts, kda_steps, mla_steps, both
@@ -659,7 +627,7 @@ if "graph" in ONLY:
 # ------------------------------------------------------------------ MLA prefill: SDPA vs the graph-safe Triton path
 # `mla_prefill`'s CUDA default, the graph-safe path (absorbed Triton kernels, fixed grids, workspace: also what CUDA
 # graphs and the TensorRT plugin run), against graph_safe=False (per sequence, up-projected K/V, torch SDPA; reads
-# cu_seqlens on the host; the default until run 20 measured it slower), one prompt of T tokens without prefix, one
+# cu_seqlens on the host), one prompt of T tokens without prefix, one
 # with a 4096-token prefix in the paged cache, and a 256-token chunk after 32768 cached tokens (a long prompt's chunked
 # prefill at the runtime's default step budget, max_num_tokens=256).
 if "mla_prefill" in ONLY:
@@ -677,12 +645,7 @@ if "mla_prefill" in ONLY:
             lat = torch.randn(T, R + DR, device=dev).bfloat16()
             kv_b = (torch.randn(H * (Dn + Dv), R, device=dev) * R ** -0.5).bfloat16()
             attrs = dict(num_heads=H, qk_nope_head_dim=Dn, v_head_dim=Dv, kv_lora_rank=R, scale=(Dn + DR) ** -0.5)
-            # the 256-token chunks also time the key-range splits (default `_prefill_splits`: 1 part when the row
-            # tiles fill the SMs, e.g. 96 heads) against 1 part (the kernel before run 21) and other counts
-            # ({} last: the default timed again after the variants)
-            split_kws = [dict(num_splits=s) for s in (1, 2, 4, 16)] + [{}] if T == 256 else []
-            ws = torch.empty(max(mla_k.mla_prefill_workspace_bytes(T, H, R, DR, num_splits=kw.get("num_splits"))
-                                 for kw in [{}] + split_kws), dtype=torch.uint8, device=dev)
+            ws = torch.empty(mla_k.mla_prefill_workspace_bytes(T, H, R, DR), dtype=torch.uint8, device=dev)
             sdpa = lambda: mla_k.mla_prefill(q, lat, kv_b, cache, bt, cu, ctx, graph_safe=False, **attrs)   # noqa: E731
             tri = lambda: mla_k.mla_prefill(q, lat, kv_b, cache, bt, cu, ctx, graph_safe=True, workspace=ws,  # noqa: E731
                                             **attrs)
@@ -691,14 +654,10 @@ if "mla_prefill" in ONLY:
             ok = fam_ok.get("mla_prefill", True) and err < 3e-2
             us_sdpa, us_tri = bench(sdpa, rep=100) * 1e3, bench(tri, rep=100) * 1e3
             variants = {}
-            # attention tiles (default on sm_90: 64 query rows x 64 keys, Hopper's warpgroup MMA): 32 x 32 (mma.sync;
-            # the default before run 20 and on other GPUs), 64 x 32, 32 x 64
-            tiles = [dict(block_m=32, block_n=32), dict(block_m=64, block_n=32), dict(block_m=32, block_n=64)]
-            for kw in tiles + split_kws:
-                fv = lambda kw=kw: mla_k.mla_prefill(q, lat, kv_b, cache, bt, cu, ctx, graph_safe=True,  # noqa: E731
-                                                     workspace=ws, **attrs, **kw)
-                variants[json.dumps(kw)] = (bench(fv, rep=100) * 1e3 if rel(fv()[0].float(), o_tri) < 1e-2
-                                            else "wrong")
+            if T == 256:   # the 256-token chunks: the key-range split (`_prefill_splits`) against one part
+                with forced(mla_k, "_prefill_splits", 1):
+                    variants['{"num_splits": 1}'] = (bench(tri, rep=100) * 1e3
+                                                     if rel(tri()[0].float(), o_tri) < 1e-2 else "wrong")
             # attention FLOPs (absorbed: q.k over R + DR, p.v over R), row t sees C + t + 1 keys
             flops = 2 * H * (T * C + T * (T + 1) // 2) * (2 * R + DR)
             bm = mla_k._prefill_attn_tiles(torch.cuda.get_device_capability()[0], 2, BS)[0]
@@ -713,16 +672,11 @@ if "mla_prefill" in ONLY:
             out(what="mla_prefill", H=H, T=T, error=repr(e)[:400])
 
 # ------------------------------------------------------------------ MoE
-# MoE variants timed against the default (impl None: the Gluon kernels for decode-sized batches of >= 64 pairs,
-# plugins/moe/kernels_gluon.py, else the legacy Triton kernels). legacy: dequant 1 = the runs 2-5 inline PTX, 2 =
-# run 6's with fewer integer ops, 3 = 2 with the re-bias folded into the scale where a program's scales allow (its
-# default); gluon: block_k = K columns per cp.async copy, num_stages = ring depth (run 14), split_m=False = every
-# 16- or 32-token tile computed at full width (run 16)
-MOE_VARIANTS = [dict(impl="legacy"), dict(impl="gluon"), dict(impl="gluon", split_m=False),
-                dict(impl="gluon", block_k=128), dict(impl="gluon", num_stages=4), dict(impl="legacy", dequant=2),
-                dict(impl="dot_scaled")]
-if MOE_VARIANTS_ARG is not None:
-    MOE_VARIANTS = MOE_VARIANTS_ARG
+# MoE: the default (`_pick_impl`: the Gluon kernels for decode-sized batches of >= 64 pairs on sm_90+,
+# plugins/moe/kernels_gluon.py, else the legacy Triton kernels) and each set of kernels forced, timed side by side
+MOE_VARIANTS = {"{}": None, '{"impl": "legacy"}': "legacy", '{"impl": "gluon"}': "gluon"}
+
+
 def bench_moe(E: int) -> None:
     """The MoE family for E local experts (112: K3 at TP=8 / EP=8; 64: k3-slice at TP=1; 896: K3 at TP=1) of
     3584 -> 3072, top-16: ours (default and MOE_VARIANTS) and the bf16 peer at each of MOE_TOKENS, one JSON line
@@ -768,25 +722,25 @@ def bench_moe(E: int) -> None:
             mx_bytes = touched * (2 * I * (D // 2 + D // 32) + D * (I // 2 + I // 32))
             bf_bytes = touched * 3 * D * I * 2
             res = {}
-            cfgs = [dict()] + MOE_VARIANTS + ([dict(block_m=16), dict(block_m=64, block_k=64)] if T >= 128 else
-                                              [dict(block_m=64)])
             fns = {}
-            for cfg in (cfgs if ok else []):     # each variant checked once, then timed in interleaved rounds
+            call = lambda: moe_k.mxfp4_moe(xl, ids, wts, w13p, w13s, w2p, w2s, num_experts=NG)   # noqa: E731
+            for name, impl in (MOE_VARIANTS.items() if ok else ()):   # each checked once, then timed in rounds
                 try:
-                    y2 = moe_k.mxfp4_moe(xl, ids, wts, w13p, w13s, w2p, w2s, num_experts=NG, **cfg)
+                    with forced(moe_k, "_pick_impl", impl):
+                        y2 = call()
                     if rel(y2, ref) > 2e-2:
-                        res[json.dumps(cfg)] = "mismatch"; continue
-                    fns[json.dumps(cfg)] = lambda cfg=cfg: moe_k.mxfp4_moe(xl, ids, wts, w13p, w13s, w2p, w2s,
-                                                                           num_experts=NG, **cfg)
+                        res[name] = "mismatch"; continue
+                    fns[name] = impl
                 except Exception as e:
-                    res[json.dumps(cfg)] = repr(e)[:200]
-            # ROUNDS interleaved rounds over the variants, median per variant (run 15: one pass of the same code
-            # varied by 3-7% between its place in the list and between calls)
+                    res[name] = repr(e)[:200]
+            # ROUNDS interleaved rounds over the variants, median per variant (one pass of the same code varies
+            # between its place in the list and between calls)
             times = {name: [] for name in fns}
             for _ in range(ROUNDS):
-                for name, fn_v in list(fns.items()):
+                for name, impl in list(fns.items()):
                     try:
-                        times[name].append(bench(fn_v, rep=50) * 1e3)
+                        with forced(moe_k, "_pick_impl", impl):
+                            times[name].append(bench(call, rep=50) * 1e3)
                     except Exception as e:     # e.g. out of memory: this variant drops out, the others go on
                         res[name] = repr(e)[:200]
                         del fns[name], times[name]
@@ -824,12 +778,17 @@ if "router" in ONLY:
         try:
             z = torch.randn(T, NE, device=dev)
             bias = 0.1 * torch.randn(NE, device=dev)
-            kw = dict(top_k=KK, routed_scaling_factor=1.0)      # K3's config (run 19 timed 2.827: no difference)
+            kw = dict(top_k=KK, routed_scaling_factor=1.0)      # K3's config (its scaling 2.827 costs nothing more)
             ids, w = moe_k.route_topk(z, bias, **kw)
-            rids, rw = moe_k.route_topk(z, bias, impl="torch", **kw)
+            pids, pw = torch.empty_like(ids), torch.empty_like(w)
+
+            def peer():
+                rids, rw = route_logits(z, bias, top_k=KK, num_expert_group=1, topk_group=1, renormalize=True,
+                                        scaling=1.0)
+                return pids.copy_(rids), pw.copy_(rw)
+            rids, rw = peer()
             ok = bool(torch.equal(ids, rids)) and rel(w, rw) < 1e-6 and fam_ok.get("router", True)
             ours = lambda: moe_k.route_topk(z, bias, out=(ids, w), **kw)     # noqa: E731
-            peer = lambda: moe_k.route_topk(z, bias, impl="torch", **kw)    # noqa: E731
             us, peer_us = bench(ours) * 1e3, bench(peer) * 1e3
             g_us, g_peer = graph_us_per_call([ours] * 16), graph_us_per_call([peer] * 16)   # 16 calls per graph
             out(what="moe_router", T=T, experts=NE, top_k=KK, correct=ok, us=us if ok else float("nan"),
@@ -853,14 +812,6 @@ def graphed(fn):
     return g_.replay
 
 
-# conv pass configurations (overrides of kernels._CONV_CFG) timed as stages (run 9 also timed 2-8 tiles per
-# program with software pipelining: no gain, dropped; run 10 the grid with head blocks fastest: -2%, and its output
-# was not bit-equal to the default's on the GPU (neither is BT 16's: fp32 reduction order), dropped; BT 64 / 4
-# warps: +26% / +43%; fla's gate cumsum on a side stream during the conv pass: bit-equal, no gain (both are
-# bandwidth-bound), dropped; run 11: the channel-pair / row-group pass on a flat grid, column blocks fastest, is
-# the default; its 2-D grid and other tiles stay as variants)
-CONV_CFGS = (dict(), dict(flat=False), dict(BT=32, flat=False), dict(BT=32), dict(BT=16, num_warps=2),
-             dict(pairs=False, BT=32, flat=False))   # the last: the pass before run 11
 if "kda_prefill" in ONLY and HAVE_FLA:
     for H in PREFILL_HEADS:
         try:
@@ -925,17 +876,15 @@ if "kda_prefill" in ONLY and HAVE_FLA:
                                                      cu_seqlens=cu64),
                 "ours_flags_k_first": ours_call(br, use_beta_sigmoid_in_kernel=True, state_v_first=False),
                 "ours_flags_no_beta_sigmoid": ours_call(be),
-                # leads of run 7 (RESULTS.md): is the beta-sigmoid cost fp32 beta itself? is varlen the spread?
+                # is the beta-sigmoid cost fp32 beta itself? is varlen the spread?
                 "ours_flags_fp32_beta_pre": ours_call(be32),
                 "ours_flags_no_varlen": ours_call(br, use_beta_sigmoid_in_kernel=True, cu_seqlens=None),
                 "ours_flags_bf16_beta_no_varlen": ours_call(be, cu_seqlens=None),
             }
             # our own passes alone
             y = torch.empty(3, T, P, dtype=torch.bfloat16, device=dev)
-            for cfg in CONV_CFGS:
-                name = "our_conv_pass" + "".join(f"_{k_}{v_}" for k_, v_ in cfg.items())
-                stages[name] = lambda cfg=cfg: kda_k._conv_prefill(d["qkv"], d["conv_w"], conv, slots, cu, y, T,
-                                                                   3 * P, P, K, cfg=cfg)
+            stages["our_conv_pass"] = lambda: kda_k._conv_prefill(d["qkv"], d["conv_w"], conv, slots, cu, y, T,
+                                                                  3 * P, P, K)
             # the same T as 256 prompts of 128 tokens: 256 sequence starts for the fix-up kernel
             cu_m = torch.arange(0, T + 1, 128, device=dev).int()
             slots_m = torch.full((T // 128,), 2, dtype=torch.int32, device=dev)
@@ -944,14 +893,17 @@ if "kda_prefill" in ONLY and HAVE_FLA:
             # our op through the varlen path: the same tokens as two sequences (T - 1 and 1 tokens)
             cu2 = torch.tensor([0, T - 1, T], dtype=torch.int32, device=dev)
             sl2 = torch.tensor([2, 1], dtype=torch.int32, device=dev)
-            for name, kw in (("ours_varlen_2seq", {}), ("ours_varlen_2seq_host_index", dict(graph_safe=False)))[
-                    :2 if args.prefill_breakdown else 0]:
-                stages[name] = lambda kw=kw: kda_k.kda_prefill(**d, state=state, conv=conv, cu_seqlens=cu2, slots=sl2,
-                                                               num_heads=H, head_dim=K, **kw)
-            # our op with fla's whole chunk_kda in place of our chunk core (the previous design, chunk_impl='fla')
-            stages["ours_chunk_impl_fla"] = lambda: kda_k.kda_prefill(**d, state=state, conv=conv, cu_seqlens=cu,
-                                                                      slots=slots, num_heads=H, head_dim=K,
-                                                                      chunk_impl="fla")
+            if args.prefill_breakdown:
+                stages["ours_varlen_2seq"] = lambda: kda_k.kda_prefill(**d, state=state, conv=conv, cu_seqlens=cu2,
+                                                                       slots=sl2, num_heads=H, head_dim=K)
+
+            def chunk_kda_fallback():
+                """our op with fla's whole chunk_kda in place of our chunk core (its fallback for untested fla-core
+                versions: `_fla_stages` None)"""
+                with mock.patch.object(kda_k, "_fla_stages", lambda: None):
+                    return kda_k.kda_prefill(**d, state=state, conv=conv, cu_seqlens=cu, slots=slots, num_heads=H,
+                                             head_dim=K)
+            stages["ours_chunk_kda_fallback"] = chunk_kda_fallback
             # both captured in CUDA graphs (no Python launch overhead: the GPU time of our op vs the peer's)
             to_graph = {"ours_cuda_graph": fn,
                         "peer_cuda_graph": lambda: chunk_kda(q, kk, v, gg, be, initial_state=h0, output_final_state=True)}
@@ -975,7 +927,7 @@ if "kda_prefill" in ONLY and HAVE_FLA:
             nbytes = sum(d[k_].numel() * d[k_].element_size() for k_ in ("qkv", "f", "b", "g")) + T * P * 2 \
                 + 2 * H * K * K * 4
             out(what="kda_prefill", H=H, T=T, correct=ok, err_one_vs_split_varlen=err,
-                conv_cfg=kda_k._CONV_CFG, out_cfg=kda_k._OUT_CFG, us=ms * 1e3,
+                conv_cfg=dict(BT=kda_k._CONV_BT, num_warps=kda_k._CONV_WARPS), out_cfg=kda_k._OUT_CFG, us=ms * 1e3,
                 peer="fla chunk_kda (recurrence only, pre-gated)",
                 peer_us=peer * 1e3, ratio=peer / ms, ratio_cuda_graphs=graph_ratio, Mtok_per_s=T / ms / 1e3,
                 bytes=nbytes, GBps=nbytes / ms / 1e6, pct_copy=100 * nbytes / ms / 1e6 / COPY,

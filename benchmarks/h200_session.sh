@@ -4,13 +4,13 @@
 #   bash benchmarks/h200_session.sh tests|bench|profile|ncu|decode|tp   (results under $OUT, default /tmp/out)
 # tests : GPU pytest of the kernels, CUDA-graph capture and the GPU runtime -> $OUT/junit.xml, $OUT/pytest.log
 #         (PYTEST_ARGS overrides the files; it is re-parsed by the shell: PYTEST_ARGS='tests/a.py -k "x and not y"')
-#         On a fresh H200 the default files take longer than one 600 s device call (run 23: test_kernels.py's
-#         first 92 of 135 GPU tests in 570 s, compiles and fla autotuning included): split them over calls
+#         On a fresh H200 the default files take longer than one 600 s device call (tests/plugins/test_kernels.py
+#         alone: ~90 of its GPU tests in 570 s, compiles and fla autotuning included): split them over calls
 # bench : benchmarks/bench_kernels.py (KDA decode/prefill, graph, MLA, MoE) -> $OUT/bench.jsonl + roofline.png
 # profile: benchmarks/profile_kda_prefill.py: per-kernel GPU time of KDA prefill, ours vs chunk_kda -> $OUT/profile.jsonl
 #         (PROFILE_ARGS overrides its arguments)
 # ncu   : Nsight Compute on the MXFP4 MoE GEMMs at boost clocks, T in NCU_TOKENS (default "64 1"), configurations
-#         NCU_CONFIGS (JSON, default legacy and gluon) -> $OUT/ncu_moe_T<T>.txt + $OUT/ncu_summary.jsonl
+#         NCU_IMPLS (default legacy,gluon) -> $OUT/ncu_moe_T<T>.txt + $OUT/ncu_summary.jsonl
 # decode: benchmarks/bench_decode.py on k3-slice, B=16 (synthetic weights on the device; DECODE_ARGS overrides)
 # tp    : (several GPUs) bench_decode TP=1 on cuda:0 saved, then TP=EP=N over NCCL for N = 2, 4, .. <= GPUs compared
 #         with it (logits, greedy tokens) -> $OUT/decode_tp.jsonl (TP_ARGS overrides the model/run arguments)
@@ -19,7 +19,7 @@
 # carry them into the next call of the SAME mode as .autotune/<mode>/ (not in git):
 #   mkdir -p .autotune/bench && tar xzf OUTDIR/autotune_bench.tgz -C .autotune/bench   (OUTDIR: where $OUT came back)
 # Never feed tests' results to bench: fla's tuning keys omit T, so picks made at test sizes (T ~ 100) would be reused
-# at T=32768 (run 8 measured chunk_kda 1.3x slower that way).
+# at T=32768 (chunk_kda ran 1.3x slower that way on an H200).
 set -u -o pipefail          # a failing benchmark fails the script through its `| tee | tail`
 usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; }
 case "${1:-}" in
@@ -57,7 +57,7 @@ case "$1" in
   tests)
     # PYTEST_TIMEOUT is this script's whole-run limit; pytest-timeout (on the device image) would read it as a
     # per-test limit too, so pytest runs without it
-    eval timeout "${PYTEST_TIMEOUT:-420}" env -u PYTEST_TIMEOUT python3 -m pytest -q -rs ${PYTEST_ARGS:-tests/test_kernels.py tests/test_graph_safe.py tests/test_runtime_gpu.py} \
+    eval timeout "${PYTEST_TIMEOUT:-420}" env -u PYTEST_TIMEOUT python3 -m pytest -q -rs ${PYTEST_ARGS:-tests/plugins/test_kernels.py tests/plugins/test_graph_safe.py tests/runtime/test_cuda.py} \
       --junitxml="$OUT/junit.xml" 2>&1 | tail -60 | tee "$OUT/pytest.log"
     rc=${PIPESTATUS[0]}
     echo "PYTEST_RC=$rc" | tee -a "$OUT/pytest.log"
@@ -75,7 +75,7 @@ case "$1" in
     for T in ${NCU_TOKENS:-64 1}; do
       timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none --kernel-name regex:'moe_w13|moe_w2' --section SpeedOfLight \
         --section Occupancy --section SchedulerStats --metrics "$M" python3 benchmarks/ncu_moe.py --tokens "$T" \
-        ${NCU_CONFIGS:+--configs "$NCU_CONFIGS"} > "$OUT/ncu_moe_T$T.txt" 2>&1 \
+        ${NCU_IMPLS:+--impls "$NCU_IMPLS"} > "$OUT/ncu_moe_T$T.txt" 2>&1 \
         || { echo "error: ncu failed for T=$T; the end of $OUT/ncu_moe_T$T.txt:" >&2
              tail -5 "$OUT/ncu_moe_T$T.txt" >&2; rc=1; continue; }
       python3 benchmarks/ncu_moe.py --summarize "$OUT/ncu_moe_T$T.txt" | sed "s/^{/{\"T\": $T, /" \

@@ -1,7 +1,8 @@
-"""How much of the Gluon MXFP4 MoE's time is the MXFP4 decode? (H200 run 18, benchmarks/RESULTS.md)
+"""How much of the Gluon MXFP4 MoE's time is the MXFP4 decode?
 
-Times `mxfp4_moe(impl="gluon")` on the bench_kernels MoE problem (112 experts, 3584 -> 3072, top-16; random codes and
-E8M0 factors 2^-9 .. 2^-2) beside copies of plugins/moe/kernels_gluon.py whose decode PTX (`_dq_asm`) is replaced:
+Times `mxfp4_moe` (its Gluon kernels, forced through `_pick_impl`) on the bench_kernels MoE problem (112 experts,
+3584 -> 3072, top-16; random codes and E8M0 factors 2^-9 .. 2^-2) beside copies of plugins/moe/kernels_gluon.py whose
+decode PTX (`_dq_asm`) is replaced:
 
 * ``no_decode``: the 32-bit word itself becomes the four bf16x2 operands (4 moves, no integer or bf16 work; the
   factors go unused): what the kernels reach when decoding is free.
@@ -189,6 +190,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         log.error("needs a CUDA GPU of compute capability >= 9.0 (the Gluon kernels' bf16x2 decode)")
         return 2
+    from bench_common import forced     # benchmarks/, this script's folder
     try:
         from k3deploy.plugins.moe import kernels as mk
         from k3deploy.plugins.moe import kernels_gluon as kg0
@@ -219,9 +221,10 @@ def main(argv=None) -> int:
         wts = torch.rand(T, K, device=dev)
         touched = torch.unique(ids).numel()
         nbytes = touched * (2 * I * (D // 2 + D // 32) + D * (I // 2 + I // 32))
-        graphs, keep = capture_graphs(mods, lambda out, ws: mk.mxfp4_moe(
-            x, ids, wts, w13p, w13s, w2p, w2s, impl="gluon", out=out, workspace=ws),
-            mk.mxfp4_moe_workspace_bytes(T, K, E, I, D, device=dev), (T, D), dev)
+        with forced(mk, "_pick_impl", "gluon"):
+            graphs, keep = capture_graphs(mods, lambda out, ws: mk.mxfp4_moe(
+                x, ids, wts, w13p, w13s, w2p, w2s, out=out, workspace=ws),
+                mk.mxfp4_moe_workspace_bytes(T, K, E, I, D, device=dev), (T, D), dev)
         times = {n: [] for n in graphs}
         for r in range(a.rounds):
             for n, g in graphs.items():

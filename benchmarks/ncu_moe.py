@@ -1,5 +1,6 @@
-"""MXFP4 MoE under Nsight Compute: drive `mxfp4_moe` once per configuration (run this under `ncu`), or summarize an
-ncu report. The H200 image ships ncu (/usr/local/cuda/bin/ncu); `bash benchmarks/h200_session.sh ncu` runs both.
+"""MXFP4 MoE under Nsight Compute: drive `mxfp4_moe` once with each set of kernels (run this under `ncu`), or
+summarize an ncu report. The H200 image ships ncu (/usr/local/cuda/bin/ncu); `bash benchmarks/h200_session.sh ncu`
+runs both.
 
   ncu --clock-control none --kernel-name regex:'moe_w13|moe_w2' --section SpeedOfLight --section Occupancy \\
       --section SchedulerStats --metrics <METRICS below> python3 benchmarks/ncu_moe.py --tokens 64 > ncu.txt
@@ -9,7 +10,7 @@ The problem is the benchmark's (benchmarks/bench_kernels.py "moe"): 112 local ex
 3072, top-16, random E2M1 bytes, E8M0 exponents 118..125, x ~ N(0, 0.01) bf16. `--clock-control none` keeps the
 boost clocks (ncu locks the base clock by default, which turns these kernels compute bound). Summary per kernel:
 duration (us), DRAM throughput (% of peak), issue rate, warps, stall reasons (cycles per issued instruction) and
-pipe utilization (% of peak) -- benchmarks/RESULTS.md run 14 reads them.
+pipe utilization (% of peak).
 """
 from __future__ import annotations
 
@@ -54,8 +55,12 @@ def summarize(text: str) -> list[dict]:
     return out
 
 
-def drive(tokens: int, configs: list[dict]) -> None:
-    """One `mxfp4_moe` call per config on the benchmark's problem with `tokens` tokens. SystemExit without CUDA."""
+IMPLS = ("legacy", "gluon")      # mxfp4_moe's two sets of grouped GEMMs (its `_pick_impl`), forced one per call
+
+
+def drive(tokens: int, impls: list[str]) -> None:
+    """One `mxfp4_moe` call per set of kernels in `impls` (IMPLS; forced through `_pick_impl`) on the benchmark's
+    problem with `tokens` tokens. SystemExit without CUDA."""
     import torch
 
     if not torch.cuda.is_available():     # exit 2 with one line, like the other benchmarks
@@ -64,6 +69,7 @@ def drive(tokens: int, configs: list[dict]) -> None:
         raise SystemExit(2)
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench_common import forced     # benchmarks/, this script's folder
     from k3deploy.plugins.moe import kernels as moe_k
 
     dev = "cuda"
@@ -76,8 +82,9 @@ def drive(tokens: int, configs: list[dict]) -> None:
     x = torch.randn(tokens, D, device=dev, dtype=torch.bfloat16, generator=g) * 0.1
     ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:K] for _ in range(tokens)]).int()
     w = torch.rand(tokens, K, device=dev, generator=g)
-    for cfg in configs:
-        moe_k.mxfp4_moe(x, ids, w, w13p, w13s, w2p, w2s, **cfg)
+    for impl in impls:
+        with forced(moe_k, "_pick_impl", impl):
+            moe_k.mxfp4_moe(x, ids, w, w13p, w13s, w2p, w2s)
     torch.cuda.synchronize()
 
 
@@ -85,8 +92,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="METRICS (ncu --metrics): " + METRICS)
     ap.add_argument("--tokens", type=int, default=64, help="tokens T (default 64)")
-    ap.add_argument("--configs", default='[{"impl": "legacy"}, {"impl": "gluon"}]',
-                    help="JSON list of mxfp4_moe keyword sets, one call each (default: legacy, gluon)")
+    ap.add_argument("--impls", default=",".join(IMPLS),
+                    help="comma-separated kernels to call, one call each, in order (default: %(default)s)")
     ap.add_argument("--summarize", metavar="NCU_TXT", help="print one JSON line per kernel of this ncu report instead")
     a = ap.parse_args(argv)
     if a.summarize:
@@ -95,12 +102,10 @@ def main(argv=None) -> int:
         for rec in summarize(Path(a.summarize).read_text()):
             print(json.dumps(rec))
         return 0
-    try:
-        configs = json.loads(a.configs)
-        assert isinstance(configs, list) and all(isinstance(c, dict) for c in configs)
-    except (ValueError, AssertionError):
-        ap.error(f"--configs {a.configs!r}: expected a JSON list of objects")
-    drive(a.tokens, configs)
+    impls = [i for i in a.impls.split(",") if i]
+    if not impls or set(impls) - set(IMPLS):
+        ap.error(f"--impls {a.impls!r}: choose from {', '.join(IMPLS)}")
+    drive(a.tokens, impls)
     return 0
 
 

@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     if not recs:
         ap.error("no bench_decode records (\"bench\": \"decode\") in the given files")
     labels = [f"TP={r['tp']} {'graphs' if r.get('cuda_graphs') else 'eager'}"
-              + (" bf16" if r.get("dense_dtype") == "bfloat16" else "")        # records before session 15: fp32
+              + (" bf16" if r.get("dense_dtype") == "bfloat16" else "")        # no dense_dtype: fp32
               + (f" {r['label']}" if r.get("label") else "") + f"\n{r['step_ms_median']:.1f} ms" for r in recs]
     nccl, gpu, idle = zip(*(parts(r) for r in recs))
     fig, ax = plt.subplots(figsize=(1.6 * len(recs) + 2, 4.5))

@@ -7,14 +7,11 @@ I x R (w13 and w2; I x R from the record's weight bytes per touched expert at 0.
 record's local_pairs, else T x 16 when every choice is local).
 
 Usage: python benchmarks/plot_roofline.py RUN.jsonl [RUN2.jsonl ...] [--only WHAT,..] [--drop WHAT:KEY=VALUE]
-        [--final-defaults] [--title TEXT] [--out results/roofline.png]
+        [--title TEXT] [--out results/roofline.png]
 Each file's records are scaled by that file's own copy bandwidth; with several files, `--only` picks which kernel
 families ("what") to take from each file, in order (e.g. `--only kda_decode --only mxfp4_moe --only mla_decode`).
 Only records whose correctness check passed in their run are plotted; `--drop mla_decode:B=1` leaves out the records
 of a family with that field value (repeatable).
---final-defaults: for run 3, plot the variant that the code's defaults selected after that run (MLA 96 heads:
-{"block_h": 64}; MoE: {"impl": "legacy", block_n 128}); each is a measurement of that same run (correctness-checked
-there), taken with explicit arguments.
 """
 import argparse
 import json
@@ -53,7 +50,7 @@ def flops_of(r: dict) -> float | None:
     return None
 
 
-def rows_of(path: str, only: set | None, final: bool, drop: tuple = ()) -> list[tuple[str, float, float, float]]:
+def rows_of(path: str, only: set | None, drop: tuple = ()) -> list[tuple[str, float, float, float]]:
     """(label, % of copy, FLOP per byte or nan, TFLOP/s or nan) of the checked records of one run, minus those
     matching a `drop` (what, key, value)."""
     recs = [json.loads(line) for line in open(path)]
@@ -67,10 +64,6 @@ def rows_of(path: str, only: set | None, final: bool, drop: tuple = ()) -> list[
         if any(r["what"] == w and str(r.get(k)) == v for w, k, v in drop):
             continue
         us = r["us"]
-        if final and r["what"] == "mla_decode" and r["H"] > 16:
-            us = r["variants"].get('{"block_h": 64}', us)
-        if final and r["what"] == "mxfp4_moe":
-            us = r["variants"].get('{"impl": "legacy", "block_n13": 128, "block_n2": 128}', us)
         pct = 100 * r["bytes"] / us / 1e3 / copy
         fl = flops_of(r)
         ai, tf = (fl / r["bytes"], fl / us / 1e6) if fl else (float("nan"), float("nan"))
@@ -90,7 +83,6 @@ def main():
                     help="comma-separated kernel families to take from the file at the same position")
     ap.add_argument("--drop", action="append", default=[],
                     help="WHAT:KEY=VALUE: leave out that family's records with that field value (repeatable)")
-    ap.add_argument("--final-defaults", action="store_true", help="run 3 only: see the module docstring")
     ap.add_argument("--title", default="k3deploy Triton kernels on H200: memory roofline fraction")
     ap.add_argument("--out", default=None, help="PNG path (default: roofline.png beside the first file)")
     a = ap.parse_args()
@@ -109,7 +101,7 @@ def main():
 
     rows = []
     for i, path in enumerate(a.runs):
-        rows += rows_of(path, set(a.only[i].split(",")) if a.only else None, a.final_defaults, drop)
+        rows += rows_of(path, set(a.only[i].split(",")) if a.only else None, drop)
     for w, k, v in drop:     # a misspelled family or field drops nothing: say so
         if not any(json.loads(line).get("what") == w and str(json.loads(line).get(k)) == v
                    for path in a.runs for line in open(path)):

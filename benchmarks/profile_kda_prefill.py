@@ -7,8 +7,9 @@ One JSON line per (heads, variant): what="kda_prefill_profile", variant, us (CUD
 kernels {kernel name: GPU us per call} (the profiler's device time over --prof-iters calls / iters), and for the
 intra-card CP variants rel_err against the same call without it. Variants:
   ours            kda_prefill (conv + beta + fla's gate/intra/state stages + our output kernel with the gated
-                  norm fused; chunk_impl='k3', the default)
-  ours_fla        kda_prefill(chunk_impl='fla'): conv + beta + fla's whole chunk_kda + our norm kernel
+                  norm fused)
+  ours_fla        kda_prefill's fallback for untested fla-core versions (`_fla_stages` None): conv + beta + fla's
+                  whole chunk_kda + our norm kernel
   ours_ok32_w8_s2 ours with the output kernel's K step, warps and stages forced (32/64, 4/8, 2/3; the default
                   K step 64 / 4 warps / 2 stages is `ours`)
   peer            chunk_kda pre-gated (fp32 gate, bf16 beta, L2-normalized q/k given), as bench_kernels.py times it
@@ -23,6 +24,7 @@ import json
 import os
 import statistics
 import sys
+from unittest import mock
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--out", default="/tmp/k3deploy_bench/profile.jsonl", help="JSON lines output (default: %(default)s)")
@@ -134,20 +136,18 @@ for H in HEADS:
     cu64 = cu.long()
     ours_kw = dict(initial_state=h0, output_final_state=True, use_gate_in_kernel=True, A_log=d["A_log"],
                    dt_bias=d["dt_bias"], safe_gate=True, lower_bound=-5.0, state_v_first=True)
-    def ours(impl="k3", out_cfg=None):
+    def ours(fallback=False, out_cfg=None):
+        """kda_prefill, with the output kernel's tiles `out_cfg` in place of `_OUT_CFG`'s, or (fallback) on fla's
+        chunk_kda (A/B variants of this benchmark)."""
         def call():
-            saved = dict(kda_k._OUT_CFG)
-            kda_k._OUT_CFG.update(out_cfg or {})
-            try:
+            with mock.patch.dict(kda_k._OUT_CFG, out_cfg or {}), \
+                    mock.patch.object(kda_k, "_fla_stages", (lambda: None) if fallback else kda_k._fla_stages):
                 return kda_k.kda_prefill(**d, state=state, conv=conv, cu_seqlens=cu, slots=slots, num_heads=H,
-                                         head_dim=K, chunk_impl=impl)
-            finally:
-                kda_k._OUT_CFG.clear()
-                kda_k._OUT_CFG.update(saved)
+                                         head_dim=K)
         return call
     variants = {
         "ours": ours(),
-        "ours_fla": ours("fla"),
+        "ours_fla": ours(fallback=True),
         **{f"ours_ok{bk}_w{w}_s{st}": ours(out_cfg=dict(block_k=bk, num_warps=w, num_stages=st))
            for bk in (32, 64) for w in (4, 8) for st in (2, 3)},
         "peer": lambda: chunk_kda(q, k, v, gg, be, initial_state=h0, output_final_state=True),

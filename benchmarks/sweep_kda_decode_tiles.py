@@ -1,13 +1,12 @@
-"""Which V tile should the fused KDA decode take at a given batch? (H200 run 23, benchmarks/RESULTS.md)
+"""Which V tile should the fused KDA decode take at a given batch? (the data behind `_decode_block_v`)
 
-Times `plugins.kda.kernels.kda_decode` with each V tile (`block_v` 16, 32, 64, 128 = K) and with the default
-(`_decode_block_v`) as a decode step is deployed: one CUDA graph of N steps, each on pools of its own (K3's 69 KDA
-layers each own their state and conv pools; a replay touches each pool once and `do_bench` clears L2 before each
-replay, so a step never finds its state in L2), per step = replay / N. Rounds
-interleave the tiles; the median per tile. One JSON line per (heads, batch) on stdout and appended to --out:
+Times `plugins.kda.kernels.kda_decode` with each V tile forced (16, 32, 64, 128 = K; bench_common.forced) and with
+its own rule (`_decode_block_v`) as a decode step is deployed: one CUDA graph of N steps, each on pools of its own
+(K3's 69 KDA layers each own their state and conv pools; a replay touches each pool once and `do_bench` clears L2
+before each replay, so a step never finds its state in L2), per step = replay / N. Rounds interleave the tiles; the median per tile. One JSON line per (heads, batch) on stdout and appended to --out:
 `us` {tile: µs per step}, `best` (the fastest tile), `default_tile` (what `_decode_block_v` picks). Timing only: the
-tiles' results are checked against the reference in tests/test_kernels.py (`test_kda_decode`, GPU cases) and by
-bench_kernels.py's kda_decode family. Needs a CUDA GPU (exit status 2 otherwise).
+tiles' results are checked against the reference in tests/plugins/test_kernels.py (`test_kda_decode`, GPU cases) and
+by bench_kernels.py's kda_decode family. Needs a CUDA GPU (exit status 2 otherwise).
 
     PYTHONPATH=. python3 benchmarks/sweep_kda_decode_tiles.py --shapes 12x1,12x16,96x1 --out /tmp/kda_tiles.jsonl
 """
@@ -56,7 +55,7 @@ def main(argv=None) -> int:
         return 2
     from triton.testing import do_bench
 
-    from bench_common import capture_graph, kda_decode_inputs   # benchmarks/, this script's folder
+    from bench_common import capture_graph, forced, kda_decode_inputs   # benchmarks/, this script's folder
     from k3deploy.plugins.kda import kernels as kda_k
     K, N, dev = args.head_dim, args.steps, "cuda"
 
@@ -65,10 +64,13 @@ def main(argv=None) -> int:
             steps = [kda_decode_inputs(B, H, K, dev) for _ in range(N)]
             outs = [torch.empty(B, H * K, dtype=torch.bfloat16, device=dev) for _ in range(N)]
             tiles = [t for t in TILES if t <= K and K % t == 0]
-            graphs = {str(t) if t else "default": capture_graph([
-                lambda x=x, o=o, t=t: kda_k.kda_decode(**x[0], state=x[1], conv=x[2], slots=x[3], num_heads=H,
-                                                       head_dim=K, out=o, block_v=t or None)
-                for x, o in zip(steps, outs)]) for t in tiles + [0]}
+            graphs = {}
+            for t in tiles + [None]:          # captured with the tile forced: the graph keeps it
+                with forced(kda_k, "_decode_block_v", t):
+                    graphs[str(t) if t else "default"] = capture_graph([
+                        lambda x=x, o=o: kda_k.kda_decode(**x[0], state=x[1], conv=x[2], slots=x[3], num_heads=H,
+                                                          head_dim=K, out=o)
+                        for x, o in zip(steps, outs)])
             times = {name: [] for name in graphs}
             for _ in range(args.rounds):
                 for name, g in graphs.items():

@@ -14,6 +14,11 @@ with the runtime and compare them with the reference).
 This script is the pipeline's orchestrator: it is the one place that calls every stage (export, engines, serve,
 runtime); no stage imports a later one.
 
+With a vision_config (VISION.md) the export adds each rank's vision graph (tower + projector), verify compares it
+(and the grouped runtime form against the packed reference), the engines step builds it with two profiles of
+images per call (`--vision-max-patches`, `--vision-max-images`), manifest.json lists them under "vision", and the
+smoke step adds a two-image prompt. Graphs whose inputs are unchanged keep their export, verification and engine.
+
 Output layout (OUT): manifest.json, plan.txt, onnx/ (docs/EXPORT_FORMAT.md), verify/report.json, engines/
 (rank{r}/*.plan + manifest.json), triton/ (model repository), smoke.json, .steps.json (step hashes).
 Exit status: 0 success, 1 verification or smoke mismatch, 2 bad input (one message naming the field and the fix).
@@ -152,6 +157,44 @@ def engine_dims(cfg, max_batch: int, max_num_tokens: int, max_context: int, bloc
             "M": (1, max_batch, max_num_tokens)}
 
 
+SMALL_IMAGES = 4096        # patches: the vision engine's first profile (most images, VISION.md §11.3)
+
+
+def vision_profiles(max_patches: int, max_images: int, max_frames: int) -> list[dict]:
+    """The vision engine's two profiles [small images, large images] as named-dim ranges: VL (patches per segment)
+    up to min(4096, max_patches) with up to `max_images` segments per call, then up to max_patches one segment per
+    call; VN (merged tokens) and VT (frames) follow (VISION.md §11.3: attention is quadratic in VL)."""
+    small = min(SMALL_IMAGES, max_patches)
+    out = []
+    for lmax, bmax, opt in ((small, max_images, min(1656, small)), (max_patches, 1, min(10764, max_patches))):
+        out.append({"VB": (1, 1, bmax), "VL": (4, opt, lmax), "VN": (1, max(1, opt // 4), max(1, bmax * lmax // 4)),
+                    "VT": (1, 1, max_frames)})
+    return out
+
+
+def vision_manifest(cfg, profiles: list[dict], processor) -> dict:
+    """manifest.json's "vision" entry: the graph per rank, the processor limits and, per engine profile, the patches
+    per segment and segments per call it takes."""
+    return {"graph": "rank{r}/vision", "media_placeholder_token_id": cfg.vision.media_placeholder_token_id,
+            "processor": processor.to_json()["media_proc_cfg"], "max_patches_per_image": profiles[-1]["VL"][2],
+            "profiles": [{"patches_per_segment": [p["VL"][0], p["VL"][2]], "segments_per_call": [p["VB"][0], p["VB"][2]],
+                          "patches_per_call": [p["VL"][0], p["VB"][2] * p["VL"][2]]} for p in profiles]}
+
+
+def smoke_images(ckpt: Path):
+    """Two deterministic test images (an RGB gradient 30x16 and an RGBA noise image 60x44, alpha exercising the
+    chessboard fill), processed with the checkpoint's processor."""
+    import numpy as np
+    from PIL import Image
+
+    from k3deploy.runtime.vision import load_processor, process_image
+    proc = load_processor(ckpt)
+    y, x = np.mgrid[0:16, 0:30]
+    a = np.stack([x * 8, y * 15, (x + y) * 5], -1).astype(np.uint8)
+    b = np.random.default_rng(0).integers(0, 256, (44, 60, 4), dtype=np.uint8)
+    return [process_image(Image.fromarray(a, "RGB"), proc), process_image(Image.fromarray(b, "RGBA"), proc)]
+
+
 def _generate_tp(out: Path, backend: str, tp: int, prompt: list[int], steps: int) -> list[int]:
     """Greedy tokens from `tp` runtime processes (torchrun, one per TP rank, gloo on CPU / NCCL on GPU)."""
     import subprocess
@@ -165,20 +208,32 @@ def _generate_tp(out: Path, backend: str, tp: int, prompt: list[int], steps: int
 
 
 def smoke(out: Path, ckpt: Path, backend: str, steps: int = 8, tp: int = 1, **llm_kw) -> dict:
-    """Greedy-generate `steps` tokens for two prompts with the runtime on `backend` (tp > 1: one process per rank
-    under torchrun) and with the unsharded reference (model.reference.forward); returns both and whether they match.
-    llm_kw: the sizes the engines were built for (max_batch, max_num_tokens, max_context), passed to LLM."""
+    """Greedy-generate `steps` tokens for two prompts (with a vision tower, a third one holding two images) with the
+    runtime on `backend` (tp > 1: one process per rank under torchrun; text prompts only) and with the unsharded
+    reference (model.reference.forward; images through model.vision.VisionModel.reference); returns both and
+    whether they match. llm_kw: the sizes the engines were built for (max_batch, max_num_tokens, max_context)."""
     import torch
 
     from k3deploy.model.reference import K3Model, SequenceState, forward
     from k3deploy.runtime.api import LLM, SamplingParams
     cfg = load_config(ckpt)
     prompts = [[(7 * i + 3) % cfg.vocab_size for i in range(n)] for n in (5, 11)]
+    images: list = [None, None]
+    feats: list = [None, None]
+    if cfg.vision is not None and tp == 1:
+        from k3deploy.model.vision import VisionModel
+        from k3deploy.runtime.vision import expand_placeholders, pack_images
+        imgs = smoke_images(ckpt)
+        pad = cfg.vision.media_placeholder_token_id
+        prompts.append(expand_placeholders([11, 12, pad, 13, 14, 15, pad, 16], imgs, pad))
+        images.append(imgs)
+        px, grids = pack_images(imgs)
+        feats.append(VisionModel.from_checkpoint(ckpt).reference(px, grids))
     ref_model = K3Model.from_checkpoint(ckpt)
     want = []
-    for p in prompts:
+    for p, f in zip(prompts, feats):
         st = SequenceState(cfg, len(p) + steps + 1)
-        logits, _ = forward(ref_model, p, st)
+        logits, _ = forward(ref_model, p, st, image_features=f)
         toks = []
         for _ in range(steps):
             t = int(torch.argmax(logits[-1]))
@@ -189,8 +244,11 @@ def smoke(out: Path, ckpt: Path, backend: str, steps: int = 8, tp: int = 1, **ll
         got = [_generate_tp(out, backend, tp, p, steps) for p in prompts]
     else:
         llm = LLM(str(out), backend=backend, **llm_kw)
-        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=steps, ignore_eos=True))]
-    return {"backend": backend, "tp": tp, "prompts": prompts, "runtime": got, "reference": want, "match": got == want}
+        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=steps, ignore_eos=True),
+                                                 images=images if len(prompts) > 2 else None)]
+    return {"backend": backend, "tp": tp, "prompts": prompts, "images": [None if i is None else [m.grid_thw for m in i]
+                                                                         for i in images],
+            "runtime": got, "reference": want, "match": got == want}
 
 
 def build(args) -> int:
@@ -223,8 +281,15 @@ def build(args) -> int:
     if args.block_size > max(64, max_context):
         raise BuildError(f"--block-size {args.block_size}: larger than a request (--max-context {max_context}); "
                          "pass --block-size 64 (the default) or a multiple of 16 up to --max-context")
+    processor = vision_max = None
+    if cfg.vision is not None:
+        from k3deploy.runtime.vision import load_processor
+        processor = load_processor(ckpt)
+        vision_max = args.vision_max_patches or processor.max_patches()
+        if vision_max < 4:
+            raise BuildError(f"--vision-max-patches {vision_max}: an image takes at least 4 patches (2x2); pass >= 4")
     plan = make_plan(cfg, args.tp, ep, max_batch=args.max_batch, max_context=max_context, block_size=args.block_size,
-                     prefix_caching=args.enable_prefix_caching)
+                     vision_patches=vision_max, prefix_caching=args.enable_prefix_caching)
     from k3deploy.engines.build import parse_target_cc
     try:   # the spelling (sm86 / 86 / 8.6) is checked here, support by the installed RTX below
         targets = parse_target_cc(args.target_cc)
@@ -273,6 +338,9 @@ def build(args) -> int:
     from k3deploy.export.onnx_export import code_hash, export_model
     onnx_dir = out / "onnx"
     exp_inputs = [fp, args.tp, ep, code_hash()]
+    if cfg.vision is not None:
+        from k3deploy.export.onnx_export import _VISION_CODE_FILES
+        exp_inputs.append(code_hash(_VISION_CODE_FILES))
 
     def step_export():
         index = export_model(ckpt, onnx_dir, tp=args.tp, ep=ep)
@@ -282,15 +350,22 @@ def build(args) -> int:
 
     def step_verify():
         from k3deploy.export.verify import verify
-        report = verify(onnx_dir, ckpt)
+        prev_path = out / "verify" / "report.json"
+        try:    # graphs verified before with unchanged inputs keep their result (export.verify: previous)
+            previous = json.loads(prev_path.read_text()) if prev_path.is_file() else None
+        except json.JSONDecodeError:
+            previous = None
+        report = verify(onnx_dir, ckpt, previous=previous)
         (out / "verify").mkdir(exist_ok=True)
         write_json_atomic(report, out / "verify" / "report.json")
         results = dict(report["graphs"])
-        if "end_to_end" in report:
-            results["end_to_end"] = report["end_to_end"]
+        for k in ("end_to_end", "vision_end_to_end"):
+            if k in report:
+                results[k] = report[k]
         bad = [k for k, r in results.items() if not r["passed"]]
+        scope = "" if args.tp == 1 else ", end to end: TP > 1 segments are compared together"
         return (f"{len(results) - len(bad)}/{len(results)} comparisons pass "
-                f"({'every output and state within tolerance' if not bad else 'FAILED: ' + ', '.join(bad[:5])})",
+                f"({'every output and state within tolerance' if not bad else 'FAILED: ' + ', '.join(bad[:5])}{scope})",
                 {"failed": bad})
 
     verified = pipe.run(4, "verify", exp_inputs, [out / "verify" / "report.json"], step_verify)
@@ -300,17 +375,24 @@ def build(args) -> int:
 
     eng_dir = out / "engines"
     dims = engine_dims(cfg, args.max_batch, args.max_num_tokens, max_context, args.block_size)
+    from k3deploy.engines.build import default_profile_dims
+    profile_dims = default_profile_dims(args.max_batch, args.max_num_tokens, dims)
+    vprofiles = None
+    if cfg.vision is not None:
+        vprofiles = vision_profiles(vision_max, args.vision_max_images or args.max_batch, cfg.vision.pos_emb_time)
+        for prof, vp in zip(profile_dims, vprofiles):
+            prof.update(vp)
 
     def step_engines():
         if backend == "onnxruntime":
             return ("skipped: no TensorRT installed here (install the `rtx` extra for ahead-of-time RTX builds, or "
                     "TensorRT on a GPU host); the runtime serves the ONNX graphs with onnxruntime"), {"built": False}
         from k3deploy.engines.build import build_all
-        m = build_all(onnx_dir, eng_dir, target_cc=target, max_batch=args.max_batch, max_num_tokens=args.max_num_tokens,
-                      extra_dims=dims, force=args.force, trt_flavor=backend, aot=args.aot)
+        m = build_all(onnx_dir, eng_dir, target_cc=target, profile_dims=profile_dims, force=args.force,
+                      trt_flavor=backend, aot=args.aot)
         return f"{len(m['engines'])} {backend} engines in {eng_dir} (target {target or 'this GPU'})", {"built": True}
 
-    engines = pipe.run(5, "engines", exp_inputs + [backend, target, args.max_batch, args.max_num_tokens, dims,
+    engines = pipe.run(5, "engines", exp_inputs + [backend, target, args.max_batch, args.max_num_tokens, profile_dims,
                                                    args.aot],
                        [eng_dir / "manifest.json"] if backend != "onnxruntime" else [], step_engines)
     # The runtime can execute engines only with full TensorRT on a GPU; otherwise it serves the ONNX graphs.
@@ -324,7 +406,8 @@ def build(args) -> int:
                     "backend": serve_backend, "tp": args.tp, "ep": ep, "config_hash": cfg.config_hash(),
                     "max_batch": args.max_batch, "max_num_tokens": args.max_num_tokens, "max_context": max_context,
                     "block_size": args.block_size, "enable_prefix_caching": args.enable_prefix_caching,
-                    "verify_report": "verify/report.json", "triton_repository": "triton"}
+                    "verify_report": "verify/report.json", "triton_repository": "triton",
+                    "vision": vision_manifest(cfg, vprofiles, processor) if vprofiles else None}
         write_json_atomic(manifest, out / "manifest.json")
         cfg_path = write_repository(out, out / "triton", serve_backend, max_batch=args.max_batch,
                                     max_num_tokens=args.max_num_tokens, max_context=max_context, overwrite=True,
@@ -332,7 +415,7 @@ def build(args) -> int:
         return f"manifest.json + Triton repository {cfg_path.parent.parent} (backend {serve_backend})", None
 
     pipe.run(6, "repository", exp_inputs + [backend, serve_backend, args.max_batch, args.max_num_tokens, max_context,
-                                         args.block_size, args.enable_prefix_caching],
+                                         args.block_size, vprofiles, args.enable_prefix_caching],
              [out / "manifest.json", out / "triton"], step_repository)
 
     def step_smoke():
@@ -370,6 +453,13 @@ def parse_args(argv=None, prog=None):
     ap.add_argument("--max-batch", type=int, default=8, help="decode profile: max sequences per step (default 8)")
     ap.add_argument("--max-num-tokens", type=int, default=256, help="prefill profile: max packed tokens per step (default 256)")
     ap.add_argument("--max-context", type=int, default=None, help="max tokens per request (default min(config, 4096))")
+    ap.add_argument("--vision-max-patches", type=int, default=None,
+                    help="with a vision tower: patches one image may take in the vision engine (default: the bound of "
+                         "the checkpoint's processor limits, 67,588 for K3's; a serving cap below it refuses larger "
+                         "images, VISION.md §13 Q8)")
+    ap.add_argument("--vision-max-images", type=int, default=None,
+                    help="with a vision tower: equal-size small images (<= 4096 patches) per vision engine call "
+                         "(default --max-batch)")
     ap.add_argument("--block-size", type=int, default=64,
                     help="latent cache tokens per block, fixed in the engine profiles; a multiple of 16 (default 64: "
                          "the MLA kernels' key tiles stay inside one block, so 16 caps them at 16 keys)")
@@ -390,7 +480,7 @@ def parse_args(argv=None, prog=None):
     ap.add_argument("--force", action="store_true", help="redo every step even when its inputs are unchanged")
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     a = ap.parse_args(argv)
-    for name in ("tp", "max_batch", "max_num_tokens", "max_context", "ep"):
+    for name in ("tp", "max_batch", "max_num_tokens", "max_context", "ep", "vision_max_patches", "vision_max_images"):
         if getattr(a, name) is not None and getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if a.block_size < 16 or a.block_size % 16:
@@ -403,8 +493,11 @@ def main(argv=None, prog=None) -> int:
     """CLI entry: every failure becomes one `error: ...` line and exit status 2 (1 for a mismatch)."""
     args = parse_args(argv, prog)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
-    if not args.verbose:   # onnxscript / onnx_ir log each graph rewrite at INFO: hundreds of lines per export
-        for name in ("onnxscript", "onnx_ir"):
+    if not args.verbose:
+        # Each step prints its progress and one summary line (this module's logger); the stages' own INFO lines
+        # (one per graph or engine) and onnxscript / onnx_ir's (each graph rewrite: hundreds per export) show
+        # with -v only. Warnings and errors always show.
+        for name in ("k3deploy", "onnxscript", "onnx_ir"):
             logging.getLogger(name).setLevel(logging.WARNING)
     try:
         return build(args)

@@ -2,8 +2,9 @@
 
 `export_model(checkpoint, out, tp=1, ep=1)` writes, for every TP rank r, `rank{r}/embed.onnx`, `rank{r}/head.onnx`
 and per decoder layer l a prefill and a decode graph (`rank{r}/layer{l:03d}.{prefill|decode}.onnx`; for tp > 1 three
-segments `.attn`, `.mlp`, `.post` split at the all-reduce points), each with its weights as external data next to
-it, then `index.json`. The graphs are `torch.onnx.export(dynamo=True)` traces of the fp32 reference modules of
+segments `.attn`, `.mlp`, `.post` split at the all-reduce points), with a vision_config `rank{r}/vision.onnx` (the
+vision tower + projector, replicated: model.vision.VisionModel.graph_forward, VISION.md §11.2), each with its weights
+as external data next to it, then `index.json`. The graphs are `torch.onnx.export(dynamo=True)` traces of the fp32 reference modules of
 model/reference.py run with `plugins.torch_ops.TorchOps`, whose custom ops become `kimi` nodes with
 model-local function bodies (plugins/onnx_common.py).
 
@@ -51,10 +52,16 @@ EXPORTER_VERSION = "1"
 INDEX_NAME = "index.json"
 _CODE_FILES = ("export/onnx_export.py", "plugins/onnx_common.py", "plugins/kda/onnx.py", "plugins/mla/onnx.py",
                "plugins/moe/onnx.py", "model/reference.py", "model/layers.py")
+_VISION_CODE_FILES = ("export/onnx_export.py", "model/vision.py")
 _ROOT = Path(__file__).resolve().parent.parent
 
 # example sizes used for tracing (all distinct and >= 2 so that no dynamic dim is specialised)
 _EX = dict(T=7, N=2, S=5, NB=9, BS=4, MB=3, B=3, M=2)
+# the vision graph's trace: 3 clips of 2 frames, 24 patches each (VB=3, VL=24, VN=9, VT=2)
+_VISION_EX_GRIDS = [(2, 2, 6), (2, 6, 2), (2, 2, 6)]
+VISION_DIMS = {"pixels": {0: "VB", 1: "VL"}, "pos_idx": {0: "VB", 1: "VL"}, "pos_w": {0: "VB", 1: "VL"},
+               "time_idx": {0: "VB", 1: "VL"}, "rope_cos": {0: "VB", 1: "VL"}, "rope_sin": {0: "VB", 1: "VL"},
+               "merge_idx": {0: "VN", 1: "VT"}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +80,7 @@ class GraphSpec:
 
     @property
     def id(self) -> str:
-        if self.kind != "layer":
+        if self.kind != "layer":   # embed, head, vision
             return f"rank{self.rank}/{self.kind}"
         seg = "" if self.segment == "full" else f".{self.segment}"
         return f"rank{self.rank}/layer{self.layer:03d}.{self.graph}{seg}"
@@ -261,6 +268,25 @@ def head_ports(cfg: K3Config, tp: int) -> tuple[list[Port], list[str]]:
             ["logits" if tp == 1 else "logits_shard"])
 
 
+def vision_ports(cfg: K3Config) -> tuple[list[Port], list[str]]:
+    """(inputs, outputs) of the vision graph (VISION.md §11.2 with a batch of equal-length segments): pixels
+    [VB, VL, 3p²], pos_idx / pos_w [VB, VL, K], time_idx [VB, VL], rope_cos / rope_sin [VB, VL, Dh/2], merge_idx
+    [VN, VT, 4] -> features [VN, text hidden]."""
+    from k3deploy.model.vision import graph_inputs
+    v = cfg.vision
+    L = sum(t * h * w for t, h, w in _VISION_EX_GRIDS)
+    g = torch.Generator().manual_seed(0)
+    ins = graph_inputs(_VISION_EX_GRIDS, torch.rand(L, v.patch_dim, generator=g) * 2 - 1, v)
+    return [Port(n, ins[n], VISION_DIMS[n]) for n in ins], ["features"]
+
+
+def vision_fn(model) -> Callable:
+    """The vision graph's forward: model.vision.VisionModel.graph_forward on the named inputs."""
+    def fn(d, ops):
+        return {"features": model.graph_forward(**d)}
+    return fn
+
+
 def collectives(spec: GraphSpec, outputs: list[str]) -> list[dict]:
     """The collectives a runtime runs on this graph's outputs (tp > 1), docs/EXPORT_FORMAT.md."""
     if spec.tp == 1:
@@ -319,10 +345,11 @@ def _hash_tensors(h, tensors: dict[str, torch.Tensor]) -> None:
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
 
 
-def code_hash() -> str:
-    """sha256 of the exporter's own sources (a code change invalidates earlier exports)."""
+def code_hash(files: tuple[str, ...] = _CODE_FILES) -> str:
+    """sha256 of the exporter's own sources (a code change invalidates earlier exports); `files` default: the text
+    graphs' sources (the vision graph's: _VISION_CODE_FILES)."""
     h = hashlib.sha256(EXPORTER_VERSION.encode())
-    for f in _CODE_FILES:
+    for f in files:
         p = _ROOT / f
         h.update(p.read_bytes() if p.is_file() else b"")
     return h.hexdigest()
@@ -359,7 +386,8 @@ def _write_json_atomic(obj, path: Path) -> None:
 
 def plan(cfg: K3Config, tp: int, ep: int, layers: list[int] | None = None,
          graphs: tuple[str, ...] = ("prefill", "decode")) -> list[GraphSpec]:
-    """Every graph to export, rank-major, in execution order."""
+    """Every graph to export, rank-major, in execution order (the vision graph last on each rank, when the config
+    has one and no `layers` subset is asked for)."""
     out = []
     segs = ("full",) if tp == 1 else ("attn", "mlp", "post")
     for r in range(tp):
@@ -369,22 +397,38 @@ def plan(cfg: K3Config, tp: int, ep: int, layers: list[int] | None = None,
                 for i, s in enumerate(segs):
                     out.append(GraphSpec("layer", g, l, s, i, len(segs), r, tp, ep))
         out.append(GraphSpec("head", "any", None, "full", 0, 1, r, tp, ep))
+        if cfg.vision is not None and layers is None:
+            out.append(GraphSpec("vision", "any", None, "full", 0, 1, r, tp, ep))
     return out
 
 
 class WeightSource:
     """Sharded weights per rank, from a checkpoint directory (model.checkpoint.Checkpoint) or in memory
-    (`cfg` + `layer_weights(l)` + `model_weights()` callables, unsharded, names relative as the Checkpoint gives)."""
+    (`cfg` + `layer_weights(l)` + `model_weights()` callables, unsharded, names relative as the Checkpoint gives;
+    `vision_weights()` with a vision_config: the released names). `processor`: the preprocessor_config.json dict
+    (None: VISION.md §1.1's defaults)."""
 
-    def __init__(self, cfg: K3Config, layer_weights: Callable, model_weights: Callable):
-        self.cfg, self._lw, self._mw = cfg, layer_weights, model_weights
+    def __init__(self, cfg: K3Config, layer_weights: Callable, model_weights: Callable,
+                 vision_weights: Callable | None = None, processor: dict | None = None):
+        self.cfg, self._lw, self._mw, self._vw = cfg, layer_weights, model_weights, vision_weights
+        self.processor = processor
         self._cache: dict = {}
 
     @classmethod
     def from_checkpoint(cls, path) -> "WeightSource":
         from k3deploy.model.checkpoint import Checkpoint
         ck = Checkpoint(path)
-        return cls(ck.config, ck.layer_weights, ck.model_weights)
+        return cls(ck.config, ck.layer_weights, ck.model_weights,
+                   ck.vision_weights if ck.config.vision is not None else None, ck.preprocessor_config())
+
+    def vision(self):
+        """The fp32 vision model (model.vision.VisionModel), replicated on every rank. ValueError without one."""
+        from k3deploy.model.vision import VisionModel
+        if self._vw is None:
+            raise ValueError("this model has no vision tower (config.json has no vision_config)")
+        if "vision" not in self._cache:
+            self._cache["vision"] = VisionModel(self.cfg.vision, self._vw())
+        return self._cache["vision"]
 
     def layer(self, l: int, rank: int, tp: int, ep: int) -> dict[str, torch.Tensor]:
         """Decoder layer l's weights (names relative to the layer prefix, A_log trimmed) sharded for rank of tp/ep (§10)."""
@@ -404,6 +448,10 @@ def build_graph(src: WeightSource, spec: GraphSpec, ops=TorchOps) -> tuple[Graph
     """(module, input ports, weights dict it embeds) of one graph spec; `ops` selects export (TorchOps) or the
     plain reference (ReferenceOps)."""
     cfg = src.cfg
+    if spec.kind == "vision":
+        vm = src.vision()
+        ports, outs = vision_ports(cfg)
+        return GraphModule(vision_fn(vm), [p.name for p in ports], outs, ops), ports, vm.weights()
     if spec.kind == "layer":
         w = src.layer(spec.layer, spec.rank, spec.tp, spec.ep)
         layer = DecoderLayer(cfg, spec.layer, w)
@@ -418,10 +466,15 @@ def build_graph(src: WeightSource, spec: GraphSpec, ops=TorchOps) -> tuple[Graph
 
 
 def input_hash(cfg: K3Config, spec: GraphSpec, weights: dict, code: str) -> str:
-    """sha256 (hex) of everything a graph depends on: config, graph spec, the exporter's code hash and the weights'
-    bytes; stored as the file's k3.input_hash so an unchanged graph is not exported again."""
+    """sha256 (hex) of everything a graph depends on: the text config (`text_hash`; the vision graph: the vision
+    config and its own code), graph spec, the exporter's code hash and the weights' bytes; stored as the file's
+    k3.input_hash so an unchanged graph is not exported again (adding a vision tower keeps every text graph)."""
+    if spec.kind == "vision":
+        code, conf = code_hash(_VISION_CODE_FILES), cfg.vision_hash()
+    else:
+        conf = cfg.text_hash()
     h = hashlib.sha256(code.encode())
-    h.update(cfg.config_hash().encode())
+    h.update(conf.encode())
     h.update(json.dumps(dataclasses.asdict(spec), sort_keys=True).encode())
     _hash_tensors(h, weights)
     return h.hexdigest()
@@ -520,8 +573,16 @@ def export_model(src: "WeightSource | str | Path", out: "str | Path", tp: int = 
     if layers is not None or set(graphs) != {"prefill", "decode"}:
         entries += _untouched_entries(out, entries, cfg, tp, ep)
     spec_tp = state_spec(cfg, tp)
+    vision = None
+    if cfg.vision is not None:
+        from k3deploy.model.vision import parse_processor_config
+        proc = parse_processor_config(src.processor)
+        vision = {"processor": proc.to_json(), "media_placeholder_token_id": cfg.vision.media_placeholder_token_id,
+                  "max_patches_per_image": proc.max_patches(), "dims": {"VB": "segments per call",
+                  "VL": "patches per segment", "VN": "merged tokens", "VT": "frames per segment"}}
     index = {
         "format": "k3deploy.onnx", "format_version": FORMAT_VERSION, "config_hash": cfg.config_hash(),
+        "vision": vision,
         "config": cfg.to_json(), "opset": OPSET, "custom_domain": DOMAIN, "custom_opset": DOMAIN_VERSION,
         "tp": tp, "ep": ep, "act_dtype": "float32", "num_layers": cfg.num_hidden_layers,
         "bank_rows_final": cfg.bank_rows_after(cfg.num_hidden_layers - 1),

@@ -1,5 +1,6 @@
 """The deployment plan: per-rank weights, per-rank activation/state shapes, the graph/engine list and the
-decode-state memory plan, computed from the config alone (no weights allocated). MODEL.md §9, §10, §11.
+decode-state memory plan, computed from the config alone (no weights allocated). MODEL.md §9, §10, §11; with a
+vision_config also the vision tower's replicated weights and the activations of its largest call (VISION.md §9).
 
 `make_plan(cfg, tp, ep, ...)` returns a `DeploymentPlan`; `DeploymentPlan.report()` formats it as the tables
 `python export/build_engines.py --dry-run` prints.
@@ -13,7 +14,7 @@ import torch
 
 from k3deploy.model.config import K3Config
 from k3deploy.model.sharding import check_parallel
-from k3deploy.model.weights import all_tensors
+from k3deploy.model.weights import all_tensors, vision_tensors
 from k3deploy.runtime.cache import MemoryPlan, plan_memory
 
 GB, GiB, MiB = 10 ** 9, 2 ** 30, 2 ** 20
@@ -27,10 +28,11 @@ class WeightBytes:
     replicated: int
     sharded: int
     experts: int
+    vision: int = 0          # vision tower + projector, replicated on every rank (VISION.md §9, §13 Q9)
 
     @property
     def total(self) -> int:
-        return self.replicated + self.sharded + self.experts
+        return self.replicated + self.sharded + self.experts + self.vision
 
 
 def _split_totals(cfg: K3Config) -> tuple[int, int, int]:
@@ -58,7 +60,7 @@ def weight_bytes_per_rank(cfg: K3Config, tp: int, ep: int) -> WeightBytes:
     ranks a 1/tp slice of every expert. Raises ValueError when tp/ep cannot shard cfg."""
     check_parallel(cfg, tp, ep)
     rep, sh, ex = _split_totals(cfg)
-    return WeightBytes(rep, sh // tp, ex // (ep if ep > 1 else tp))
+    return WeightBytes(rep, sh // tp, ex // (ep if ep > 1 else tp), sum(s.nbytes for s in vision_tensors(cfg)))
 
 
 def smallest_fit(cfg: K3Config, gpu_bytes: int, reserve: float = 0.1) -> tuple[int, WeightBytes] | None:
@@ -98,12 +100,31 @@ def rank_shapes(cfg: K3Config, tp: int, ep: int) -> list[tuple[str, str]]:
     ]
 
 
+def vision_report(cfg: K3Config, patches: int) -> list[str]:
+    """The plan's vision section: the call's largest activations (bf16) and FLOPs at `patches` patches (one image
+    of the processor's largest grid)."""
+    from k3deploy.model.vision import activation_bytes, tower_flops
+    v = cfg.vision
+    side = max(2, 2 * round(math.sqrt(patches) / 2))
+    fl = tower_flops(v, [(1, side, max(2, 2 * (patches // side // 2)))])
+    act = activation_bytes(v, patches)
+    lines = [f"-- vision tower ({v.num_layers} blocks, D {v.hidden_size}, {v.num_heads} heads x {v.head_dim}; "
+             f"replicated on every rank; one call of {patches:,} patches, bf16)"]
+    for k, shape in (("tokens", f"[{patches},{v.hidden_size}]"), ("qkv", f"[{patches},{3 * v.qkv_hidden_size}]"),
+                     ("mlp_hidden", f"[{patches},{v.intermediate_size}]"),
+                     ("features", f"[{patches // 4},{v.text_hidden_size}]"), ("peak", "")):
+        lines.append(f"  {k:<12} {shape:<16} {act[k]:>16,} B ({act[k] / MiB:9.1f} MiB)")
+    lines.append(f"  FLOPs        GEMMs {fl['gemm'] / 1e12:.1f} T + attention {fl['attention'] / 1e12:.1f} T "
+                 "(flash attention: no [ℓ,ℓ] scores)")
+    return lines
+
+
 def graph_list(cfg: K3Config, tp: int) -> list[str]:
     """The per-rank graphs/engines the pipeline produces: embed, each layer's prefill and decode graph (tp > 1:
-    three segments each, attn/mlp/post), head (docs/EXPORT_FORMAT.md)."""
+    three segments each, attn/mlp/post), head, and `vision` with a vision_config (docs/EXPORT_FORMAT.md)."""
     segs = [""] if tp == 1 else [".attn", ".mlp", ".post"]
     names = ["embed"] + [f"layer{l:03d}.{g}{s}" for l in range(cfg.num_hidden_layers) for g in ("prefill", "decode")
-                         for s in segs] + ["head"]
+                         for s in segs] + ["head"] + (["vision"] if cfg.vision is not None else [])
     return [f"rank{r}/{n}" for r in range(tp) for n in names]
 
 
@@ -124,6 +145,7 @@ class DeploymentPlan:
     smallest: tuple[int, WeightBytes] | None
     max_context: int = 0
     act_dtype: torch.dtype = torch.bfloat16
+    vision_patches: int = 0          # patches of the largest vision call (the processor's bound)
 
     @property
     def fits(self) -> bool:
@@ -133,9 +155,12 @@ class DeploymentPlan:
         c, w = self.cfg, self.weights
         lines = [f"== plan: {c.name} ({c.num_hidden_layers} layers: {len(c.kda_layers)} KDA + {len(c.mla_layers)} MLA), "
                  f"TP={self.tp} EP={self.ep}, config {c.config_hash()}", "-- weights per rank"]
-        for k, v in (("replicated", w.replicated), ("sharded (attention, dense, vocab)", w.sharded),
-                     ("routed experts", w.experts), ("total", w.total)):
-            lines.append(f"  {k:<36} {v:>18,} B  ({v / GB:8.2f} GB)")
+        rows = [("replicated", w.replicated), ("sharded (attention, dense, vocab)", w.sharded),
+                ("routed experts", w.experts)]
+        if w.vision:
+            rows.append(("vision tower + projector (replicated)", w.vision))
+        for k, v in rows + [("total", w.total)]:
+            lines.append(f"  {k:<38} {v:>18,} B  ({v / GB:8.2f} GB)")
         gpus = f"{self.tp} x {self.gpu_bytes / GB:.0f} GB GPUs"
         if self.fits:
             lines.append(f"  fits {gpus} with {(self.gpu_bytes - w.total) / GB:.2f} GB per rank left for cache and activations")
@@ -159,6 +184,8 @@ class DeploymentPlan:
                      f"{self.max_context:,} tokens that the memory left after the weights and the activation reserve "
                      f"holds, {str(self.act_dtype).replace('torch.', '')} latents and conv history: a bound, not the "
                      "engines' slots, which are max_batch, below)")
+        if c.vision is not None:
+            lines += vision_report(c, self.vision_patches)
         lines.append("-- cache plan (one rank)")
         lines.append(self.memory.table() if self.memory else f"  {self.memory_error}")
         g = graph_list(c, self.tp)
@@ -168,11 +195,13 @@ class DeploymentPlan:
 
 def make_plan(cfg: K3Config, tp: int = 1, ep: int = 1, *, gpu_bytes: int = H200_BYTES, max_batch: int = 8,
               max_context: int | None = None, block_size: int = 64, act_dtype: torch.dtype = torch.bfloat16,
-              activation_reserve: float = 0.1, prefix_caching: bool = False) -> DeploymentPlan:
+              activation_reserve: float = 0.1, vision_patches: int | None = None,
+              prefix_caching: bool = False) -> DeploymentPlan:
     """Plan a deployment of cfg on tp ranks of gpu_bytes each. The cache budget per rank is what the weights
-    leave after `activation_reserve` of the GPU; prefix_caching adds the runtime's default snapshot pool
-    (runtime.prefix_cache.default_num_snapshots rows, one request's KDA bytes each) to the cache plan. Raises
-    ValueError (naming tp/ep) when they cannot shard cfg."""
+    (the vision tower's included) leave after `activation_reserve` of the GPU. vision_patches: patches of the
+    largest vision call (default: the release processor's bound, 67,588). prefix_caching adds the runtime's
+    default snapshot pool (runtime.prefix_cache.default_num_snapshots rows, one request's KDA bytes each) to the
+    cache plan. Raises ValueError (naming tp/ep) when they cannot shard cfg."""
     from k3deploy.runtime.prefix_cache import default_num_snapshots
     snapshots = default_num_snapshots(max_batch) if prefix_caching else 0
     weights = weight_bytes_per_rank(cfg, tp, ep)
@@ -187,8 +216,12 @@ def make_plan(cfg: K3Config, tp: int = 1, ep: int = 1, *, gpu_bytes: int = H200_
     except ValueError as e:
         err = f"no cache plan: {e}" if budget > 0 else f"no cache plan: the weights leave no memory ({budget / GB:.1f} GB)"
     max_b = max(0, budget // ctx.bytes_per_request) if budget > 0 else 0
+    patches = 0
+    if cfg.vision is not None:
+        from k3deploy.model.vision import ProcessorConfig
+        patches = vision_patches or ProcessorConfig().max_patches()
     return DeploymentPlan(cfg, tp, ep, gpu_bytes, weights, memory, err,
                           request_bytes_1m=one.bytes_per_request, request_bytes_1m_tp1=one_tp1.bytes_per_request, kda_bytes_per_request=one.kda_bytes_per_request,
                           latent_bytes_per_token=one.latent_bytes_per_token, max_batch_at_context=int(max_b),
                           smallest=None if weights.total < gpu_bytes else smallest_fit(cfg, gpu_bytes),
-                          max_context=max_context, act_dtype=act_dtype)
+                          max_context=max_context, act_dtype=act_dtype, vision_patches=patches)

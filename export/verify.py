@@ -6,9 +6,16 @@
   the collectives of docs/EXPORT_FORMAT.md are done numerically: sums of `*_partial`, concatenation of
   `logits_shard`). `OrtModelRunner` / `TorchModelRunner` wrap the whole model (logits and every layer's pools).
 * `verify(onnx_dir, checkpoint)` — per graph of rank 0 (tp == 1: every layer's prefill and decode graph, embed,
-  head) and end to end, `Comparator.run` + `Comparator.compare_accuracy` with `CompareFunc.simple` and the per-output
+  head; any tp: the vision graph of every rank) and end to end, `Comparator.run` + `Comparator.compare_accuracy` with `CompareFunc.simple` and the per-output
   tolerances `TOLERANCES`; recurrent state, conv history and latent cache outputs are compared, not only hidden
   states. Returns (and writes as JSON) a report: per graph, per output max abs / rel error and pass/fail.
+
+With a vision tower, `vision_end_to_end` compares the packed fp32 reference (model.vision.VisionModel.reference: one
+sequence, block-diagonal attention) with the vision graph run the way the runtime runs it (segments grouped by
+length, one call per group) on mixed grids, a clip included. `previous`: an earlier report of the same export
+directory; a graph whose input hash (index.json) and verifier code are unchanged and that passed keeps its result
+(`"reused": true`), so adding a vision tower to a verified deployment re-verifies only the new graph and the
+end-to-end runs.
 
 Inputs are realistic: a two-sequence scenario (non-contiguous slots and blocks) is run through the reference —
 prefill, then a second prefill chunk continuing both sequences (captured), then a decode step (captured) — so the
@@ -23,6 +30,7 @@ list of feed dicts and RunResults) so that
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -43,7 +51,7 @@ from polygraphy.json import save_json
 
 from k3deploy.model.config import K3Config, load_config
 from k3deploy.model.reference import Batch, K3Model, ReferenceOps, allocate_pools
-from k3deploy.export.onnx_export import INDEX_NAME, GraphSpec, WeightSource, build_graph
+from k3deploy.export.onnx_export import INDEX_NAME, GraphSpec, WeightSource, build_graph, code_hash
 
 log = logging.getLogger(__name__)
 
@@ -362,21 +370,108 @@ def _summarize(acc, names) -> dict:
     return out
 
 
-def compare(runners, feeds, names) -> dict:
-    """Comparator.run over the feed dicts, then compare_accuracy with the per-output tolerances of `names`; returns
-    {"passed": bool, "outputs": {name: {max_abs, max_rel, passed, atol, rtol}}}."""
-    res = Comparator.run(runners, data_loader=feeds)
-    acc = Comparator.compare_accuracy(res, compare_func=compare_func(names))
-    outs = _summarize(acc, names)
-    return {"passed": bool(acc) and all(o["passed"] for o in outs.values()), "outputs": outs}
+@contextlib.contextmanager
+def polygraphy_logging():
+    """Polygraphy's global logger for one verification, following this module's logger: at DEBUG (`-v`) it prints
+    its warnings; otherwise only its errors (mismatches, shape errors) and warnings outside the comparator.
 
-
-def verify(onnx_dir, checkpoint, report_path=None, polygraphy_data=None, end_to_end: bool = True) -> dict:
-    """Compare every rank-0 graph (tp == 1 exports) and the whole model against the PyTorch reference.
-    Returns the report dict (written to report_path as JSON when given). Raises ValueError when the export's
-    config hash differs from the checkpoint's."""
+    The comparator warns "Some values are 0. Will add a small epsilon ..." once per output whose expected values
+    hold exact zeros (every pool's untouched rows and sentinels); `CompareFunc.simple` passes an element when
+    |a-b| <= atol OR |a-b| <= rtol·|b|, so zeros are judged by atol and the note says nothing about the result. Its
+    other warning, an output it skipped, becomes a failure in `compare` (the report lists it). Colours are off:
+    Polygraphy prints "'colored' module is not installed" before its first message otherwise."""
     from polygraphy.logger import G_LOGGER
-    G_LOGGER.module_severity = G_LOGGER.WARNING
+    quiet = {"": G_LOGGER.WARNING} if log.isEnabledFor(logging.DEBUG) else \
+        {"": G_LOGGER.WARNING, "comparator/compare.py": G_LOGGER.ERROR}
+    colors, G_LOGGER.colors = G_LOGGER.colors, False
+    try:
+        with G_LOGGER.verbosity(quiet):
+            yield
+    finally:
+        G_LOGGER.colors = colors
+
+
+def compare(runners, feeds, names) -> dict:
+    """Comparator.run over the feed dicts, then compare_accuracy with the per-output tolerances of `names`.
+
+    Returns:
+        {"passed": bool, "outputs": {name: {max_abs, max_rel, passed, atol, rtol}}}, plus "not_compared": [names]
+        (and passed False) when an output of `names` was missing from a runner's results."""
+    with polygraphy_logging():
+        res = Comparator.run(runners, data_loader=feeds)
+        acc = Comparator.compare_accuracy(res, compare_func=compare_func(names))
+    outs = _summarize(acc, names)
+    result = {"passed": bool(acc) and all(o["passed"] for o in outs.values()), "outputs": outs}
+    missing = [n for n in names if n not in outs]
+    if missing:
+        result.update(passed=False, not_compared=missing)
+    return result
+
+
+# grids of the vision checks: the graph's feeds are groups of equal length (as the runtime calls it), the end-to-end
+# batch mixes lengths and frames (VISION.md §10.1's packed batch)
+VISION_FEED_GRIDS = ([(1, 4, 6), (1, 6, 4)], [(1, 8, 8)], [(2, 2, 4), (2, 4, 2)])
+VISION_E2E_GRIDS = [(1, 4, 6), (1, 8, 8), (4, 2, 2), (2, 6, 10), (1, 6, 4)]
+
+
+def _vision_pixels(grids, seed: int, patch_dim: int) -> torch.Tensor:
+    """Uniform [-1, 1) patches [L, patch_dim] (the normalized pixel range) for `grids`, seeded."""
+    L = sum(t * h * w for t, h, w in grids)
+    return torch.rand(L, patch_dim, generator=torch.Generator().manual_seed(seed)) * 2 - 1
+
+
+def vision_feeds(cfg: K3Config) -> list[OrderedDict]:
+    """Feed dicts of the vision graph: one per VISION_FEED_GRIDS group (inputs of model.vision.graph_inputs)."""
+    from k3deploy.model.vision import graph_inputs
+    v = cfg.vision
+    out = []
+    for i, grids in enumerate(VISION_FEED_GRIDS):
+        ins = graph_inputs(grids, _vision_pixels(grids, i, v.patch_dim), v)
+        out.append(OrderedDict((k, np.ascontiguousarray(t.numpy())) for k, t in ins.items()))
+    return out
+
+
+class VisionRunner(BaseRunner):
+    """The vision path on a packed batch as a Polygraphy runner: feeds `pixel_values` [L, 588] and `grid_thws`
+    [S, 3]; output `features`. `fn(pixel_values, grid_thws) -> features` (the packed reference, or the graph run
+    group by group through model.vision.encode_grouped)."""
+
+    def __init__(self, fn, name: str):
+        super().__init__(prefix=name)
+        self.fn = fn
+
+    def activate_impl(self):
+        pass
+
+    def get_input_metadata_impl(self):
+        return TensorMetadata().add("pixel_values", np.float32, [-1, -1]).add("grid_thws", np.int64, [-1, 3])
+
+    def infer_impl(self, feed):
+        self.inference_time = 0.0
+        with torch.no_grad():
+            out = self.fn(torch.from_numpy(np.asarray(feed["pixel_values"])), torch.from_numpy(np.asarray(feed["grid_thws"])))
+        return OrderedDict(features=np.asarray(out.float()))
+
+    def deactivate_impl(self):
+        pass
+
+
+def verify_code_hash() -> str:
+    """sha256 of this verifier's source: part of the key under which a graph's earlier result is reused."""
+    return code_hash(("export/verify.py",))
+
+
+def verify(onnx_dir, checkpoint, report_path=None, polygraphy_data=None, end_to_end: bool = True,
+           previous: dict | None = None) -> dict:
+    """Compare every rank-0 graph (tp == 1 exports; the vision graph on every rank) and the whole model against the
+    PyTorch reference. previous: an earlier report (see the module docstring). Returns the report dict (written to
+    report_path as JSON when given). Raises ValueError when the export's config hash differs from the
+    checkpoint's."""
+    with polygraphy_logging():
+        return _verify(onnx_dir, checkpoint, report_path, polygraphy_data, end_to_end, previous)
+
+
+def _verify(onnx_dir, checkpoint, report_path, polygraphy_data, end_to_end: bool, previous) -> dict:
     src = WeightSource.from_checkpoint(checkpoint)
     cfg = src.cfg
     ortm = OrtModel(onnx_dir)
@@ -387,28 +482,45 @@ def verify(onnx_dir, checkpoint, report_path=None, polygraphy_data=None, end_to_
     steps = {"prefill": [], "decode": []}
     for s in scenario(model):
         steps["decode" if s.batch.decode else "prefill"].append(s)
-    report: dict = {"onnx_dir": str(onnx_dir), "config_hash": cfg.config_hash(), "tp": ortm.tp,
+    vcode = verify_code_hash()
+    report: dict = {"onnx_dir": str(onnx_dir), "config_hash": cfg.config_hash(), "tp": ortm.tp, "verify_code": vcode,
                     "tolerances": {k: {"atol": a, "rtol": r} for k, (a, r) in TOLERANCES.items()}, "graphs": {}}
-    if ortm.tp == 1:
-        from tqdm import tqdm
-        for entry in tqdm(ortm.index["graphs"], desc="verify", unit="graph"):
-            spec = GraphSpec(entry["kind"], entry["graph"], entry["layer"], entry["segment"], entry["segment_index"],
-                             entry["num_segments"], entry["rank"], entry["tp_size"], entry["ep_size"])
-            module, _, _ = build_graph(src, spec, ops=ReferenceOps)
-            ref = TorchReferenceRunner(module, meta_from_entry(entry))
-            onx = OnnxrtRunner(lambda e=entry: ortm.session(e), name="onnxrt")
+    old = (previous or {}).get("graphs", {}) if (previous or {}).get("verify_code") == vcode else {}
+    entries = [e for e in ortm.index["graphs"] if ortm.tp == 1 or e["kind"] == "vision"]
+    if ortm.tp > 1:
+        log.info("tp = %d: per-graph comparison of the text graphs skipped (segments need the collectives); "
+                 "end to end only", ortm.tp)
+    from tqdm import tqdm
+    for entry in tqdm(entries, desc="verify", unit="graph"):
+        prev = old.get(entry["id"])
+        if prev and prev.get("passed") and prev.get("input_hash") == entry.get("input_hash") and polygraphy_data is None:
+            report["graphs"][entry["id"]] = {**prev, "reused": True}
+            continue
+        spec = GraphSpec(entry["kind"], entry["graph"], entry["layer"], entry["segment"], entry["segment_index"],
+                         entry["num_segments"], entry["rank"], entry["tp_size"], entry["ep_size"])
+        module, _, _ = build_graph(src, spec, ops=ReferenceOps)
+        ref = TorchReferenceRunner(module, meta_from_entry(entry))
+        onx = OnnxrtRunner(lambda e=entry: ortm.session(e), name="onnxrt")
+        if entry["kind"] == "vision":
+            feeds = vision_feeds(cfg)
+        else:
             use = steps["decode"] if entry["graph"] == "decode" else steps["prefill"]
             if entry["graph"] == "any":
                 use = steps["prefill"] + steps["decode"]
             feeds = [graph_feed(entry, s, cfg) for s in use]
-            names = [o["name"] for o in entry["outputs"]]
-            r = compare([ref, onx], feeds, names)
-            report["graphs"][entry["id"]] = r
-            log.info("%s: %s", entry["id"], "PASS" if r["passed"] else "FAIL")
-            if polygraphy_data is not None:
-                write_polygraphy_data(Path(polygraphy_data), entry, ref, feeds)
-    else:
-        log.info("tp = %d: per-graph comparison skipped (segments need the collectives); end to end only", ortm.tp)
+        names = [o["name"] for o in entry["outputs"]]
+        r = compare([ref, onx], feeds, names)
+        r["input_hash"] = entry.get("input_hash")
+        report["graphs"][entry["id"]] = r
+        if r["passed"]:
+            log.debug("%s: PASS", entry["id"])
+        else:
+            log.warning("%s: FAIL (%s)", entry["id"], ", ".join(
+                [n for n, o in r["outputs"].items() if not o["passed"]] + r.get("not_compared", [])))
+        if polygraphy_data is not None:
+            write_polygraphy_data(Path(polygraphy_data), entry, ref, feeds)
+    if cfg.vision is not None:
+        report["vision_end_to_end"] = verify_vision(src, ortm)
     if end_to_end:
         all_steps = steps["prefill"] + steps["decode"]
         feeds = [_e2e_feed(s) for s in all_steps]
@@ -417,11 +529,30 @@ def verify(onnx_dir, checkpoint, report_path=None, polygraphy_data=None, end_to_
             meta.add(k, v.dtype, [-1] * v.ndim)   # shapes differ between prefill and decode feeds
         names = ["logits"] + [f"layer{l}.{k}_out" for l in range(cfg.num_hidden_layers) for k in all_steps[0].pools[l]]
         report["end_to_end"] = compare([TorchModelRunner(model, meta), OrtModelRunner(ortm, meta)], feeds, names)
-    report["passed"] = all(g["passed"] for g in report["graphs"].values()) and report.get("end_to_end", {}).get("passed", True)
+    report["passed"] = (all(g["passed"] for g in report["graphs"].values())
+                        and all(report.get(k, {}).get("passed", True) for k in ("end_to_end", "vision_end_to_end")))
     if report_path is not None:
         Path(report_path).parent.mkdir(parents=True, exist_ok=True)
         Path(report_path).write_text(json.dumps(report, indent=1))
     return report
+
+
+def verify_vision(src: WeightSource, ortm: OrtModel) -> dict:
+    """The packed fp32 reference vs rank 0's vision graph run group by group (model.vision.encode_grouped) on
+    VISION_E2E_GRIDS; the comparison dict of `compare` (output `features`)."""
+    from k3deploy.model.vision import encode_grouped
+    v = src.cfg.vision
+    entry = ortm.by_key[("vision", "any", None, 0)][0]
+    vm = src.vision()
+
+    def graph(px, grids):
+        def call(ins):
+            return torch.from_numpy(ortm.run(entry, {k: np.ascontiguousarray(t.numpy()) for k, t in ins.items()})["features"])
+        return encode_grouped(px, grids, v, call)
+    feed = OrderedDict(pixel_values=_vision_pixels(VISION_E2E_GRIDS, 7, v.patch_dim).numpy(),
+                       grid_thws=np.asarray(VISION_E2E_GRIDS, dtype=np.int64))
+    return compare([VisionRunner(vm.reference, "torch-vision-reference"), VisionRunner(graph, "onnxrt-vision")],
+                   [feed], ["features"])
 
 
 def write_polygraphy_data(out: Path, entry: dict, ref: TorchReferenceRunner, feeds: list) -> tuple[Path, Path]:
@@ -452,7 +583,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     rep = verify(a.onnx_dir, a.checkpoint, a.report or a.onnx_dir / "verify_report.json", a.write_polygraphy_data,
                  end_to_end=not a.no_end_to_end)
-    for gid, g in list(rep["graphs"].items()) + ([("end_to_end", rep["end_to_end"])] if "end_to_end" in rep else []):
+    extra = [(k, rep[k]) for k in ("end_to_end", "vision_end_to_end") if k in rep]
+    for gid, g in list(rep["graphs"].items()) + extra:
         worst = max(g["outputs"].values(), key=lambda o: o["max_abs"], default={"max_abs": 0, "max_rel": 0})
         log.info("%-32s %s  worst max_abs %.3g", gid, "PASS" if g["passed"] else "FAIL", worst["max_abs"])
     if a.write_polygraphy_data:

@@ -6,7 +6,8 @@
     k3deploy verify     Polygraphy: ONNX Runtime vs the PyTorch reference
     k3deploy engines    TensorRT / TensorRT-RTX engine builds from an export
     k3deploy repository write a Triton model repository
-    k3deploy serve      run tritonserver on a repository
+    k3deploy serve      run tritonserver on a repository (--openai-port: with the OpenAI-compatible front)
+    k3deploy openai     run the OpenAI-compatible front for a running tritonserver
     k3deploy generate   generate tokens with the runtime
     k3deploy synthetic  write a synthetic checkpoint of a preset
     k3deploy params     parameter and byte counts of a preset, config or checkpoint
@@ -25,7 +26,8 @@ COMMANDS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "verify": ("k3deploy.export.verify", "compare an ONNX export with the PyTorch reference (Polygraphy)", ()),
     "engines": ("k3deploy.engines.build", "build TensorRT / TensorRT-RTX engines from an ONNX export", ()),
     "repository": ("k3deploy.serve.repository", "write a Triton model repository", ()),
-    "serve": ("k3deploy.serve.launch", "run tritonserver on a model repository", ()),
+    "serve": ("k3deploy.serve.launch", "run tritonserver on a model repository (and the OpenAI front)", ()),
+    "openai": ("k3deploy.serve.openai", "OpenAI-compatible HTTP front for a running tritonserver", ()),
     "generate": ("k3deploy.runtime.generate", "generate tokens with the runtime (torch / onnxruntime / tensorrt)", ()),
     "synthetic": ("k3deploy.model.synthetic", "write a synthetic checkpoint of a preset", ()),
     "params": ("k3deploy.model.params", "parameter and byte counts of a preset, config.json or checkpoint", ()),

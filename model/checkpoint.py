@@ -1,7 +1,9 @@
 """Hugging Face checkpoint layout of Kimi K3: writing, lazy reading, validation (MODEL.md §8, §8.4, Q1, Q13).
 
 Layout written (§8.1): `config.json` (the config's `to_json()`), shards `model-{i:05d}-of-{n:06d}.safetensors`
-(decoder layer l in shard l+1, model-level tensors in the last shard n = num_hidden_layers + 1), and
+(decoder layer l in shard l+1, model-level tensors and, with a vision_config, the vision tower + projector in the
+last shard n = num_hidden_layers + 1, as the release keeps them in its last shard, VISION.md §7.1), optionally
+`preprocessor_config.json` (the image processor's `media_proc_cfg`, §1.1), and
 `model.safetensors.index.json` = `{"metadata": {"total_size"}, "weight_map": {name: shard}}`, written last.
 A checkpoint is built in a temporary sibling directory and renamed into place, so a partial write never
 looks complete. Tensor names, stored shapes and dtypes come from `model.weights` (routed experts MXFP4 as
@@ -28,14 +30,16 @@ import numpy as np
 import torch
 
 from k3deploy.model.config import K3Config, load_config
-from k3deploy.model.weights import BYTES, PREFIX, TensorSpec, all_tensors, layer_tensors, model_tensors
+from k3deploy.model.weights import (BYTES, PREFIX, VISION_PREFIXES, TensorSpec, all_tensors, layer_tensors,
+                                    model_tensors, vision_tensors)
 
 log = logging.getLogger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
+PREPROCESSOR_NAME = "preprocessor_config.json"   # the image processor's settings (VISION.md §1.1), when present
 LAYER_PREFIX = PREFIX + "model.layers."
-SKIP_PREFIXES = ("vision_tower.", "mm_projector.")  # multimodal parts: not read by the text model (§8.2)
+SKIP_PREFIXES = VISION_PREFIXES  # vision tower + projector: validated only when the config has a vision_config
 MAX_LISTED = 60  # problems spelled out in a CheckpointError message; all are in `.problems`
 
 # safetensors dtype string -> (torch dtype, numpy dtype used to memory-map the raw bytes)
@@ -140,7 +144,7 @@ class CheckpointWriter:
     unless overwrite=True (then it is replaced as a whole). On an exception nothing is left behind.
     """
 
-    def __init__(self, path: "str | Path", cfg: K3Config, overwrite: bool = False):
+    def __init__(self, path: "str | Path", cfg: K3Config, overwrite: bool = False, preprocessor: dict | None = None):
         self.path, self.cfg, self.overwrite = Path(path), cfg, overwrite
         if self.path.exists() and not self.path.is_dir():
             raise FileExistsError(f"{self.path}: exists and is not a directory")
@@ -153,11 +157,13 @@ class CheckpointWriter:
         self.weight_map: dict[str, str] = {}
         self.total = 0
         (self.tmp / CONFIG_NAME).write_text(json.dumps(cfg.to_json(), indent=2) + "\n")
+        if preprocessor is not None:
+            (self.tmp / PREPROCESSOR_NAME).write_text(json.dumps(preprocessor, indent=2) + "\n")
 
     def plan(self) -> list[tuple[int, list[TensorSpec]]]:
-        """(1-based shard index, specs) for every shard: layers 0..L-1, then model-level tensors."""
+        """(1-based shard index, specs) for every shard: layers 0..L-1, then model-level (+ vision) tensors."""
         out = [(l + 1, layer_tensors(self.cfg, l)) for l in range(self.cfg.num_hidden_layers)]
-        return out + [(self.n, model_tensors(self.cfg))]
+        return out + [(self.n, model_tensors(self.cfg) + vision_tensors(self.cfg))]
 
     def write_shard(self, i: int, items: "Iterable[TensorSpec | tuple[str, str, tuple]]",
                     get: Callable[[str], torch.Tensor]) -> None:
@@ -212,22 +218,23 @@ class CheckpointWriter:
 
 
 def write_checkpoint(path: "str | Path", cfg: K3Config, tensors: Mapping[str, torch.Tensor], *,
-                     overwrite: bool = False, strict: bool = True) -> Path:
+                     overwrite: bool = False, strict: bool = True, preprocessor: dict | None = None) -> Path:
     """Write `tensors` (full names -> tensors in stored dtype) as a §8 checkpoint at `path` (atomic).
 
-    strict=True (default): the names must be exactly the inventory of `model.weights.all_tensors(cfg)`
-    with its shapes and dtypes (CheckpointError listing every difference); `vision_tower.*`/`mm_projector.*`
-    extras are allowed and go to the last shard. strict=False writes whatever is given (test fixtures for
-    corrupt checkpoints): inventory names to their shard, unknown layer tensors to their layer's shard,
-    anything else to the last shard.
+    strict=True (default): the names must be exactly the inventory of `model.weights.all_tensors(cfg)` (plus
+    `vision_tensors(cfg)` when the config has a vision tower) with its shapes and dtypes (CheckpointError listing
+    every difference); without a vision_config, `vision_tower.*`/`mm_projector.*` extras are allowed and go to the
+    last shard. strict=False writes whatever is given (test fixtures for corrupt checkpoints): inventory names to
+    their shard, unknown layer tensors to their layer's shard, anything else to the last shard.
+    preprocessor: written as preprocessor_config.json when given (VISION.md §1.1).
     """
-    specs = {s.name: s for s in all_tensors(cfg)}
+    specs = {s.name: s for s in all_tensors(cfg) + vision_tensors(cfg)}
     if strict:
         problems = [f"missing tensor {n}" for n in specs if n not in tensors]
         for n, t in tensors.items():
             s = specs.get(n)
             if s is None:
-                if not n.startswith(SKIP_PREFIXES):
+                if not n.startswith(SKIP_PREFIXES) or cfg.vision is not None:
                     problems.append(f"unexpected tensor {n} (not in the inventory for this config)")
             else:
                 shapes, dtypes = allowed_forms(cfg, s)
@@ -248,7 +255,7 @@ def write_checkpoint(path: "str | Path", cfg: K3Config, tensors: Mapping[str, to
         if t.dtype not in TORCH_TO_ST:
             raise ValueError(f"{name}: dtype {t.dtype} cannot be stored in safetensors here")
         by_shard[i].append((name, TORCH_TO_ST[t.dtype], tuple(t.shape)))
-    with CheckpointWriter(path, cfg, overwrite=overwrite) as w:
+    with CheckpointWriter(path, cfg, overwrite=overwrite, preprocessor=preprocessor) as w:
         for i in sorted(by_shard):
             w.write_shard(i, by_shard[i], tensors.__getitem__)
     return Path(path)
@@ -389,8 +396,9 @@ class Checkpoint:
 
     # -- inventory / validation --
     def specs(self) -> list[TensorSpec]:
-        """The expected text tensors (model.weights inventory for `.config`)."""
-        return all_tensors(self.config)
+        """The expected tensors (model.weights inventory for `.config`: the text model, then the vision tower and
+        projector when the config has a vision_config)."""
+        return all_tensors(self.config) + vision_tensors(self.config)
 
     def _check_specs(self, specs: Iterable[TensorSpec], skip_files: "set[str] | None" = None) -> list[str]:
         """Problems of `specs` (presence, shape, dtype, offsets, A_log padding). A shard that cannot be opened
@@ -485,14 +493,19 @@ class Checkpoint:
                 bad_files.add(f)
                 continue
             for name, e in entries.items():
-                if name.startswith(SKIP_PREFIXES) or name not in self.weight_map:
+                if (name.startswith(SKIP_PREFIXES) and self.config.vision is None) or name not in self.weight_map:
                     prob = self._entry_problem(name, f, e, size)  # inventory tensors are checked below
                     if prob:
                         problems.append(prob)
         expected = self.specs()
+        vision_hint = self._no_vision_hint()
+        if vision_hint:
+            problems.append(vision_hint)
+            expected = all_tensors(self.config)
         problems += self._check_specs(expected, skip_files=bad_files)
         names = {s.name for s in expected}
-        extra = [n for n in self.weight_map if n not in names and not n.startswith(SKIP_PREFIXES)]
+        vision = self.config.vision is not None   # then the vision names must be exactly those of §7.1
+        extra = [n for n in self.weight_map if n not in names and (vision or not n.startswith(SKIP_PREFIXES))]
         problems += [f"unexpected tensor {n} in {self.weight_map[n]}: not in the inventory for this {CONFIG_NAME}"
                      for n in sorted(extra)]
         if not problems and self.total_size is not None:
@@ -557,6 +570,36 @@ class Checkpoint:
         if problems:
             raise CheckpointError(problems, self.path)
         return {_rel(_rel(s.name, PREFIX + "model."), PREFIX): self.get(s.name) for s in specs}
+
+    def _no_vision_hint(self) -> str | None:
+        """One problem instead of 168 when the config has a vision_config and the files hold no vision tensor."""
+        if self.config.vision is None or any(n.startswith(SKIP_PREFIXES) for n in self.weight_map):
+            return None
+        return (f"{CONFIG_NAME} has a vision_config but {INDEX_NAME} names no vision_tower.* / mm_projector.* tensor; "
+                "add the vision tower's tensors (VISION.md §7.1) or remove vision_config to serve the text model only")
+
+    def vision_weights(self) -> dict[str, torch.Tensor]:
+        """The vision tower + projector tensors under their released names (VISION.md §7.1), BF16, memory-mapped.
+        Raises CheckpointError listing every missing or misshaped one, or when the config has no vision_config."""
+        specs = vision_tensors(self.config)
+        if not specs:
+            raise CheckpointError(f"{CONFIG_NAME} has no vision_config: this checkpoint has no vision tower", self.path)
+        hint = self._no_vision_hint()
+        problems = [hint] if hint else self._check_specs(specs)
+        if problems:
+            raise CheckpointError(problems, self.path)
+        return {s.name: self.get(s.name) for s in specs}
+
+    def preprocessor_config(self) -> dict | None:
+        """The parsed preprocessor_config.json next to config.json, None when absent. Raises CheckpointError for
+        invalid JSON."""
+        p = self.path / PREPROCESSOR_NAME
+        if not p.is_file():
+            return None
+        try:
+            return json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{PREPROCESSOR_NAME}: not valid JSON ({e}); restore the checkpoint's file", self.path) from e
 
     def data_bytes(self) -> int:
         """Sum of the data sizes of every tensor in every shard header (reads all headers)."""

@@ -1,9 +1,9 @@
-"""Typed Kimi K3 text configuration (MODEL.md §1).
+"""Typed Kimi K3 configuration: the text model (MODEL.md §1) and, when present, the vision tower (VISION.md §0.1).
 
-`load_config(source)` accepts a preset name (`k3`, `k3-tiny`, `k3-slice`), a checkpoint directory holding
-`config.json`, a path to a `config.json`, or an already-parsed dict (either the multimodal wrapper with
-`text_config` or a bare text config). Every validation error is a `ConfigError` (a `ValueError`) naming the
-key, the bad value and the rule.
+`load_config(source)` accepts a preset name (`k3`, `k3-tiny`, `k3-slice`, `k3-tiny-vl`, `k3-vision-slice`, `k3-tp8-rank`), a
+checkpoint directory holding `config.json`, a path to a `config.json`, or an already-parsed dict (either the
+multimodal wrapper with `text_config` and optionally `vision_config`, or a bare text config). Every validation
+error is a `ConfigError` (a `ValueError`) naming the key, the bad value and the rule.
 """
 from __future__ import annotations
 
@@ -20,6 +20,47 @@ K3_CONFIG_PATH = Path(__file__).with_name("k3_config.json")
 
 class ConfigError(ValueError):
     """A config key has a value the model cannot run with; the message names key, value and rule."""
+
+
+TOWER_NORM_EPS = 2.0 ** -23   # the tower's RMSNorms are built without eps: FP32's epsilon (VISION.md §4.1, §13 Q2)
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """MoonViT-V2 tower + PatchMergerV2 projector (VISION.md §0.1), parsed from `vision_config` and the wrapper's
+    `media_placeholder_token_id`. No layer has a bias; the merge is sd2_tpool with a 2x2 kernel."""
+
+    patch_size: int
+    hidden_size: int            # vt_hidden_size, D
+    num_layers: int             # vt_num_hidden_layers
+    num_heads: int              # vt_num_attention_heads
+    qkv_hidden_size: int        # attention width Q (head dim = Q / heads, not D / heads)
+    intermediate_size: int      # vt_intermediate_size
+    pos_emb_height: int         # init_pos_emb_height: rows of the learned table
+    pos_emb_width: int          # init_pos_emb_width
+    pos_emb_time: int           # init_pos_emb_time: temporal sin/cos rows = max frames per segment
+    interpolation: str          # pos_emb_interpolation_mode: "bilinear" (§13 Q1) or "bicubic"
+    merge_kernel: tuple[int, int]
+    mm_hidden_size: int
+    text_hidden_size: int
+    projector_eps: float        # projector_ln_eps
+    media_placeholder_token_id: int
+    norm_eps: float = TOWER_NORM_EPS
+
+    @property
+    def head_dim(self) -> int:
+        """Dh = qkv_hidden_size / heads (128 for K3)."""
+        return self.qkv_hidden_size // self.num_heads
+
+    @property
+    def merged_size(self) -> int:
+        """Width entering the projector: mm_hidden_size x 2 x 2 (4096 for K3)."""
+        return self.mm_hidden_size * self.merge_kernel[0] * self.merge_kernel[1]
+
+    @property
+    def patch_dim(self) -> int:
+        """Flattened patch width 3 x p x p (588 for p = 14)."""
+        return 3 * self.patch_size * self.patch_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +105,7 @@ class K3Config:
     experts_mxfp4: bool
     name: str = dataclasses.field(default="custom", compare=False)
     lora_norm_eps: float = 1e-6  # MLA q_a/kv_a norms (§2.1, Q4)
+    vision: VisionConfig | None = None  # the vision tower + projector when the config has `vision_config`
     source: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived quantities -------------------------------------------------------------------
@@ -117,9 +159,25 @@ class K3Config:
         return frozenset(self.kda_layers)
 
     def config_hash(self) -> str:
-        """sha256 of the canonical JSON of every field that shapes the math (first 16 hex digits)."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("source", "name")}
+        """sha256 of the canonical JSON of every field that shapes the math, the vision tower's included when
+        there is one (first 16 hex digits)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("source", "name", "vision")}
+        if self.vision is not None:
+            d["vision"] = dataclasses.asdict(self.vision)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+    def text_hash(self) -> str:
+        """sha256 (16 hex digits) of the fields the text graphs depend on: config_hash without the vision tower and
+        the special token ids (bos/eos/pad), so adding a vision tower leaves the text graphs' hashes unchanged."""
+        skip = ("source", "name", "vision", "bos_token_id", "eos_token_id", "pad_token_id")
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+    def vision_hash(self) -> str | None:
+        """sha256 (16 hex digits) of the vision config, None without one."""
+        if self.vision is None:
+            return None
+        return hashlib.sha256(json.dumps(dataclasses.asdict(self.vision), sort_keys=True).encode()).hexdigest()[:16]
 
     def to_json(self) -> dict:
         """The released config.json layout (multimodal wrapper) that reproduces this config."""
@@ -130,7 +188,8 @@ class K3Config:
 
 K3_TINY_JSON: dict = {
     "model_type": "kimi_k3", "tie_word_embeddings": False,
-    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    # K3's 256 special tokens sit after the 768 BPE ranks at K3's offsets: id = 768 + (K3 id - 163584)
+    "bos_token_id": 768, "eos_token_id": 770, "pad_token_id": 1023, "media_placeholder_token_id": 789,
     "text_config": {
         "model_type": "kimi_linear", "vocab_size": 1024, "hidden_size": 256,
         "num_hidden_layers": 9, "num_attention_heads": 4, "num_key_value_heads": 4,
@@ -157,14 +216,37 @@ def _k3_json() -> dict:
 
 
 def _k3_slice_json() -> dict:
-    """MODEL.md §1.4B: K3 with 5 layers (3 KDA + 2 MLA), AttnRes block 2, 64 experts."""
+    """MODEL.md §1.4B: K3 with 5 layers (3 KDA + 2 MLA), AttnRes block 2, 64 experts; text only (no vision_config:
+    `k3-vision-slice` adds the tower)."""
     j = _k3_json()
+    j.pop("vision_config")
     tc = j["text_config"]
     tc["num_hidden_layers"] = 5
     tc["linear_attn_config"]["kda_layers"] = [1, 2, 3]
     tc["linear_attn_config"]["full_attn_layers"] = [4, 5]
     tc["attn_res_block_size"] = 2
     tc["num_experts"] = 64
+    return j
+
+
+K3_TP8_RANK_EXPERTS = 448     # routed experts per layer of the k3-tp8-rank preset: K3's 896 halved to fit one H200
+
+
+def _k3_tp8_rank_json() -> dict:
+    """K3 as one rank of TP = 8 holds it (MODEL.md §10), written as a tp = 1 config: the 93 layers in K3's order
+    (69 KDA + 24 MLA, AttnRes block 12), 12 KDA and 12 MLA heads (q/k/v/g [1536, 7168], q_b [2304, 1536], kv_b
+    [3072, 512], o_proj [7168, 1536]), the rank's dense MLP (intermediate 4224) and shared experts (2 x 384 = 768),
+    the rank's vocabulary rows (20480 of embed_tokens / lm_head), and each routed expert as the rank's TP slice
+    (moe_intermediate_size 384: w1 / w3 [384, 3584], w2 [3584, 384], MXFP4). Replicated tensors (router, latent
+    down / up, MLA LoRA, norms, f_a) keep K3's shapes. Only the routed expert count differs: 448 of 896 per layer
+    (K3_TP8_RANK_EXPERTS; 23.7 GB dense bf16 + 90.4 GB of MXFP4 expert slices, where 896 would need 180.8 GB).
+    Without the all-reduces a rank's step does, this is the per-rank work of K3 at TP = 8 on one GPU. Text only."""
+    j = _k3_json()
+    j.pop("vision_config")
+    tc = j["text_config"]
+    tc.update(num_attention_heads=12, num_key_value_heads=12, intermediate_size=4224, moe_intermediate_size=384,
+              vocab_size=20480, num_experts=K3_TP8_RANK_EXPERTS)
+    tc["linear_attn_config"]["num_heads"] = 12
     return j
 
 
@@ -175,7 +257,41 @@ def _tiny_json() -> dict:
     return j
 
 
-PRESETS = {"k3": _k3_json, "k3-tiny": _tiny_json, "k3-slice": _k3_slice_json}
+# VISION.md §10.1. Special ids: k3-tiny's 256 special tokens sit at 768..1023, at K3's offsets from its first
+# special id (163584), so `<|media_pad|>` = 768 + 21 = 789 (VISION.md §10.1 writes 1000 and bos/eos/pad 1/2/0;
+# this layout keeps the tokenizer of k3-tiny and K3 the same shape).
+K3_TINY_VISION_CONFIG: dict = {
+    "patch_size": 14, "init_pos_emb_height": 8, "init_pos_emb_width": 8, "init_pos_emb_time": 4,
+    "pos_emb_type": "divided_fixed", "pos_emb_interpolation_mode": "bilinear",
+    "vt_hidden_size": 64, "vt_num_hidden_layers": 2, "vt_num_attention_heads": 4,
+    "qkv_hidden_size": 96, "vt_intermediate_size": 256,
+    "norm_type": "rmsnorm", "mlp_type": "mlp2", "activation_func": "gelu_pytorch_tanh",
+    "attn_bias": False, "linear_bias": False, "patch_embed_proj_bias": False,
+    "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool",
+    "mm_projector_type": "patchmergerv2", "mm_hidden_size": 64, "text_hidden_size": 256,
+    "projector_hidden_act": "gelu", "projector_ln_eps": 1e-5, "_attn_implementation": "eager",
+}
+
+
+def _tiny_vl_json() -> dict:
+    """VISION.md §10.1: k3-tiny's text model + a 2-block tower (D 64, 4 heads of 24, 8x8 table, 4 time rows)."""
+    j = _tiny_json()
+    j.update({"bos_token_id": 768, "eos_token_id": 770, "pad_token_id": 1023, "media_placeholder_token_id": 789,
+              "image_placeholder": "<|kimi_image_placeholder|>", "architectures": ["KimiK3ForConditionalGeneration"],
+              "vision_config": copy.deepcopy(K3_TINY_VISION_CONFIG)})
+    return j
+
+
+def _vision_slice_json() -> dict:
+    """VISION.md §10.2: k3-slice's text model + K3's vision_config with 2 blocks (every vision kernel shape of K3)."""
+    j = _k3_slice_json()
+    j["vision_config"] = _k3_json()["vision_config"]
+    j["vision_config"]["vt_num_hidden_layers"] = 2
+    return j
+
+
+PRESETS = {"k3": _k3_json, "k3-tiny": _tiny_json, "k3-slice": _k3_slice_json, "k3-tiny-vl": _tiny_vl_json,
+           "k3-vision-slice": _vision_slice_json, "k3-tp8-rank": _k3_tp8_rank_json}
 
 
 # ---- parsing ----------------------------------------------------------------------------------
@@ -183,7 +299,8 @@ PRESETS = {"k3": _k3_json, "k3-tiny": _tiny_json, "k3-slice": _k3_slice_json}
 def _get(tc: dict, key: str, kind=int, required: bool = True, default: Any = None, where: str = "text_config"):
     if key not in tc or tc[key] is None:
         if required:
-            raise ConfigError(f"{where}.{key}: missing; it is required (MODEL.md §1.2)")
+            ref = "MODEL.md §1.2" if where.startswith("text_config") else "VISION.md §0.1"
+            raise ConfigError(f"{where}.{key}: missing; it is required ({ref})")
         return default
     v = tc[key]
     if kind is int and (isinstance(v, bool) or not isinstance(v, int)):
@@ -202,8 +319,74 @@ def _positive(tc: dict, key: str, where: str = "text_config") -> int:
     return v
 
 
+_VISION_FIXED = {  # key -> (the only supported value, why)
+    "norm_type": ("rmsnorm", "the tower's norms are RMSNorm (§4.1)"),
+    "mlp_type": ("mlp2", "fc0 -> gelu_tanh -> fc1 (§4.3)"),
+    "activation_func": ("gelu_pytorch_tanh", "the reference hard-codes tanh-GELU in the tower (§4.3)"),
+    "pos_emb_type": ("divided_fixed", "learned 2-D table + fixed sin/cos time rows (§3)"),
+    "merge_type": ("sd2_tpool", "mean over frames, 2x2 spatial concat (§6.1)"),
+    "mm_projector_type": ("patchmergerv2", "PatchMergerMLPV2 with post-norm (§6.2)"),
+    "projector_hidden_act": ("gelu", "the projector hard-codes exact erf GELU; other values are refused (§13 Q10)"),
+    "attn_bias": (False, "K3's tower has no biases (§0)"),
+    "linear_bias": (False, "K3's tower has no biases (§0)"),
+    "patch_embed_proj_bias": (False, "K3's tower has no biases (§0)"),
+}
+
+
+def parse_vision_config(raw: dict, text_hidden: int, vocab_size: int, special_ids: dict[str, int]) -> VisionConfig:
+    """The wrapper's `vision_config` (+ `media_placeholder_token_id`) -> VisionConfig (VISION.md §0.1).
+
+    text_hidden / vocab_size: the text model's, which the projector output and the placeholder id must fit;
+    special_ids: {key: id} the placeholder must differ from (bos/eos/pad). Raises ConfigError naming the key."""
+    vc = raw["vision_config"]
+    w = "vision_config"
+    if not isinstance(vc, dict):
+        raise ConfigError(f"{w}: must be a JSON object (VISION.md §0.1)")
+    for key, (want, why) in _VISION_FIXED.items():
+        v = vc.get(key, want)
+        if v != want:
+            raise ConfigError(f"{w}.{key} = {v!r}: only {want!r} is supported ({why})")
+    mode = vc.get("pos_emb_interpolation_mode", "bilinear")
+    if mode not in ("bilinear", "bicubic"):
+        raise ConfigError(f"{w}.pos_emb_interpolation_mode = {mode!r}: choose 'bilinear' (the release, §13 Q1) or 'bicubic'")
+    mk = vc.get("merge_kernel_size", [2, 2])
+    if list(mk) != [2, 2]:
+        raise ConfigError(f"{w}.merge_kernel_size = {mk!r}: only [2, 2] is supported (sd2_tpool, §6.1)")
+    heads, qkv = _positive(vc, "vt_num_attention_heads", w), _positive(vc, "qkv_hidden_size", w)
+    if qkv % heads or (qkv // heads) % 4:
+        raise ConfigError(f"{w}.qkv_hidden_size = {qkv}: must be vt_num_attention_heads ({heads}) x a head dim "
+                          "divisible by 4 (2-D RoPE rotates (column, row) pairs, §3.3)")
+    D = _positive(vc, "vt_hidden_size", w)
+    if D % 2:
+        raise ConfigError(f"{w}.vt_hidden_size = {D}: must be even (sin|cos time rows, §3.2)")
+    mm = _positive(vc, "mm_hidden_size", w)
+    if mm != D:
+        raise ConfigError(f"{w}.mm_hidden_size = {mm}: must equal vt_hidden_size = {D} (the merge concatenates tower rows)")
+    th = _positive(vc, "text_hidden_size", w)
+    if th != text_hidden:
+        raise ConfigError(f"{w}.text_hidden_size = {th}: must equal text_config.hidden_size = {text_hidden} (the "
+                          "projector writes over text embedding rows, §8.3)")
+    eps = _get(vc, "projector_ln_eps", float, where=w)
+    if eps <= 0:
+        raise ConfigError(f"{w}.projector_ln_eps = {eps}: must be > 0")
+    pad = _get(raw, "media_placeholder_token_id", where="config")
+    if not 0 <= pad < vocab_size:
+        raise ConfigError(f"config.media_placeholder_token_id = {pad}: must be a token id in [0, vocab_size={vocab_size})")
+    same = [k for k, v in special_ids.items() if v == pad]
+    if same:
+        raise ConfigError(f"config.media_placeholder_token_id = {pad}: equals {same[0]}; the image placeholder needs "
+                          "its own id (`<|media_pad|>`, §8.1)")
+    return VisionConfig(
+        patch_size=_positive(vc, "patch_size", w), hidden_size=D, num_layers=_positive(vc, "vt_num_hidden_layers", w),
+        num_heads=heads, qkv_hidden_size=qkv, intermediate_size=_positive(vc, "vt_intermediate_size", w),
+        pos_emb_height=_positive(vc, "init_pos_emb_height", w), pos_emb_width=_positive(vc, "init_pos_emb_width", w),
+        pos_emb_time=_positive(vc, "init_pos_emb_time", w), interpolation=mode, merge_kernel=(2, 2),
+        mm_hidden_size=mm, text_hidden_size=th, projector_eps=eps, media_placeholder_token_id=pad)
+
+
 def parse_config(raw: dict, name: str = "custom") -> K3Config:
-    """Parse a config.json dict (wrapper with `text_config`, or a bare text config) into a validated K3Config.
+    """Parse a config.json dict (wrapper with `text_config` and optionally `vision_config`, or a bare text config)
+    into a validated K3Config (`.vision` set when the wrapper has a `vision_config`).
 
     Raises ConfigError naming the key, the value and the violated rule.
     """
@@ -310,10 +493,14 @@ def parse_config(raw: dict, name: str = "custom") -> K3Config:
         eos_token_id=_get(top or tc, "eos_token_id", required=False, default=-1),
         pad_token_id=_get(top or tc, "pad_token_id", required=False, default=-1),
         experts_mxfp4=mxfp4,
+        vision=None,
         name=name,
         source=copy.deepcopy(raw) if "text_config" in raw else {"model_type": "kimi_k3", "text_config": copy.deepcopy(raw)},
     )
     _validate(cfg)
+    if top.get("vision_config") is not None:
+        ids = {f"{k}_token_id = {getattr(cfg, k + '_token_id')}": getattr(cfg, k + "_token_id") for k in ("bos", "eos", "pad")}
+        cfg = dataclasses.replace(cfg, vision=parse_vision_config(top, cfg.hidden_size, cfg.vocab_size, ids))
     return cfg
 
 

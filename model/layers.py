@@ -12,6 +12,7 @@ import time
 import torch
 
 from k3deploy.plugins.common import acc
+from k3deploy.plugins.glue.reference import attn_res, rms_norm  # noqa: F401  (the reference's building blocks)
 
 
 @dataclasses.dataclass
@@ -167,22 +168,3 @@ class RowLinear(Linear):
     def __call__(self, x: torch.Tensor, comm: Comm | None = None) -> torch.Tensor:  # type: ignore[override]
         y = matmul_t(x, self.weight)
         return comm.all_reduce(y) if comm is not None else y
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """w ⊙ x·rsqrt(mean(x², -1) + eps), fp32 (§2.1). x [..., D], w [D] or None (no weight)."""
-    x = x.to(acc())
-    y = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps)
-    return y if w is None else y * w.to(acc())
-
-
-def attn_res(sources: torch.Tensor, norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float) -> torch.Tensor:
-    """Block AttnRes read (§6.2): sources [T, R, d] -> [T, d].
-
-    Scores use RMS-normalized sources against the folded query norm_w ⊙ proj_w[0]; the softmax over the R
-    sources (fp32, no temperature) mixes the raw sources.
-    """
-    k = rms_norm(sources, None, eps)
-    s = (k * (norm_w.to(acc()) * proj_w.to(acc()).reshape(-1))).sum(-1)
-    p = torch.softmax(s, dim=-1)
-    return (p[..., None] * sources.to(acc())).sum(1)

@@ -3,7 +3,8 @@
 Counts come from `model.weights` TensorSpecs (shapes only). Conventions of §11: MXFP4 experts count their
 logical weight (scales count 0 params but their bytes); A_log counts as stored (128 for K3); "active per
 token" = every non-routed text parameter + top-k routed experts in each MoE layer, including lm_head but
-excluding the input embedding table (the "104B"), also reported with the embedding (Q8).
+excluding the input embedding table (the "104B"), also reported with the embedding (Q8). With a vision_config the
+vision tower and projector are counted apart (VISION.md §9: 401,214,464 + 46,144,512 = 447,358,976 for K3, all BF16).
 
 CLI: `python -m k3deploy.model.params PRESET|DIR` prints one `name: value` line per count.
 """
@@ -14,17 +15,10 @@ import sys
 from pathlib import Path
 
 from k3deploy.model.config import K3Config, load_config
-from k3deploy.model.weights import PREFIX, TensorSpec, all_tensors
+from k3deploy.model.weights import PREFIX, TensorSpec, all_tensors, vision_tensors
 
-# Vision tower + projector bytes of the release (§11); they are not part of the text inventory.
-K3_VISION_BYTES = 894_717_952
 EMBED = PREFIX + "model.embed_tokens.weight"
 LM_HEAD = PREFIX + "lm_head.weight"
-
-
-def _has_vision(cfg: K3Config) -> bool:
-    """True for the released K3 model (the only config shipped with the vision tower)."""
-    return "vision_config" in cfg.source and cfg.config_hash() == load_config("k3").config_hash()
 
 
 def param_report(cfg: K3Config, specs: list[TensorSpec] | None = None) -> dict[str, int]:
@@ -33,7 +27,8 @@ def param_report(cfg: K3Config, specs: list[TensorSpec] | None = None) -> dict[s
     Keys: total_params, routed_expert_params, non_expert_params, embedding_params, lm_head_params,
     moe_layers, params_per_expert (one expert of one MoE layer), active_routed_params, active_params
     (lm_head in, embedding out), active_params_with_embedding, checkpoint_bytes (text tensors as stored),
-    routed_expert_bytes, non_expert_bytes, and for K3 vision_bytes and checkpoint_bytes_with_vision.
+    routed_expert_bytes, non_expert_bytes; with a vision_config also vision_tower_params, projector_params,
+    vision_params, vision_bytes, total_params_with_vision and checkpoint_bytes_with_vision (VISION.md §9).
     """
     specs = all_tensors(cfg) if specs is None else specs
     routed = [s for s in specs if s.expert is not None]
@@ -65,9 +60,13 @@ def param_report(cfg: K3Config, specs: list[TensorSpec] | None = None) -> dict[s
         "routed_expert_bytes": routed_bytes,
         "non_expert_bytes": nbytes - routed_bytes,
     }
-    if _has_vision(cfg):
-        out["vision_bytes"] = K3_VISION_BYTES
-        out["checkpoint_bytes_with_vision"] = nbytes + K3_VISION_BYTES
+    vis = vision_tensors(cfg)
+    if vis:
+        tower = sum(s.params for s in vis if s.name.startswith("vision_tower."))
+        vparams, vbytes = sum(s.params for s in vis), sum(s.nbytes for s in vis)
+        out.update({"vision_tower_params": tower, "projector_params": vparams - tower, "vision_params": vparams,
+                    "vision_bytes": vbytes, "total_params_with_vision": total + vparams,
+                    "checkpoint_bytes_with_vision": nbytes + vbytes})
     return out
 
 

@@ -406,16 +406,21 @@ class K3Model:
         h = attn_res(torch.cat([bank, P[:, None]], 1), *self.out_res_w, self.cfg.rms_norm_eps)
         return self.comm.all_gather_last(matmul_t(rms_norm(h, self.norm_w, self.cfg.rms_norm_eps), self.lm_head))
 
-    def forward(self, ids: torch.Tensor, batch: Batch, pools: dict, logits_index: torch.Tensor | None = None):
+    def forward(self, ids: torch.Tensor, batch: Batch, pools: dict, logits_index: torch.Tensor | None = None,
+                image_rows: "tuple[torch.Tensor, torch.Tensor] | None" = None):
         """ids [T] packed tokens -> (logits [T or len(logits_index), vocab] fp32 on `device`, new pools).
         ids, batch and logits_index may be on the host (they are moved; validating host ids costs no device
-        sync); pools must be on `device`. Raises ValueError for a token id outside [0, vocab_size)."""
+        sync); pools must be on `device`. image_rows: (positions [n] int64 into the T tokens, rows [n, d]) written
+        over the embedding before layer 0 (the projected image rows at their `<|media_pad|>` positions, VISION.md
+        §8.3: they become bank row 0 of AttnRes). Raises ValueError for a token id outside [0, vocab_size)."""
         self.check_ids(ids)
         dev = self.device
         ids, batch = ids.to(dev), batch.to(dev)
         if logits_index is not None:
             logits_index = logits_index.to(dev)
-        return self.forward_on_device(ids, batch, pools, logits_index)
+        if image_rows is not None:
+            image_rows = (image_rows[0].to(dev), image_rows[1].to(dev))
+        return self.forward_on_device(ids, batch, pools, logits_index, image_rows)
 
     def check_ids(self, ids: torch.Tensor) -> None:
         """Raise ValueError naming the bad ids when a token id is outside [0, vocab_size) (reads ids: pass host ids)."""
@@ -423,12 +428,15 @@ class K3Model:
             raise ValueError(f"token ids: {[int(t) for t in ids if not 0 <= int(t) < self.cfg.vocab_size][:4]} outside "
                              f"[0, vocab_size={self.cfg.vocab_size}); pass ids produced by the model's tokenizer")
 
-    def forward_on_device(self, ids: torch.Tensor, batch: Batch, pools: dict, logits_index: torch.Tensor | None = None):
-        """`forward` without validation or copies: ids [T] int64, batch (int32 metadata) and logits_index [M] int64
-        already on `device`, ids trusted (out-of-range ids index out of bounds). Returns (logits [M or T, vocab]
-        fp32, pools). No host reads: with in-place ops (KernelOps) the decode step can be captured in a CUDA graph
-        (runtime/graphs.py)."""
+    def forward_on_device(self, ids: torch.Tensor, batch: Batch, pools: dict, logits_index: torch.Tensor | None = None,
+                          image_rows: "tuple[torch.Tensor, torch.Tensor] | None" = None):
+        """`forward` without validation or copies: ids [T] int64, batch (int32 metadata), logits_index [M] int64 and
+        image_rows already on `device`, ids trusted (out-of-range ids index out of bounds). Returns (logits [M or T,
+        vocab] fp32, pools). No host reads: with in-place ops (KernelOps) the decode step can be captured in a CUDA
+        graph (runtime/graphs.py)."""
         P = self.embed(ids)
+        if image_rows is not None:
+            P = P.index_put((image_rows[0],), image_rows[1].to(P.dtype))
         bank = P.new_zeros(P.shape[0], 0, P.shape[1])
         new = {}
         for l, layer in enumerate(self.layers):
@@ -453,9 +461,12 @@ class SequenceState:
         self.max_len = max_len
 
 
-def forward(model: K3Model, token_ids, state: SequenceState) -> tuple[torch.Tensor, SequenceState]:
+def forward(model: K3Model, token_ids, state: SequenceState,
+            image_features: torch.Tensor | None = None) -> tuple[torch.Tensor, SequenceState]:
     """forward(token_ids, state) -> (logits [L, vocab] fp32, state): prefill of any length L >= 1, or decode
-    when L == 1 and context exists — one sequence, the same modules as the batched path (§4.4, §5.3)."""
+    when L == 1 and context exists — one sequence, the same modules as the batched path (§4.4, §5.3).
+    image_features [N, d]: the projected rows of the images whose N `<|media_pad|>` positions token_ids holds
+    (VISION.md §8.3; ValueError when the count differs)."""
     ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
     L = ids.shape[0]
     if L < 1:
@@ -464,6 +475,13 @@ def forward(model: K3Model, token_ids, state: SequenceState) -> tuple[torch.Tens
         raise ValueError(f"token_ids: {state.context_len} + {L} tokens exceed the state's max_len {state.max_len}")
     batch = Batch(torch.tensor([0, L], dtype=torch.int32), torch.tensor([1], dtype=torch.int32), state.block_table,
                   torch.tensor([state.context_len], dtype=torch.int32), decode=(L == 1 and state.context_len > 0))
-    logits, state.pools = model.forward(ids, batch, state.pools)
+    rows = None
+    if image_features is not None:
+        from k3deploy.model.vision import check_placeholders
+        if model.cfg.vision is None:
+            raise ValueError("image_features: the model's config has no vision_config")
+        pos = check_placeholders(ids, [image_features.shape[0]], model.cfg.vision.media_placeholder_token_id)
+        rows = (torch.tensor(pos, dtype=torch.long), image_features)
+    logits, state.pools = model.forward(ids, batch, state.pools, image_rows=rows)
     state.context_len += L
     return logits, state

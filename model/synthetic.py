@@ -10,10 +10,16 @@ forward finite and non-degenerate:
 * KDA: conv weights ~ N(0, 0.5^2) (f32), A_log[:H] = log(U(1, 16)) with zero padding to the stored length
   (max(H, head_dim), like the release, Q1), dt_bias ~ 0.1 N(0, 1);
 * router e_score_correction_bias ~ 0.01 N(0, 1) (f32);
-* routed experts: logical weights ~ N(0, 1/in), packed with `pack_mxfp4` when the config says MXFP4.
+* routed experts: logical weights ~ N(0, 1/in), packed with `pack_mxfp4` when the config says MXFP4;
+* vision tower (VISION.md §7.1, with a vision_config): the patch embedding `[D, 3, p, p]` ~ N(0, 1/(3p²)), the
+  learned position table ~ N(0, 0.5²) (so its resampling shows in the output), the tower's norm0/norm1 like the
+  other norms; a synthetic checkpoint with a vision tower also gets the preset's preprocessor_config.json.
 
 CLI: `python -m k3deploy.model.synthetic --preset k3-tiny --out DIR [--seed S] [--force]` streams one shard (layer)
 at a time through `model.checkpoint.CheckpointWriter`, so k3-slice (~17 GB on disk) never sits in memory.
+
+Every checkpoint also ships the tokenizer files (`tiktoken.model` + `tokenizer_config.json`, model/vocab.py): the
+vocabulary's last 256 ids are K3's special tokens at K3's offsets, so the preset's bos/eos/pad/media ids name them.
 """
 from __future__ import annotations
 
@@ -29,7 +35,8 @@ import torch
 
 from k3deploy.model.checkpoint import CheckpointWriter
 from k3deploy.model.config import PRESETS, ConfigError, K3Config, load_config
-from k3deploy.model.weights import PREFIX, TensorSpec, a_log_stored_size, all_tensors, layer_tensors, model_tensors
+from k3deploy.model.vocab import NUM_SPECIAL, write_tokenizer_files
+from k3deploy.model.weights import PREFIX, TensorSpec, a_log_stored_size, all_tensors, layer_tensors, model_tensors, vision_tensors
 from k3deploy.plugins.moe.mxfp4 import pack_mxfp4
 
 log = logging.getLogger(__name__)
@@ -78,7 +85,7 @@ class SyntheticSource:
 
     def __init__(self, cfg: K3Config, seed: int = 0, device: "str | torch.device" = "cpu"):
         self.cfg, self.seed, self.device = cfg, seed, torch.device(device)
-        self.specs: dict[str, TensorSpec] = {s.name: s for s in all_tensors(cfg)}
+        self.specs: dict[str, TensorSpec] = {s.name: s for s in all_tensors(cfg) + vision_tensors(cfg)}
         self._pair: tuple[str, dict[str, torch.Tensor]] | None = None
 
     def get(self, name: str) -> torch.Tensor:
@@ -102,8 +109,12 @@ class SyntheticSource:
             out = torch.zeros(s.shape, dtype=dt, device=self.device)
             out[:H] = torch.log(torch.empty(H, device=self.device).uniform_(1.0, 16.0, generator=g)).to(dt)
             return out
-        if n.endswith(("norm.weight", "layernorm.weight")):
+        if n.endswith(("norm.weight", "layernorm.weight", ".norm0.weight", ".norm1.weight")):
             return _normal(s.shape, 0.02, 1.0, dt, g)
+        if n.endswith("patch_embed.proj.weight"):
+            return _normal(s.shape, (s.shape[1] * s.shape[2] * s.shape[3]) ** -0.5, 0.0, dt, g)
+        if n.endswith("patch_embed.pos_emb.weight"):
+            return _normal(s.shape, 0.5, 0.0, dt, g)
         if "_conv1d." in n:
             return _normal(s.shape, 0.5, 0.0, dt, g)
         if n.endswith(".dt_bias"):
@@ -118,7 +129,8 @@ class SyntheticSource:
 
 
 def synthetic_tensors(cfg: K3Config, seed: int = 0) -> dict[str, torch.Tensor]:
-    """All text tensors of `cfg` (full names -> stored dtype/shape), deterministic in (seed, name).
+    """All tensors of `cfg` (text, and the vision tower with a vision_config; full names -> stored dtype/shape),
+    deterministic in (seed, name).
 
     Holds everything in memory: meant for small configs (k3-tiny). For big ones use `write_synthetic`.
     """
@@ -143,6 +155,13 @@ def synthetic_model_weights(cfg: K3Config, seed: int = 0, device: "str | torch.d
     return out
 
 
+def synthetic_vision_weights(cfg: K3Config, seed: int = 0, device: "str | torch.device" = "cpu") -> dict[str, torch.Tensor]:
+    """The vision tower + projector tensors under their released names, as `Checkpoint.vision_weights` returns
+    them, drawn on `device` ({} without a vision_config)."""
+    src = SyntheticSource(cfg, seed, device)
+    return {s.name: src.get(s.name) for s in vision_tensors(cfg)}
+
+
 def synthetic_layer_weights(cfg: K3Config, l: int, seed: int = 0, device: "str | torch.device" = "cpu",
                             experts: "range | None" = None) -> dict[str, torch.Tensor]:
     """Decoder layer `l` keyed as `Checkpoint.layer_weights` keys it (relative to the layer prefix; KDA A_log
@@ -163,9 +182,18 @@ def synthetic_layer_weights(cfg: K3Config, l: int, seed: int = 0, device: "str |
 def write_synthetic(cfg: K3Config, out: "str | Path", seed: int = 0, overwrite: bool = False,
                     progress: bool = False) -> Path:
     """Generate and write a synthetic checkpoint shard by shard (one layer in memory at most one tensor at
-    a time). Atomic (see CheckpointWriter). FileExistsError if `out` is non-empty and overwrite is False."""
+    a time) plus its tokenizer files (module docstring; none for a vocabulary under 512 ids). Atomic (see
+    CheckpointWriter). FileExistsError if `out` is non-empty and overwrite is False."""
     src = SyntheticSource(cfg, seed)
-    with CheckpointWriter(out, cfg, overwrite=overwrite) as w:
+    pre = None
+    if cfg.vision is not None:
+        from k3deploy.model.vision import preset_processor
+        pre = preset_processor(cfg).to_json()
+    with CheckpointWriter(out, cfg, overwrite=overwrite, preprocessor=pre) as w:
+        if cfg.vocab_size >= 256 + NUM_SPECIAL:
+            write_tokenizer_files(w.tmp, cfg.vocab_size, cfg.max_position_embeddings)
+        else:
+            log.warning("vocab_size %d < %d: no tokenizer files written", cfg.vocab_size, 256 + NUM_SPECIAL)
         plan = w.plan()
         bar = None
         if progress:
@@ -203,7 +231,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if a.out.exists() and (not a.out.is_dir() or any(a.out.iterdir())) and not a.force:
         print(f"error: {a.out} is not empty; use --force to replace it", file=sys.stderr)
         return 2
-    total = sum(s.nbytes for s in all_tensors(cfg))
+    total = sum(s.nbytes for s in all_tensors(cfg) + vision_tensors(cfg))
     # CheckpointWriter writes into a temporary sibling of --out, then renames: the space counted is its parent's
     parent = next(p for p in a.out.resolve().parents if p.exists())
     free = shutil.disk_usage(parent).free

@@ -1,4 +1,5 @@
-"""The checkpoint's tensor inventory, derived from a K3Config (MODEL.md §4.1, §5.1, §6.1, §7, §8.2, §8.3).
+"""The checkpoint's tensor inventory, derived from a K3Config (MODEL.md §4.1, §5.1, §6.1, §7, §8.2, §8.3; the vision
+tower and projector: VISION.md §7.1, `vision_tensors`).
 
 Every consumer (checkpoint validation, synthetic writer, parameter report, sharding, export) reads this one
 declaration instead of hard-coding names. `split` tells how tensor parallelism cuts the tensor (§10):
@@ -127,6 +128,32 @@ def model_tensors(cfg: K3Config) -> list[TensorSpec]:
         TensorSpec(PREFIX + "model.output_attn_res_proj.weight", (1, d), "BF16", "rep"),
         TensorSpec(PREFIX + "lm_head.weight", (V, d), "BF16", "vocab"),
     ]
+
+
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")
+
+
+def vision_tensors(cfg: K3Config) -> list[TensorSpec]:
+    """The vision tower + projector tensors under their released names (VISION.md §7.1): all BF16, never quantized,
+    replicated on every rank (§9); [] for a config without a vision tower. 2 + 6 x layers + 1 + 3 tensors."""
+    v = cfg.vision
+    if v is None:
+        return []
+    D, Q, I, p = v.hidden_size, v.qkv_hidden_size, v.intermediate_size, v.patch_size
+    t = "vision_tower."
+    out = [TensorSpec(t + "patch_embed.proj.weight", (D, 3, p, p), "BF16", "rep"),
+           TensorSpec(t + "patch_embed.pos_emb.weight", (v.pos_emb_height, v.pos_emb_width, D), "BF16", "rep")]
+    for l in range(v.num_layers):
+        b = f"{t}encoder.blocks.{l}."
+        out += [TensorSpec(b + "norm0.weight", (D,), "BF16", "rep"), TensorSpec(b + "norm1.weight", (D,), "BF16", "rep"),
+                TensorSpec(b + "wqkv.weight", (3 * Q, D), "BF16", "rep"), TensorSpec(b + "wo.weight", (D, Q), "BF16", "rep"),
+                TensorSpec(b + "mlp.fc0.weight", (I, D), "BF16", "rep"), TensorSpec(b + "mlp.fc1.weight", (D, I), "BF16", "rep")]
+    out.append(TensorSpec(t + "encoder.final_layernorm.weight", (D,), "BF16", "rep"))
+    M, T = v.merged_size, v.text_hidden_size
+    out += [TensorSpec("mm_projector.proj.0.weight", (M, M), "BF16", "rep"),
+            TensorSpec("mm_projector.proj.2.weight", (T, M), "BF16", "rep"),
+            TensorSpec("mm_projector.post_norm.weight", (T,), "BF16", "rep")]
+    return out
 
 
 def all_tensors(cfg: K3Config) -> list[TensorSpec]:

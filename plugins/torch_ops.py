@@ -74,7 +74,7 @@ def _moe_ref():
 def _kernels(op: str):
     import importlib
     try:
-        return importlib.import_module(f"plugins.{op}.kernels")
+        return importlib.import_module(f"k3deploy.plugins.{op}.kernels")
     except ImportError as e:
         raise ImportError(f"KernelOps needs the Triton kernels of plugins/{op}/kernels.py (pip install .[gpu]): {e}") from e
 
@@ -129,4 +129,4 @@ class KernelOps:
         logits GEMM, then the Triton top-k kernel (plugins/moe/kernels.py `route`; its ValueErrors)."""
         return _kernels("moe").route(x, gate_w, bias, top_k=int(top_k), num_expert_group=int(num_expert_group),
                                      topk_group=int(topk_group), routed_scaling_factor=float(scaling),
-                                     renormalize=bool(renormalize), impl="triton")
+                                     renormalize=bool(renormalize))

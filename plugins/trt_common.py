@@ -22,7 +22,7 @@ Plugins written in Python only live in the process that registered them: call :f
 before ``Runtime.deserialize_cuda_engine`` and before parsing ONNX with the plugins (otherwise the parser inlines the
 FunctionProto reference body, see docs/DESIGN.md and STACK.md §1c).
 
-CUDA graphs (issue 6). ``enqueue`` wraps TensorRT's pointers as torch tensors (:func:`tensor_from_ptr`, no copies), runs
+CUDA graphs. ``enqueue`` wraps TensorRT's pointers as torch tensors (:func:`tensor_from_ptr`, no copies), runs
 the op's kernels on TensorRT's stream (``torch.cuda.ExternalStream``) and hands the kernel ``workspace=``: a uint8 view
 of TensorRT's workspace, sized by the spec's workspace rule (:func:`workspace_size`; ``get_workspace_size`` evaluates
 it on the profile's max dims, ``enqueue`` on the actual dims, which needs no more). With it, per op:
@@ -45,7 +45,7 @@ it on the profile's max dims, ``enqueue`` on the actual dims, which needs no mor
   enqueues eagerly, which usually does this warm-up.
 * ``enqueue`` itself is Python (GIL, launch-config arithmetic on the host); a captured graph replays without it.
 
-Verified: CPU interpreter tests (tests/test_graph_safe.py: kernels vs references, workspace bounds and guards,
+Verified: CPU interpreter tests (tests/plugins/test_graph_safe.py: kernels vs references, workspace bounds and guards,
 rules); the ``torch.cuda.CUDAGraph`` capture/replay tests there are for the H200. No TensorRT engine with these
 plugins has run (full TensorRT is not installable here nor on the H200 image).
 

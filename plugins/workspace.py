@@ -21,7 +21,7 @@ WORKSPACE_ALIGN = 256
 # Version of the `*_workspace_bytes` rules. A TensorRT engine's workspace is sized by the rules of the code that
 # built it (get_workspace_size at build time) while enqueue carves it by the running code's rules, so engines
 # record it (engines/build.py, manifest "workspace_rules") and the runtime refuses others. Bump it whenever a rule
-# can grow. 2: KdaDecode's default V tile needs its counter scratch at every batch (benchmarks/RESULTS.md run 23).
+# can grow. 2: KdaDecode's V tile at K >= 128 splits (counter scratch) at every batch.
 WORKSPACE_RULES = 2
 
 

@@ -9,6 +9,13 @@
     eng.cancel(request_id); eng.metrics(); eng.shutdown()
     llm = LLM(path, enable_prefix_caching=True)             # reuse cached prefixes (docs/PREFIX_CACHING.md)
 
+Images (models with a vision tower, VISION.md; docs/VISION.md): a request takes `images=[ProcessedImage, ...]` with
+its prompt ids pre-expanded (each image's `<|media_pad|>` repeated image.num_tokens times, in image order)::
+
+    ids, images = llm.prepare_images(prompt_ids, [png_bytes, "data:image/png;base64,..."])   # one pad per image
+    ids, images = llm.build_prompt("Describe <|kimi_image_placeholder|>", ["cat.png"])         # needs a tokenizer
+    out = llm.generate([ids], images=[images])[0]
+
 `path` is a checkpoint directory (config.json + safetensors index), an ONNX export directory (index.json), an
 engine directory (engines/ manifest.json) or a build output directory whose manifest.json names them
 (`checkpoint`, `onnx` / `onnx_dir`, `engines` / `engine_dir`; relative to the directory) or holds them as
@@ -16,7 +23,8 @@ subdirectories `checkpoint/`, `onnx/`, `engines/`. A `tiktoken.model` next to th
 `llm.tokenizer`.
 
 Invalid requests raise ValueError naming the field (prompt_ids, max_tokens, temperature, top_k, top_p, seed,
-stop_token_ids, request_id) from `generate`, `stream` and `submit`; requests already in flight are unaffected.
+stop_token_ids, request_id, images) from `generate`, `stream` and `submit`; requests already in flight are
+unaffected.
 """
 from __future__ import annotations
 
@@ -45,7 +53,9 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "AsyncEngine", "resolve_mod
 @dataclasses.dataclass
 class RequestOutput:
     """request_id; prompt_ids; token_ids generated (a stop/eos token that ended the request is included);
-    finish_reason "length" | "stop" | "cancelled" | "error"; error: message when finish_reason == "error";
+    finish_reason "length" | "stop" | "cancelled" | "error"; error: message when finish_reason == "error".
+    With SamplingParams.logprobs: logprobs[i] (natural log) and top_logprobs[i] ([(id, logprob)], most likely first)
+    of token_ids[i]; with prompt_logprobs: prompt_logprobs / prompt_top_logprobs per prompt token (None first).
     num_cached_tokens: prompt tokens served from the prefix cache instead of prefilled (0 when it is off)."""
 
     request_id: str
@@ -53,6 +63,10 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str
     error: str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list | None = None
     num_cached_tokens: int = 0
 
 
@@ -140,14 +154,17 @@ class AsyncEngine:
         return self._thread.is_alive() and not self._stop
 
     def submit(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams | None = None,
-               on_token: Callable[[int | None, bool, str | None], None] | None = None, *, content_keys=None):
+               on_token: Callable[[int | None, bool, str | None], None] | None = None, images=None, *,
+               content_keys=None):
         """Queue a request; returns its scheduler Request (read-only for callers; `num_cached_tokens` is set when
-        it is admitted). content_keys: (start, end, digest) spans for the prefix cache (Scheduler.add). Raises
-        ValueError naming the field for a bad request, RuntimeError after shutdown."""
+        it is admitted). images: its ProcessedImages with prompt_ids pre-expanded (module docstring; their content
+        hashes key the prefix cache). content_keys: more (start, end, digest) spans for the prefix cache
+        (Scheduler.add). Raises ValueError naming the field for a bad request, RuntimeError after shutdown."""
         with self._turn():
             if self._stop:
                 raise RuntimeError("engine is shut down")
-            return self._sched.add(request_id, prompt_ids, params or SamplingParams(), on_token, content_keys)
+            return self._sched.add(request_id, prompt_ids, params or SamplingParams(), on_token, images,
+                                   content_keys=content_keys)
 
     def cancel(self, request_id: str) -> bool:
         """Free the request's slot and blocks now (after the step in progress); on_token(None, True, None)
@@ -196,8 +213,8 @@ class LLM:
     (needs engines + export index; full TensorRT and a GPU). device (torch backend): "cpu" (default; the fp32
     reference), "cuda" (cuda:LOCAL_RANK under torchrun) or "cuda:N": weights, decode-state pools and batch metadata
     on that GPU, logits sampled there (runtime.distributed.resolve_device); the tensorrt backend takes "cuda[:N]"
-    and onnxruntime only "cpu". ops (torch backend): "reference" | "torch" | "kernels" (runtime.executor.
-    TorchExecutor; default "reference" on the CPU, "torch" = the Triton kernels on CUDA, which need a block_size
+    and onnxruntime only "cpu". ops (torch backend): "reference" | "torch" | "kernels" (each layer's glue fused
+    around them: runtime/fused.py) | "kernels-unfused" (runtime.executor.TorchExecutor; default "reference" on the CPU, "torch" = the Triton kernels on CUDA, which need a block_size
     multiple of 16). dense_dtype (torch backend): "float32" (default; the reference precision) or "bfloat16" (dense
     weights and their GEMMs in bf16: half the bytes of the step's largest reads; K3Model; the KDA conv history and
     MLA latent cache pools then hold bf16 too, MODEL.md §9, the KDA state stays fp32). profile_comm: count and
@@ -295,6 +312,7 @@ class LLM:
         self._engine: AsyncEngine | None = None
         self._ids = itertools.count()
         self._tokenizer = None
+        self._processor = None
 
     @staticmethod
     def _snapshot_rows(enable: bool, interval, rows, max_batch: int) -> int:
@@ -362,6 +380,40 @@ class LLM:
         raise ValueError(f"backend = {backend!r}: choose 'torch', 'onnxruntime' or 'tensorrt'")
 
     @property
+    def processor(self):
+        """The image processor's settings (model.vision.ProcessorConfig): the checkpoint's preprocessor_config.json,
+        else the export's copy in index.json, else VISION.md §1.1's defaults. ValueError without a vision tower."""
+        if self.cfg.vision is None:
+            raise ValueError("images: this model has no vision tower (config.json has no vision_config)")
+        if self._processor is None:
+            from k3deploy.runtime.vision import load_processor
+            index = getattr(self.executor, "index", None) or {}
+            raw = None if self.paths["checkpoint"] else (index.get("vision") or {}).get("processor")
+            self._processor = load_processor(self.paths["checkpoint"], raw)
+            if self._processor.patch_size != self.cfg.vision.patch_size:
+                raise ValueError(f"preprocessor_config.json: patch_size {self._processor.patch_size} != "
+                                 f"vision_config.patch_size {self.cfg.vision.patch_size}; restore the checkpoint's files")
+        return self._processor
+
+    def prepare_images(self, prompt_ids: Sequence[int], images: Sequence) -> tuple[list[int], list]:
+        """(pre-expanded prompt ids, ProcessedImages) from a tokenized prompt holding one `<|media_pad|>` per image
+        and the images as paths / bytes / data: URLs / PIL images (runtime.vision.prepare_images with this model's
+        processor and placeholder id). Raises runtime.vision.ImageError (a ValueError)."""
+        from k3deploy.runtime.vision import prepare_images
+        proc = self.processor
+        return prepare_images(prompt_ids, images, self.cfg.vision.media_placeholder_token_id, proc)
+
+    def build_prompt(self, text: str, images: Sequence) -> tuple[list[int], list]:
+        """(pre-expanded prompt ids, ProcessedImages) from text with one `<|kimi_image_placeholder|>` per image
+        (runtime.vision.build_prompt with `llm.tokenizer`). Raises ValueError without a tokenizer, ImageError."""
+        from k3deploy.runtime.vision import build_prompt
+        if self.tokenizer is None:
+            raise ValueError("build_prompt: no tokenizer (tiktoken.model) next to the checkpoint; tokenize the prompt "
+                             "yourself and use prepare_images")
+        proc = self.processor
+        return build_prompt(self.tokenizer, text, images, self.cfg.vision.media_placeholder_token_id, proc)
+
+    @property
     def tokenizer(self):
         """The checkpoint's tokenizer (runtime.tokenizer.Tokenizer), or None when no tiktoken.model is present."""
         if self._tokenizer is None and self.paths["tokenizer"] is not None:
@@ -385,12 +437,18 @@ class LLM:
         return self._engine.metrics() if self._engine else self.scheduler.metrics()
 
     # ---- synchronous helpers ----
-    def generate(self, prompts: Sequence[Sequence[int]], params: "SamplingParams | Sequence[SamplingParams] | None" = None
-                 ) -> list[RequestOutput]:
+    def generate(self, prompts: Sequence[Sequence[int]], params: "SamplingParams | Sequence[SamplingParams] | None" = None,
+                 images: "Sequence | None" = None) -> list[RequestOutput]:
         """Generate for every prompt (continuous batching); outputs in prompt order. A single prompt (list of ints)
-        is accepted too. Every request is validated before any runs: ValueError names the field."""
+        is accepted too (then `images` is that prompt's list). images: per prompt a list of ProcessedImage (or None)
+        with the prompt pre-expanded (module docstring). Every request is validated before any runs: ValueError
+        names the field."""
         if prompts and isinstance(prompts[0], int):
             prompts = [prompts]
+            images = None if images is None else [images]
+        if images is not None and len(images) != len(prompts):
+            raise ValueError(f"images: {len(images)} image lists for {len(prompts)} prompts; give one list (or None) "
+                             "per prompt")
         plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"params: {len(plist)} SamplingParams for {len(prompts)} prompts")
@@ -400,9 +458,18 @@ class LLM:
             p.validate()
         from k3deploy.runtime.sampling import validate_prompt
         prompts = [validate_prompt(pr, self.cfg.vocab_size, self.cache.max_context) for pr in prompts]
+        images = list(images) if images is not None else [None] * len(prompts)
+        if any(im is not None for im in images):
+            from k3deploy.runtime.vision import request_images
+            for i, (pr, im) in enumerate(zip(prompts, images)):
+                if im is not None:
+                    try:
+                        request_images(pr, im, self.cfg, self.executor.max_image_patches())
+                    except ValueError as e:
+                        raise ValueError(f"prompt {i}: {e}") from None
         outs: list[RequestOutput] = []
         done = threading.Semaphore(0)
-        for pr, p in zip(prompts, plist):
+        for pr, p, im in zip(prompts, plist, images):
             out = RequestOutput(f"gen-{next(self._ids)}", list(pr), [], "")
             outs.append(out)
             reqs: list = []
@@ -411,22 +478,25 @@ class LLM:
                 if tok is not None:
                     out.token_ids.append(tok)
                 if finished:
-                    out.finish_reason, out.error = reqs[0].finish_reason, error
-                    out.num_cached_tokens = reqs[0].num_cached_tokens
+                    r = reqs[0]
+                    out.finish_reason, out.error = r.finish_reason, error
+                    out.logprobs, out.top_logprobs = r.logprobs, r.top_logprobs
+                    out.prompt_logprobs, out.prompt_top_logprobs = r.prompt_logprobs, r.prompt_top_logprobs
+                    out.num_cached_tokens = r.num_cached_tokens
                     done.release()
             with self._engine._turn() if self._engine is not None else contextlib.nullcontext():
-                reqs.append(self._submit(out.request_id, pr, p, on_token))   # before its first callback can run
+                reqs.append(self._submit(out.request_id, pr, p, on_token, im))   # before its first callback can run
         self._wait(done, len(outs))
         return outs
 
-    def stream(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Iterator[int]:
-        """Yield the generated token ids of one request as they come. ValueError (naming the field) is raised at
-        the first next(); closing the iterator early cancels the request. Raises RuntimeError when the request
-        ends with an error."""
+    def stream(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, images=None) -> Iterator[int]:
+        """Yield the generated token ids of one request as they come (images: its ProcessedImages, the prompt
+        pre-expanded). ValueError (naming the field) is raised at the first next(); closing the iterator early
+        cancels the request. Raises RuntimeError when the request ends with an error."""
         params = params or SamplingParams()
         rid = f"stream-{next(self._ids)}"
         q: "queue.Queue[tuple]" = queue.Queue()
-        self._submit(rid, prompt_ids, params, lambda tok, fin, err: q.put((tok, fin, err)))
+        self._submit(rid, prompt_ids, params, lambda tok, fin, err: q.put((tok, fin, err)), images)
         finished = False
         try:
             while True:
@@ -447,10 +517,10 @@ class LLM:
     def cancel(self, request_id: str) -> bool:
         return self._engine.cancel(request_id) if self._engine else self.scheduler.cancel(request_id)
 
-    def _submit(self, rid, prompt_ids, params, on_token):
+    def _submit(self, rid, prompt_ids, params, on_token, images=None):
         if self._engine is not None:
-            return self._engine.submit(rid, prompt_ids, params, on_token)
-        return self.scheduler.add(rid, prompt_ids, params, on_token)
+            return self._engine.submit(rid, prompt_ids, params, on_token, images)
+        return self.scheduler.add(rid, prompt_ids, params, on_token, images)
 
     def _wait(self, done: threading.Semaphore, n: int) -> None:
         for _ in range(n):

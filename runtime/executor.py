@@ -3,6 +3,8 @@
 Common interface (what `runtime.scheduler.Scheduler` calls)::
 
     logits, pools = executor.forward(ids, batch, pools, logits_index)
+    logits, pools = executor.forward(ids, batch, pools, logits_index, image_rows=(positions, rows))   # prefill
+    features = executor.encode_images(pixel_values, grid_thws)     # models with a vision tower (VISION.md §8.3)
 
 ids [T] int64 packed tokens; batch: `model.reference.Batch` (decode=True: one token per sequence, decode graphs);
 pools: {layer: {"state", "conv"} | {"cache"}} as allocated by `runtime.cache.HybridCache` (slot 0 / block 0
@@ -12,8 +14,9 @@ pools (new tensors or the same ones updated in place; the caller writes them bac
 Backends:
 * `TorchExecutor`: `model.reference.K3Model` on the CPU (fp32 reference ops) or on a CUDA GPU (fp32 weights and
   activations, the five custom ops as Triton kernels: `ops="torch"` the torch.library ops, `ops="kernels"` the
-  kernels in place, `ops="reference"` the fp32 references on the GPU for debugging); TP > 1 as one process per rank
-  (SPMD). Logits come back on the executor's device.
+  kernels in place with each layer's glue fused (`runtime.fused.FusedModel`), `ops="kernels-unfused"` the same
+  kernels inside K3Model's own layer code, `ops="reference"` the fp32 references on the GPU for debugging); TP > 1
+  as one process per rank (SPMD). Logits come back on the executor's device.
 * `OnnxRuntimeExecutor`: the per-layer graphs of an export directory (docs/EXPORT_FORMAT.md, index.json), one
   `onnxruntime.InferenceSession` per graph; pools are passed in as inputs and the `*_out` outputs taken back.
   tp > 1: the rank's segments with the collectives between them (SPMD, one process per rank).
@@ -38,13 +41,15 @@ from k3deploy.plugins.workspace import WORKSPACE_RULES, workspace_rules_of
 log = logging.getLogger(__name__)
 
 
-OPS = ("reference", "torch", "kernels")
+OPS = ("reference", "torch", "kernels", "kernels-unfused")
+KERNEL_OPS = ("torch", "kernels", "kernels-unfused")       # the names that run the Triton kernels
 
 
 def resolve_ops(ops, device: torch.device) -> tuple[str, object]:
-    """(name, ops class) for `ops` = None | "reference" | "torch" | "kernels" | an ops class on `device`.
-    None = "reference" on the CPU, "torch" on CUDA. Raises ValueError for an unknown name or "kernels" on the
-    CPU (the Triton kernels run on CPU tensors only under TRITON_INTERPRET=1)."""
+    """(name, ops class) for `ops` = None | "reference" | "torch" | "kernels" | "kernels-unfused" | an ops class on
+    `device`. None = "reference" on the CPU, "torch" on CUDA. "kernels" and "kernels-unfused" both give
+    `KernelOps` (the executor fuses the glue around them for "kernels"). Raises ValueError for an unknown name or
+    the in-place kernels on the CPU (the Triton kernels run on CPU tensors only under TRITON_INTERPRET=1)."""
     import os
     if ops is not None and not isinstance(ops, str):
         return ops_name(ops), ops
@@ -54,8 +59,8 @@ def resolve_ops(ops, device: torch.device) -> tuple[str, object]:
     if name == "reference":
         from k3deploy.model.reference import ReferenceOps
         return name, ReferenceOps
-    if name == "kernels" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("ops = 'kernels': the Triton kernels need a CUDA device (or TRITON_INTERPRET=1); "
+    if name.startswith("kernels") and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"ops = {name!r}: the Triton kernels need a CUDA device (or TRITON_INTERPRET=1); "
                          "use ops 'reference' or 'torch' on the CPU")
     from k3deploy.plugins.torch_ops import KernelOps, TorchOps
     return name, TorchOps if name == "torch" else KernelOps
@@ -70,7 +75,7 @@ def ops_name(ops) -> str:
 def check_block_size(block_size: int, device: torch.device, ops_name: str) -> None:
     """Raise ValueError when the latent block size cannot run on the GPU MLA decode kernel (CUDA with the "torch"
     or "kernels" ops needs a multiple of 16 tokens: its tl.dot tiles never straddle two paged blocks)."""
-    if device.type == "cuda" and ops_name in ("torch", "kernels") and block_size % 16:
+    if device.type == "cuda" and ops_name in KERNEL_OPS and block_size % 16:
         raise ValueError(f"block_size = {block_size}: the GPU MLA decode kernel needs latent blocks of a multiple of "
                          f"16 tokens (16, 32, 64, ...); the runtime default there is {GPU_BLOCK_SIZE}")
 
@@ -82,9 +87,8 @@ CPU_BLOCK_SIZE = 16     # elsewhere: finer paging, no kernel to feed
 def preferred_block_size(device: torch.device, ops_name: str) -> int:
     """Latent block size (tokens) the runtime allocates when the caller gives none: 64 on CUDA with the "torch" /
     "kernels" ops — the MLA decode and prefill tiles take at most one block's keys, so 16-token blocks cap them at
-    16 keys (H200: 12 heads B=64 L=32K 855-864 µs at 16 vs 654-666 at 64; 96 heads B=64 L=8K 1157 vs 556;
-    benchmarks/RESULTS.md runs 20-21; FlashMLA takes 64 too) —, 16 elsewhere (the CPU references)."""
-    return GPU_BLOCK_SIZE if device.type == "cuda" and ops_name in ("torch", "kernels") else CPU_BLOCK_SIZE
+    16 keys (FlashMLA takes 64 too) —, 16 elsewhere (the CPU references)."""
+    return GPU_BLOCK_SIZE if device.type == "cuda" and ops_name in KERNEL_OPS else CPU_BLOCK_SIZE
 
 
 POOL_DIMS = ("S", "NB", "BS", "MB", "M")    # KDA slots, latent blocks, tokens per block, block-table width, tokens
@@ -159,10 +163,20 @@ class Executor:
         """Raise ValueError when this executor cannot run pools of these sizes or these limits (engines fix them);
         here: any."""
 
-    def forward(self, ids: torch.Tensor, batch: Batch, pools: dict, logits_index: torch.Tensor):
+    def forward(self, ids: torch.Tensor, batch: Batch, pools: dict, logits_index: torch.Tensor, image_rows=None):
         """ids [T] int64 packed tokens, batch (`model.reference.Batch`), pools {layer: {name: tensor}},
-        logits_index [M] int64 -> (logits [M, vocab] fp32, updated pools). ValueError for an invalid batch."""
+        logits_index [M] int64, image_rows None or (positions [n] int64, rows [n, d]) -> (logits [M, vocab] fp32,
+        updated pools). ValueError for an invalid batch."""
         raise NotImplementedError
+
+    def encode_images(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
+        """Images packed end to end (pixel_values [L, 3, p, p] fp32, grid_thws [S, 3]) -> features [N, d] (VISION.md
+        §2-§6), one tower run for all of them. ValueError when the model has no vision tower or a grid is bad."""
+        raise ValueError("images: this model has no vision tower (config.json has no vision_config)")
+
+    def max_image_patches(self) -> int | None:
+        """Patches one image may take on this executor (a vision engine's profile), None when unbounded."""
+        return None
 
     def close(self) -> None:
         """Release backend resources (sessions, engines)."""
@@ -175,7 +189,8 @@ class TorchExecutor(Executor):
     device: "cpu" (default), "cuda" (cuda:LOCAL_RANK under torchrun) or "cuda:N" (runtime.distributed.
     resolve_device). ops: "reference" (fp32 references; the CPU default), "torch" (torch.library ops = Triton
     kernels on CUDA; the CUDA default), "kernels" (the CUDA kernels called directly, pools updated in place:
-    no per-call pool copy), or an ops class. On CUDA the dense weights are fp32 on the GPU (MXFP4 experts stay
+    no per-call pool copy; each layer's glue fused: runtime.fused), "kernels-unfused" (the same kernels in K3Model's
+    layer code: the glue as separate torch ops, for A/B comparisons), or an ops class. On CUDA the dense weights are fp32 on the GPU (MXFP4 experts stay
     packed uint8) and the kernels use bf16/TF32 internally where their tests say so; the pools must be on
     `self.device` (HybridCache(..., device=executor.device)). dense_dtype: "bfloat16" keeps the dense weights
     (projections, embedding, lm_head) in bf16 and runs those GEMMs in bf16 (K3Model; default fp32); `act_dtype`, the
@@ -192,8 +207,9 @@ class TorchExecutor(Executor):
 
     def __init__(self, model: "K3Model | str | Path", tp: int = 1, ep: int = 1, rank: int = 0, *,
                  device: "str | torch.device | None" = None, ops=None, profile_comm: bool = False,
-                 dense_dtype: "str | torch.dtype | None" = None):
+                 dense_dtype: "str | torch.dtype | None" = None, vision=None):
         from k3deploy.runtime.distributed import resolve_device
+        self.vision = vision
         if isinstance(model, K3Model):
             from k3deploy.model.layers import dense_dtype as dense_dtype_of
             if dense_dtype is not None and (dense_dtype_of(dense_dtype) or torch.float32) != model.dense_dtype:
@@ -219,12 +235,20 @@ class TorchExecutor(Executor):
                 comm = Comm(rank, tp)
             self.model = K3Model.from_checkpoint(model, rank=rank, tp=tp, ep=ep, comm=comm, ops=ops_cls,
                                                  device=self.device, dense_dtype=dense_dtype)
+            if self.model.cfg.vision is not None:
+                from k3deploy.model.vision import VisionModel
+                vdt = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+                self.vision = VisionModel.from_checkpoint(model, dtype=vdt, device=self.device)
         if profile_comm:
             self.model.comm.profile = True
         self.cfg, self.tp, self.rank = self.model.cfg, self.model.comm.size, self.model.comm.rank
         self.act_dtype = self.model.dense_dtype        # the pools' conv history and latent cache: the model dtype
-        if self.device.type != "cuda" and self.ops_name == "kernels":
+        if self.device.type != "cuda" and self.ops_name.startswith("kernels"):
             self.act_dtype = torch.float32             # the Triton interpreter's bf16 tl.dot is wrong (Triton 3.9)
+        self.runner = self.model                       # what forward runs: K3Model, or its fused-glue form
+        if self.ops_name == "kernels":
+            from k3deploy.runtime.fused import FusedModel
+            self.runner = FusedModel.of(self.model)
         if self.device.type == "cuda":
             log.info("torch executor on %s, ops %s, tp %d rank %d", self.device, self.ops_name, self.tp, self.rank)
 
@@ -245,7 +269,7 @@ class TorchExecutor(Executor):
             raise ValueError("profile_comm and CUDA graphs exclude each other (a replay runs no Python); "
                              "time the graphs' collectives with a kernel profile instead")
         self.close()                                        # graphs captured before (other pools or sizes)
-        self.graphs = DecodeGraphs(self.model, pools, max_batch, max_blocks, capture=capture)
+        self.graphs = DecodeGraphs(self.runner, pools, max_batch, max_blocks, capture=capture)
         return self.graphs
 
     def close(self) -> None:
@@ -254,7 +278,7 @@ class TorchExecutor(Executor):
             self.graphs.release()
             self.graphs = None
 
-    def forward(self, ids, batch, pools, logits_index):
+    def forward(self, ids, batch, pools, logits_index, image_rows=None):
         """See `Executor.forward`; logits [M, vocab] fp32 on `self.device`. Decode batches replay the CUDA graphs
         when `enable_cuda_graphs` was called."""
         # the scheduler may run in another thread (AsyncEngine): Triton launches on the *current* CUDA device
@@ -263,7 +287,18 @@ class TorchExecutor(Executor):
                 self.model.check_ids(ids)
                 return self.graphs.forward(ids, batch, pools, logits_index)
             with torch.no_grad():
-                return self.model.forward(ids, batch, pools, logits_index)
+                return self.runner.forward(ids, batch, pools, logits_index, image_rows=image_rows)
+
+    def encode_images(self, pixel_values, grid_thws):
+        """See `Executor.encode_images`; features in the tower's dtype on `self.device`."""
+        if self.vision is None:
+            if self.cfg.vision is not None:
+                raise ValueError("images: this executor holds the text model only; pass TorchExecutor(model, "
+                                 "vision=model.vision.VisionModel...) or load it from the checkpoint directory")
+            return super().encode_images(pixel_values, grid_thws)
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            with torch.no_grad():
+                return self.vision.forward(pixel_values.to(self.device), grid_thws)
 
 
 # ---- onnxruntime ------------------------------------------------------------------------------------------
@@ -332,16 +367,34 @@ class GraphExecutor(Executor):
                                    else self.comm.all_gather_last(t))
         return env
 
-    def forward(self, ids, batch, pools, logits_index):
-        """ids [T] int64, batch (model.reference.Batch), pools (per layer) -> (logits [M, vocab] fp32 on the CPU,
-        new pools). The graphs' function bodies cannot raise, so the batch is validated here: ValueError for a
-        zero-length sequence or offsets that do not cover the T tokens."""
+    def encode_images(self, pixel_values, grid_thws):
+        """See `Executor.encode_images`: the vision graph once per group of equal-length images
+        (model.vision.encode_grouped); features fp32."""
+        from k3deploy.model.vision import encode_grouped
+        seg = self.segments.get(("vision",))
+        if seg is None:
+            if self.cfg.vision is not None:
+                raise ValueError("images: the export has no vision graph; export the checkpoint again")
+            return super().encode_images(pixel_values, grid_thws)
+        return encode_grouped(pixel_values, grid_thws, self.cfg.vision, lambda ins: self._run(seg[0], ins)["features"],
+                              self.vision_segments_per_call)
+
+    def vision_segments_per_call(self, length: int) -> int:
+        """Segments of `length` patches one vision call may hold (engines: their profiles'; here unbounded)."""
+        return 1 << 30
+
+    def forward(self, ids, batch, pools, logits_index, image_rows=None):
+        """ids [T] int64, batch (model.reference.Batch), pools (per layer), image_rows -> (logits [M, vocab] fp32 on
+        the CPU, new pools). The graphs' function bodies cannot raise, so the batch is validated here: ValueError for
+        a zero-length sequence or offsets that do not cover the T tokens."""
         from k3deploy.plugins.kda.reference import check_cu_seqlens
         if not batch.decode:
             check_cu_seqlens(batch.cu_seqlens, int(ids.shape[0]))
         meta = {"cu_seqlens": batch.cu_seqlens, "slots": batch.slots, "block_tables": batch.block_tables,
                 "context_lens": batch.context_lens}
         P = self._stage(("embed",), {"ids": ids})["P"]
+        if image_rows is not None:      # the image rows replace the embedding before layer 0 (VISION.md §8.3)
+            P = P.index_put((image_rows[0].to(P.device),), image_rows[1].to(P.device, P.dtype))
         bank = P.new_zeros(P.shape[0], 0, P.shape[1])
         kind = "decode" if batch.decode else "prefill"
         new = {}
@@ -449,12 +502,51 @@ class TensorRTExecutor(GraphExecutor):
                 if engine is None:
                     raise RuntimeError(f"{self.dir / plan}: TensorRT could not deserialize the engine "
                                        "(version/GPU mismatch?)")
+                if g["kind"] == "vision":      # one context per profile: a call picks the one its sizes fit
+                    ctxs = []
+                    for p in range(engine.num_optimization_profiles):
+                        ctxs.append(engine.create_execution_context())
+                        if p and not ctxs[-1].set_optimization_profile_async(p, self.stream.cuda_stream):
+                            raise RuntimeError(f"{self.dir / plan}: cannot select optimization profile {p}")
+                    self.engines[g["id"]] = (engine, ctxs)
+                    continue
                 ctx = engine.create_execution_context()
                 profile = self.profile_for(g, engine.num_optimization_profiles)
                 if profile and not ctx.set_optimization_profile_async(profile, self.stream.cuda_stream):
                     raise RuntimeError(f"{self.dir / plan}: cannot select optimization profile {profile}")
                 self.engines[g["id"]] = (engine, ctx)
         self.stream.synchronize()
+        vis = self.engines.get(f"rank{rank}/vision")
+        self._vision_max = None
+        if vis is not None:   # the largest patches per image any profile takes (pixels [VB, VL, 3p²])
+            self._vision_max = max(int(vis[0].get_tensor_profile_shape("pixels", p)[2][1])
+                                   for p in range(vis[0].num_optimization_profiles))
+
+    def max_image_patches(self) -> int | None:
+        """Patches per image the vision engine's profiles take at most (VL max), None without one."""
+        return self._vision_max
+
+    def vision_segments_per_call(self, length: int) -> int:
+        """The most segments (VB) of `length` patches any vision profile takes (1 when none holds that length:
+        the call then reports the sizes)."""
+        engine = self.engines[next(k for k in self.engines if k.endswith("/vision"))][0]
+        best = 1
+        for p in range(engine.num_optimization_profiles):
+            mn, _, mx = engine.get_tensor_profile_shape("pixels", p)
+            if mn[1] <= length <= mx[1]:
+                best = max(best, int(mx[0]))
+        return best
+
+    def _vision_context(self, engine, ctxs, feeds: dict):
+        """The context of the first profile whose ranges hold every input shape of this call. ValueError naming
+        the sizes when none does."""
+        for p, ctx in enumerate(ctxs):
+            if all(all(lo <= d <= hi for d, lo, hi in zip(feeds[n].shape, *engine.get_tensor_profile_shape(n, p)[::2]))
+                   for n in feeds):
+                return ctx, p
+        raise ValueError(f"images: a vision call of {tuple(feeds['pixels'].shape[:2])} (segments, patches each) fits "
+                         f"none of the vision engine's profiles in {self.dir}; rebuild with larger --vision-max-patches "
+                         "/ --vision-max-images, or send smaller images")
 
     def preferred_block_size(self) -> int:
         """The (smallest) block size the engines' profiles take (`engine_pool_dims`); 16 for manifests that record
@@ -521,6 +613,9 @@ class TensorRTExecutor(GraphExecutor):
 
     def _run(self, g: dict, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         engine, ctx = self.engines[g["id"]]
+        profile = None
+        if isinstance(ctx, list):
+            ctx, profile = self._vision_context(engine, ctx, feeds)
         state_io = g.get("state_io", {})
         aliased = {o: i for i, o in state_io.items()}
         outs: dict[str, torch.Tensor] = {}
@@ -530,7 +625,7 @@ class TensorRTExecutor(GraphExecutor):
             feeds[name] = t
             if not ctx.set_input_shape(name, tuple(t.shape)):
                 raise ValueError(f"{g['path']}: input {name} of shape {tuple(t.shape)} lies outside the engine's "
-                                 f"optimization profile {self.profile_for(g, engine.num_optimization_profiles)} "
+                                 f"optimization profile {profile if profile is not None else self.profile_for(g, engine.num_optimization_profiles)} "
                                  f"(manifest.json in {self.dir} lists its ranges); rebuild the engines for these sizes")
             ctx.set_tensor_address(name, t.data_ptr())
         for spec in g["outputs"]:

@@ -6,6 +6,9 @@
         # tensor parallel: one process per TP rank (gloo on CPU, NCCL on GPU); rank 0 prints
     python -m k3deploy.runtime.generate --model DIR --backend torch --device cuda --prompt-ids 1,2,3
         # the torch backend on a GPU (Triton kernels; --ops kernels: in place, --ops reference: fp32 references)
+    python -m k3deploy.runtime.generate --model DIR --prompt-ids 5,786,7,787,789,788,9 --image cat.png
+        # images (docs/VISION.md): --prompt-ids hold one <|media_pad|> per --image, --prompt one
+        # <|kimi_image_placeholder|> per --image
 """
 from __future__ import annotations
 
@@ -19,12 +22,12 @@ from k3deploy.runtime.distributed import init_from_env, shutdown
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     try:
-        return _main(argv)
+        return _main(argv, prog)
     finally:
         shutdown()
 
 
-def _main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from k3deploy.model.layers import DENSE_DTYPES, dense_dtype_name
     ap = argparse.ArgumentParser(prog=prog or "python -m k3deploy.runtime.generate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="checkpoint, ONNX export, engine or build output directory")
@@ -45,9 +48,10 @@ def _main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ep", type=int, default=1, help="expert parallelism under torchrun: 1 or the world size (torch backend)")
     ap.add_argument("--device", default=None,
                     help="cpu (default), cuda (= cuda:LOCAL_RANK under torchrun) or cuda:N (torch backend; tensorrt: cuda:N)")
-    ap.add_argument("--ops", default=None, choices=["reference", "torch", "kernels"],
+    ap.add_argument("--ops", default=None, choices=["reference", "torch", "kernels", "kernels-unfused"],
                     help="custom ops of the torch backend (default: reference on the CPU, torch = Triton kernels on CUDA; "
-                         "kernels = the CUDA kernels in place)")
+                         "kernels = the CUDA kernels in place with each layer's glue fused; kernels-unfused = the same "
+                         "kernels in the reference's layer code)")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="replay the decode step from CUDA graphs (torch backend, CUDA, --ops kernels; size them with "
                          "--max-context)")
@@ -57,6 +61,9 @@ def _main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dist-backend", default=None, choices=["gloo", "nccl"],
                     help="torch.distributed backend under torchrun (default: nccl with a CUDA device, else gloo; "
                          "gloo with --device cuda:0 runs several ranks on one GPU, for tests)")
+    ap.add_argument("--image", action="append", default=[], metavar="PATH",
+                    help="an image for the prompt (repeatable, in prompt order; models with a vision tower): "
+                         "--prompt-ids hold one <|media_pad|> id per image, --prompt one <|kimi_image_placeholder|>")
     ap.add_argument("--text", action="store_true", help="also print the decoded text on a second line")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
@@ -78,10 +85,14 @@ def _main(argv: list[str] | None = None) -> int:
             if llm.tokenizer is None:
                 ap.error(f"--prompt: no tokenizer (tiktoken.model) in {a.model}; use --prompt-ids")
             ids = llm.tokenizer.encode(a.prompt)
+        images = None
+        if a.image:
+            ids, images = (llm.build_prompt(a.prompt, a.image) if a.prompt is not None
+                           else llm.prepare_images(ids, a.image))
         params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                                 seed=a.seed, ignore_eos=a.ignore_eos)
         try:
-            out = llm.generate([ids], params)[0]
+            out = llm.generate([ids], params, images=None if images is None else [images])[0]
         finally:
             llm.executor.close()                            # CUDA graphs go before the process group
     except (ValueError, FileNotFoundError, ImportError, NotImplementedError, RuntimeError) as e:
@@ -96,8 +107,8 @@ def _main(argv: list[str] | None = None) -> int:
     if a.text and llm.tokenizer is not None:
         try:
             print(llm.tokenizer.decode(out.token_ids))
-        except KeyError as e:  # a model vocabulary larger than the tokenizer's
-            print(f"error: --text: {e.args[0]}", file=sys.stderr)
+        except ValueError as e:  # a model vocabulary larger than the tokenizer's
+            print(f"error: --text: {e}", file=sys.stderr)
             return 1
     return 0 if out.finish_reason != "error" else 1
 

@@ -1,9 +1,8 @@
 """CUDA graphs of the decode step for the torch backend.
 
-A decode step of the PyTorch model launches ~500 kernels from Python (k3-slice: 5 layers). Measured on two H200s
-(benchmarks/RESULTS.md, "Run 5"): at TP=1 the GPU is busy for most of an eager step, but at TP=2 each rank's GPU work
-shrinks (9.3 ms) while launching stays as slow, so the step is host-bound and the ranks wait for each other in the
-all-reduces: TP=2 was slower than TP=1. `DecodeGraphs` captures the whole decode forward (embedding, every layer
+A decode step of the PyTorch model launches ~500 kernels from Python (k3-slice: 5 layers). At TP > 1 each rank's
+GPU work shrinks while launching does not, so an eager step is host-bound and the ranks wait for each other in the
+all-reduces (eager TP=2 is no faster than TP=1; the decode-step rows of benchmarks/README.md). `DecodeGraphs` captures the whole decode forward (embedding, every layer
 with its all-reduces, head) once per batch bucket and replays it:
 
 * buckets: batch sizes 1, 2, 4, ... up to `max_batch` (and `max_batch` itself); a batch of B runs in the
@@ -49,7 +48,8 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Decode forwards of `model` (a `model.reference.K3Model` on CUDA with in-place ops) replayed from CUDA graphs.
+    """Decode forwards of `model` (a `model.reference.K3Model` on CUDA with in-place ops, or its fused-glue form
+    `runtime.fused.FusedModel`: anything with `device`, `ops` and `forward_on_device`) replayed from CUDA graphs.
 
     pools: the cache's pools {layer: {name: tensor}} (captured by address; the tensors are remembered); max_batch:
     largest decode batch; max_blocks: block-table width (latent blocks per sequence at the longest context).
@@ -143,7 +143,7 @@ class DecodeGraphs:
 
     def release(self) -> None:
         """Destroy the graphs (and their captured NCCL work) after the device finished them; call before tearing
-        down the process group: a live graph holding NCCL kernels hung `destroy_process_group` once (Run 5)."""
+        down the process group: a live graph holding NCCL kernels can hang `destroy_process_group`."""
         if self.graphs:
             torch.cuda.synchronize(self.model.device)
         self.graphs.clear()

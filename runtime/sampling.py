@@ -8,6 +8,9 @@ the same tokens whatever else shares its batch.
 Logits may live on a GPU (`sample_batch`): the greedy rows of a step take one argmax over the batch on the device
 and one copy of the ids to the host; sampled rows are copied to the host and drawn there with their CPU
 generator, so a seeded request gives the same tokens whatever device produced the logits.
+
+Log-probabilities (`token_logprobs`) are the log-softmax of the model's fp32 logits (before temperature, top-k/p
+and banned words), as evaluation harnesses expect.
 """
 from __future__ import annotations
 
@@ -17,11 +20,18 @@ from typing import Sequence
 import torch
 
 
+MAX_LOGPROBS = 20     # most alternatives per token (OpenAI's top_logprobs limit)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """max_tokens >= 1; temperature >= 0 (0 = greedy); top_k >= 0 (0 = off); top_p in (0, 1];
     seed: int or None (None with temperature > 0 = nondeterministic); stop_token_ids: finish ("stop") after
-    emitting one of them; ignore_eos: do not stop at the model's eos_token_id."""
+    emitting one of them; ignore_eos: do not stop at the model's eos_token_id; stop_sequences: token sequences
+    (length >= 1) that finish the request ("stop") once the output ends with one; bad_words: token sequences never
+    completed (a word's last token is banned while the tokens so far end with the rest of it);
+    logprobs: None (off) or k in 0..MAX_LOGPROBS: each generated token's logprob and the k most likely tokens';
+    prompt_logprobs: the same for every prompt token after the first."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -30,6 +40,10 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
+    stop_sequences: Sequence[Sequence[int]] = ()
+    bad_words: Sequence[Sequence[int]] = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the field."""
@@ -45,6 +59,16 @@ class SamplingParams:
             raise ValueError(f"seed = {self.seed!r}: must be an integer or None")
         if any(isinstance(t, bool) or not isinstance(t, int) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids = {self.stop_token_ids!r}: must be integers")
+        for name in ("stop_sequences", "bad_words"):
+            words = getattr(self, name)
+            if any(not isinstance(w, (list, tuple)) or not w or any(isinstance(t, bool) or not isinstance(t, int)
+                                                                    for t in w) for w in words):
+                raise ValueError(f"{name} = {words!r}: must be non-empty sequences of token ids")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+                raise ValueError(f"{name} = {k!r}: must be None or an integer in 0..{MAX_LOGPROBS} (top tokens "
+                                 "returned besides the chosen one)")
 
 
 def validate_prompt(prompt_ids, vocab_size: int, max_context: int) -> list[int]:
@@ -99,12 +123,19 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 
 def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
-                 generators: Sequence[torch.Generator | None]) -> list[int]:
+                 generators: Sequence[torch.Generator | None],
+                 banned: Sequence[Sequence[int]] | None = None) -> list[int]:
     """One token id per row of logits [N, vocab] (any float dtype, any device) with row i's params and generator.
-    Same tokens as `sample` row by row; greedy rows cost one batched argmax and one device-to-host copy."""
+    Same tokens as `sample` row by row; greedy rows cost one batched argmax and one device-to-host copy.
+    banned: per row, token ids given -inf first (None: nothing banned)."""
     n = logits.shape[0]
     if len(params) != n or len(generators) != n:
         raise ValueError(f"sample_batch: {n} logits rows for {len(params)} params and {len(generators)} generators")
+    if banned is not None and any(banned):
+        logits = logits.float().clone()
+        for i, ids in enumerate(banned):
+            if ids:
+                logits[i, torch.tensor(list(ids), device=logits.device)] = float("-inf")
     out = [0] * n
     greedy = [i for i, p in enumerate(params) if p.temperature == 0]
     if greedy:
@@ -117,3 +148,23 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
         for j, i in enumerate(rest):
             out[i] = sample(host[j], params[i], generators[i])
     return out
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], top_k: Sequence[int]
+                   ) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Row i's log-softmax at token_ids[i] and its top_k[i] (id, logprob) pairs, most likely first, from logits
+    [N, vocab] (any float dtype and device; computed in fp32, one copy to the host)."""
+    n = logits.shape[0]
+    if len(token_ids) != n or len(top_k) != n:
+        raise ValueError(f"token_logprobs: {n} logits rows for {len(token_ids)} tokens and {len(top_k)} top_k")
+    if n == 0:
+        return []
+    lsm = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lsm.gather(1, torch.tensor(list(token_ids), device=lsm.device).view(-1, 1)).view(-1).tolist()
+    k = max(top_k)
+    top_v = top_i = None
+    if k > 0:
+        v, i = torch.topk(lsm, k, dim=-1)
+        top_v, top_i = v.tolist(), i.tolist()
+    return [(chosen[r], [] if not top_k[r] else list(zip(top_i[r][:top_k[r]], top_v[r][:top_k[r]])))
+            for r in range(n)]

@@ -12,17 +12,28 @@ Each `step()`:
    pools back into the cache, samples a token for every request whose pending tokens are all processed, and
    finishes requests (max_tokens, stop/eos, max_context): their slot and blocks are freed at once.
 
+Images (VISION.md §8.3): a request's prompt holds each image's `<|media_pad|>` expanded to its rows. Before a
+prefill forward, every image whose rows this step's chunks reach and that is not cached yet goes through ONE
+`executor.encode_images` call (images of all the step's requests packed); its rows stay cached on the request and
+each chunk writes its slice over the embedding (`image_rows`); an image's rows are dropped once the prefill has
+passed them (a preempted request encodes them again). Decode steps never run the tower.
+
 With prefix caching (`HybridCache(num_snapshots > 0)`, docs/PREFIX_CACHING.md) admission first restores the
 deepest published snapshot of the request's tokens (`_admit`), prefill chunks end at the periodic snapshot
 positions (`_align_chunk`), and after a completed step the requests standing at one are snapshotted
 (`_publish_snapshots`), as is every request that finishes normally (`_cache_finished`), at the end of its prompt +
-reply, where the next turn of a conversation resumes.
+reply, where the next turn of a conversation resumes. An image's rows are keyed by its content hash (its span of
+pad positions is a content key); a restored prefix that holds an image never runs the tower for it. Requests
+asking for prompt logprobs compute their whole prompt (no lookup).
 
-Events go to each request's `on_token(token_id | None, finished, error)` callback. Not thread safe: the
-`AsyncEngine` serializes calls with its lock.
+Events go to each request's `on_token(token_id | None, finished, error)` callback. When the params ask for
+them, a token's logprob (and top alternatives) is on the Request (`logprobs[-1]`, `top_logprobs[-1]`) before its
+callback fires, and a prefill chunk fills `prompt_logprobs` for the prompt tokens it predicts (logits of every
+chunk position). Not thread safe: the `AsyncEngine` serializes calls with its lock.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 from typing import Callable
@@ -32,7 +43,7 @@ import torch
 from k3deploy.model.reference import Batch
 from k3deploy.runtime.cache import HybridCache
 from k3deploy.runtime.prefix_cache import check_content_keys
-from k3deploy.runtime.sampling import SamplingParams, make_generator, sample_batch, validate_prompt
+from k3deploy.runtime.sampling import SamplingParams, make_generator, sample_batch, token_logprobs, validate_prompt
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +54,11 @@ OnToken = Callable[[int | None, bool, str | None], None]
 class Request:
     """One request's scheduling state. all_ids = prompt + output; num_computed = leading tokens of all_ids in
     the cache; prefill_end = len(all_ids) when it was (re)admitted (tokens before it go through prefill).
-    content_keys: (start, end, digest) spans folded into its prefix-cache keys (runtime/prefix_cache.py);
-    num_cached_tokens: prompt tokens restored from the prefix cache at its first admission."""
+    With params.logprobs: logprobs[i] / top_logprobs[i] ([(id, logprob)]) of output token i. With
+    params.prompt_logprobs: prompt_logprobs[i] / prompt_top_logprobs[i] of prompt token i (None for i = 0).
+    content_keys: (start, end, digest) spans folded into its prefix-cache keys (runtime/prefix_cache.py; its
+    images' spans with their content hashes first); num_cached_tokens: prompt tokens restored from the prefix
+    cache at its first admission."""
 
     request_id: str
     prompt_ids: list[int]
@@ -58,9 +72,33 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     generator: torch.Generator | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    images: list = dataclasses.field(default_factory=list)        # runtime.vision.ProcessedImage, prompt order
+    pad_positions: list[int] = dataclasses.field(default_factory=list)   # prompt positions of the image rows
+    image_ends: list[int] = dataclasses.field(default_factory=list)      # image k owns pad_positions[ends[k-1]:ends[k]]
+    image_rows: dict = dataclasses.field(default_factory=dict)           # k -> cached features [N_k, d]
     content_keys: tuple = ()
     num_cached_tokens: int = 0
     admissions: int = 0
+
+    def image_span(self, k: int) -> tuple[int, int]:
+        """Indices into pad_positions of image k's rows."""
+        return (self.image_ends[k - 1] if k else 0), self.image_ends[k]
+
+    def images_in(self, start: int, stop: int) -> list[int]:
+        """Images with rows at prompt positions [start, stop)."""
+        lo, hi = bisect.bisect_left(self.pad_positions, start), bisect.bisect_left(self.pad_positions, stop)
+        if lo >= hi:
+            return []
+        return list(range(bisect.bisect_right(self.image_ends, lo), bisect.bisect_right(self.image_ends, hi - 1) + 1))
+
+    def image_keys(self) -> list[tuple[int, int, str]]:
+        """(first, last + 1, content hash) of each image's pad positions: its prefix-cache content keys."""
+        return [(self.pad_positions[a], self.pad_positions[b - 1] + 1, im.content_hash)
+                for im, (a, b) in ((im, self.image_span(k)) for k, im in enumerate(self.images))]
 
     @property
     def all_ids(self) -> list[int]:
@@ -110,29 +148,44 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._arrivals = 0
-        self.stats = {"tokens_generated": 0, "preemptions": 0, "steps": 0, "max_requests_per_step": 0}
+        self.stats = {"tokens_generated": 0, "preemptions": 0, "steps": 0, "max_requests_per_step": 0,
+                      "images_encoded": 0}
         self.last_step_requests: list[str] = []
 
     # ---- requests -------------------------------------------------------------------------------------
     def add(self, request_id: str, prompt_ids, params: SamplingParams, on_token: OnToken | None = None,
-            content_keys=None) -> Request:
-        """Validate and queue a request. content_keys: optional (start, end, digest) spans of the prompt whose
-        tokens stand for content hashed to digest (an image: its placeholder tokens and the processed image's
-        content hash), folded into the prefix-cache keys (runtime.prefix_cache.check_content_keys). Raises
-        ValueError naming the field (prompt_ids, request_id, content_keys or a SamplingParams field); nothing is
-        queued then."""
+            images=None, content_keys=None) -> Request:
+        """Validate and queue a request. images: its runtime.vision.ProcessedImage list, the prompt pre-expanded
+        (each image's `<|media_pad|>` repeated image.num_tokens times, runtime.vision.prepare_images); their
+        content hashes key the prefix cache over their pad positions. content_keys: more (start, end, digest) spans
+        of the prompt whose tokens stand for content hashed to digest, folded into the prefix-cache keys
+        (runtime.prefix_cache.check_content_keys). Raises ValueError naming the field (prompt_ids, request_id,
+        images, content_keys or a SamplingParams field); nothing is queued then."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
         params.validate()
         ids = validate_prompt(prompt_ids, self.vocab_size, self.max_context)
+        imgs: list = []
+        if images is not None:
+            from k3deploy.runtime.vision import request_images
+            imgs = request_images(ids, images, self.executor.cfg, self.executor.max_image_patches())
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id = {request_id!r}: must be a non-empty string")
         if request_id in self.requests:
             raise ValueError(f"request_id = {request_id!r}: already in flight")
         self.cache.check_admissible(len(ids))
-        keys = check_content_keys(content_keys, len(ids))
-        req = Request(request_id, ids, params, on_token, self._arrivals, generator=make_generator(params),
-                      content_keys=keys)
+        req = Request(request_id, ids, params, on_token, self._arrivals, generator=make_generator(params))
+        if params.logprobs is not None:
+            req.logprobs, req.top_logprobs = [], []
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs, req.prompt_top_logprobs = [None], [None]
+        if imgs:
+            pad = self.executor.cfg.vision.media_placeholder_token_id
+            req.images, req.pad_positions = imgs, [i for i, t in enumerate(ids) if t == pad]
+            for im in imgs:
+                req.image_ends.append((req.image_ends[-1] if req.image_ends else 0) + im.num_tokens)
+        images_keys = req.image_keys() if self.cache.prefix_caching else []     # hashing pixels only when used
+        req.content_keys = check_content_keys(images_keys + list(content_keys or ()), len(ids))
         self._arrivals += 1
         self.requests[request_id] = req
         self.waiting.append(req)
@@ -212,11 +265,13 @@ class Scheduler:
         return self.cache.chunk_end(req.request_id, n, req.content_keys)
 
     def _admit(self, req: Request, budget: int) -> int:
-        """Give the first waiting request `req` a slot, restoring its deepest cached prefix (prefix caching), and
-        reserve its first chunk of at most `budget` tokens; returns the chunk's tokens, or 0 when it does not fit
+        """Give the first waiting request `req` a slot, restoring its deepest cached prefix (prefix caching; not for
+        requests that want prompt logprobs), and reserve its first chunk of at most `budget` tokens; returns the chunk's tokens, or 0 when it does not fit
         (nothing stays allocated then)."""
         rid = req.request_id
-        snap = self.cache.lookup(rid, req.token_slice, req.num_tokens, req.content_keys)
+        snap = None
+        if req.prompt_logprobs is None:                # prompt logprobs need every prompt position computed
+            snap = self.cache.lookup(rid, req.token_slice, req.num_tokens, req.content_keys)
         self.cache.allocate(rid, snap)
         cached = snap.length if snap is not None else 0
         n = self._align_chunk(req, min(req.num_tokens - cached, budget, self.cache.room(rid)))
@@ -272,7 +327,10 @@ class Scheduler:
             budget -= n
         return plan
 
-    def _batch(self, group: list[tuple[Request, int]], decode: bool) -> tuple[torch.Tensor, Batch, torch.Tensor]:
+    def _batch(self, group: list[tuple[Request, int]], decode: bool
+               ) -> tuple[torch.Tensor, Batch, torch.Tensor, list[int]]:
+        """(ids, batch, logits_index, first logits row of each request): one row per request (its last token),
+        or one per chunk position for a prefill whose prompt logprobs are wanted."""
         rids: list[str | None] = [r.request_id for r, _ in group]
         ids = [t for r, n in group for t in r.token_slice(r.num_computed, r.num_computed + n)]
         lens = [n for _, n in group]
@@ -289,13 +347,100 @@ class Scheduler:
         cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
         batch = Batch(cu, torch.tensor(slots, dtype=torch.int32), self.cache.block_tables(rids),
                       torch.tensor(ctx, dtype=torch.int32), decode=decode)
-        logits_index = (cu[1: len(group) + 1] - 1).long()
-        return torch.tensor(ids, dtype=torch.long), batch, logits_index
+        index, first = [], []
+        for row, (r, n) in enumerate(group):
+            first.append(len(index))
+            end = int(cu[row + 1])
+            index += range(end - n, end) if self._wants_prompt_logprobs(r, n, decode) else [end - 1]
+        return torch.tensor(ids, dtype=torch.long), batch, torch.tensor(index, dtype=torch.long), first
+
+    @staticmethod
+    def _wants_prompt_logprobs(r: Request, n: int, decode: bool) -> bool:
+        """A prefill chunk [num_computed, +n) predicts prompt tokens whose logprobs are still missing."""
+        return (not decode and r.prompt_logprobs is not None
+                and r.num_computed + 1 < len(r.prompt_ids) and len(r.prompt_logprobs) < len(r.prompt_ids))
+
+    def _fill_prompt_logprobs(self, group, logits, first, decode: bool) -> None:
+        rows, targets, ks, owners = [], [], [], []
+        for row, (r, n) in enumerate(group):
+            if not self._wants_prompt_logprobs(r, n, decode):
+                continue
+            need = len(r.prompt_logprobs)              # the first prompt token without its logprob
+            for j in range(n):
+                p = r.num_computed + j                 # position p's logits predict token p + 1
+                if need <= p + 1 < len(r.prompt_ids):  # (after a preemption the recomputed ones are known)
+                    rows.append(first[row] + j)
+                    targets.append(r.prompt_ids[p + 1])
+                    ks.append(r.params.prompt_logprobs)
+                    owners.append(r)
+        if not rows:
+            return
+        for r, (lp, top) in zip(owners, token_logprobs(logits[torch.tensor(rows, device=logits.device)], targets, ks)):
+            r.prompt_logprobs.append(lp)
+            r.prompt_top_logprobs.append(top)
+
+    def _banned(self, r: Request) -> list[int]:
+        """Last tokens of the request's bad words whose other tokens end its sequence."""
+        out = []
+        for w in r.params.bad_words:
+            k = len(w) - 1
+            if k == 0 or (k <= r.num_tokens and r.token_slice(r.num_tokens - k, r.num_tokens) == list(w[:-1])):
+                out.append(int(w[-1]))
+        return out
+
+    def _encode_images(self, group: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+        """Run the tower once for every image whose rows this step's chunks reach and that is not cached (all
+        requests' images in one call); returns the group without the requests finished by a failed call."""
+        need = [(req, k) for req, n in group for k in req.images_in(req.num_computed, req.num_computed + n)
+                if k not in req.image_rows]
+        if not need:
+            return group
+        from k3deploy.runtime.vision import pack_images
+        try:
+            feats = self.executor.encode_images(*pack_images([req.images[k] for req, k in need]))
+        except Exception as e:
+            log.exception("vision tower failed; finishing the requests of its %d images with an error", len(need))
+            for req in {id(r): r for r, _ in need}.values():
+                if req.status != "finished":
+                    self._finish(req, "error", f"{type(e).__name__}: {e}", notify_token=None)
+            return [(r, n) for r, n in group if r.status != "finished"]
+        for (req, k), f in zip(need, feats.split([req.images[k].num_tokens for req, k in need])):
+            req.image_rows[k] = f
+        self.stats["images_encoded"] += len(need)
+        return group
+
+    @staticmethod
+    def _image_rows(group: list[tuple[Request, int]]):
+        """(positions [n] int64 in the packed prefill batch, rows [n, d]) of the image rows the chunks hold, or None."""
+        pos, rows, off = [], [], 0
+        for req, n in group:
+            a, b = req.num_computed, req.num_computed + n
+            for k in req.images_in(a, b):
+                s, e = req.image_span(k)
+                lo = max(s, bisect.bisect_left(req.pad_positions, a))
+                hi = min(e, bisect.bisect_left(req.pad_positions, b))
+                pos += [off + p - a for p in req.pad_positions[lo:hi]]
+                rows.append(req.image_rows[k][lo - s: hi - s])
+            off += n
+        return (torch.tensor(pos, dtype=torch.long), torch.cat(rows)) if pos else None
+
+    @staticmethod
+    def _drop_used_rows(req: Request) -> None:
+        """Forget the cached rows of images the prefill has passed."""
+        for k in [k for k in req.image_rows if req.pad_positions[req.image_ends[k] - 1] < req.num_computed]:
+            del req.image_rows[k]
 
     def _run(self, group: list[tuple[Request, int]], decode: bool) -> None:
-        ids, batch, index = self._batch(group, decode)
+        image_rows = None
+        if not decode and any(r.images for r, _ in group):
+            group = self._encode_images(group)
+            if not group:
+                return
+            image_rows = self._image_rows(group)
+        ids, batch, index, first = self._batch(group, decode)
         try:
-            logits, pools = self.executor.forward(ids, batch, self.cache.pools, index)
+            kw = {"image_rows": image_rows} if image_rows is not None else {}
+            logits, pools = self.executor.forward(ids, batch, self.cache.pools, index, **kw)
         except Exception as e:
             log.exception("forward failed; finishing the %d requests of this batch with an error", len(group))
             for req, _ in group:
@@ -303,23 +448,39 @@ class Scheduler:
                     self._finish(req, "error", f"{type(e).__name__}: {e}", notify_token=None)
             return
         self.cache.set_pools(pools)
+        self._fill_prompt_logprobs(group, logits, first, decode)
         rows = [row for row, (req, n) in enumerate(group) if req.num_computed + n >= req.num_tokens]
-        toks = {}
+        toks, lps = {}, {}
         if rows:                                       # one batched draw (logits may be on a GPU)
-            sel = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=logits.device)]
-            toks = dict(zip(rows, sample_batch(sel, [group[r][0].params for r in rows],
-                                               [group[r][0].generator for r in rows])))
+            last = [first[r + 1] - 1 if r + 1 < len(first) else len(index) - 1 for r in rows]
+            sel = logits if len(last) == logits.shape[0] else logits[torch.tensor(last, device=logits.device)]
+            reqs = [group[r][0] for r in rows]
+            banned = [self._banned(q) if q.params.bad_words else [] for q in reqs]
+            toks = dict(zip(rows, sample_batch(sel, [q.params for q in reqs], [q.generator for q in reqs],
+                                               banned if any(banned) else None)))
+            want = [j for j, q in enumerate(reqs) if q.logprobs is not None]
+            if want:
+                sub = sel if len(want) == sel.shape[0] else sel[torch.tensor(want, device=sel.device)]
+                got = token_logprobs(sub, [toks[rows[j]] for j in want], [reqs[j].params.logprobs for j in want])
+                lps = {rows[j]: g for j, g in zip(want, got)}
         for row, (req, n) in enumerate(group):
             if req.status == "finished":               # cancelled by an earlier row's callback in this loop
                 continue
             req.num_computed += n
+            if req.image_rows:
+                self._drop_used_rows(req)
             if req.num_computed < req.num_tokens:
                 continue                               # prefill not done yet: nothing to sample
             tok = toks[row]
             req.output_ids.append(tok)
+            if row in lps:
+                req.logprobs.append(lps[row][0])
+                req.top_logprobs.append(lps[row][1])
             self.stats["tokens_generated"] += 1
             p = req.params
-            if tok in p.stop_token_ids or (tok == self.eos_token_id and not p.ignore_eos):
+            if (tok in p.stop_token_ids or (tok == self.eos_token_id and not p.ignore_eos)
+                    or any(len(w) <= len(req.output_ids) and req.output_ids[-len(w):] == list(w)
+                           for w in p.stop_sequences)):
                 self._finish(req, "stop", None, notify_token=tok)
             elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_context:
                 self._finish(req, "length", None, notify_token=tok)

@@ -1,177 +1,172 @@
-"""TikToken-format byte-level BPE tokenizer (the `tiktoken.model` file K3 ships) with special tokens.
+"""K3's tokenizer (CHAT.md §1): tiktoken byte-level BPE over `tiktoken.model` with K3's pre-tokenizer, plus the 256
+reserved special ids after the ranks.
 
-File format: one line per token, `base64(token bytes) rank`, ranks 0..n-1; a piece of text is split by the
-pre-tokenizer regex and each piece's bytes are merged pairwise, lowest rank first (tiktoken's algorithm).
-Special tokens get ids after the ranks (or the ids given); `tokenizer_config.json` next to the file
-(`added_tokens_decoder: {id: {"content": ...}}`) is read when present, as Kimi checkpoints ship it.
+    tok = Tokenizer.from_file(ckpt / "tiktoken.model")     # names the specials from tokenizer_config.json beside it
+    tok.encode("user text")                                 # ordinary text only: "<|open|>" typed by a user is BPE
+    tok.special_id("<|open|>")                              # a special token's id (the renderer's markers)
+    tok.decode(ids)                                         # every id in [0, n_vocab) decodes
 
-Uses the `tiktoken` package when importable (fast), else an equivalent pure-Python BPE. `train_bpe` derives a
-tiny rank file from a text, deterministically, for tests.
+`encode` reproduces Kimi's `TikTokenTokenizer.encode`: the text is cut into 400,000-character pieces, each piece
+into runs of at most 25,000 consecutive whitespace / non-whitespace characters, and each run is encoded by tiktoken
+with special tokens disabled. A special id decodes to its name (`decode(..., skip_special=True)` drops them).
 """
 from __future__ import annotations
 
 import base64
-import collections
 import json
 import logging
 from pathlib import Path
+from typing import Iterable, Iterator
 
-import regex
+import tiktoken
+
+from k3deploy.model.vocab import NUM_SPECIAL, PAT_STR, special_names
 
 log = logging.getLogger(__name__)
 
-# Kimi-style pre-tokenizer: runs of Han characters, then cl100k-like words / numbers / punctuation / spaces.
-PAT_STR = "|".join([
-    r"[\p{Han}]+",
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)",
-    r"[^\r\n\p{L}\p{N}]?\p{L}+",
-    r"\p{N}{1,3}",
-    r" ?[^\s\p{L}\p{N}]+[\r\n]*",
-    r"\s*[\r\n]+",
-    r"\s+(?!\S)",
-    r"\s+",
-])
+__all__ = ["Tokenizer", "load_ranks", "PAT_STR", "NUM_SPECIAL"]
+
+MAX_ENCODE_CHARS = 400_000          # Kimi's tiktoken chunk (characters)
+MAX_SAME_CLASS_CHARS = 25_000       # Kimi's longest run of whitespace / non-whitespace characters per encode
 
 
 def load_ranks(path: "str | Path") -> dict[bytes, int]:
-    """Read a tiktoken.model file. Raises ValueError naming the line for a malformed one."""
+    """Read a tiktoken.model file -> {token bytes: rank}. Raises ValueError naming the line for a malformed one, and
+    when the ranks are not dense 0..n-1 or a token repeats."""
     ranks: dict[bytes, int] = {}
     for i, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
             tok, rank = line.split()
-            ranks[base64.b64decode(tok, validate=True)] = int(rank)
+            b = base64.b64decode(tok, validate=True)
+            r = int(rank)
         except ValueError as e:
             raise ValueError(f"{path}:{i}: expected 'base64(token) rank', got {line[:60]!r}") from e
+        if b in ranks:
+            raise ValueError(f"{path}:{i}: token {b!r} repeats (first at rank {ranks[b]})")
+        ranks[b] = r
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ValueError(f"{path}: ranks are not dense 0..{len(ranks) - 1}; tiktoken.model lists each rank once")
     return ranks
 
 
-def write_ranks(path: "str | Path", ranks: dict[bytes, int]) -> Path:
-    """Write ranks as a tiktoken.model file (sorted by rank)."""
-    path = Path(path)
-    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in sorted(ranks.items(), key=lambda x: x[1])))
-    return path
-
-
-def train_bpe(text: str, vocab_size: int, pat_str: str = PAT_STR) -> dict[bytes, int]:
-    """Deterministic byte-level BPE training: ranks 0..255 are the single bytes, then the most frequent adjacent
-    pair is merged until `vocab_size` tokens (ties: the lexicographically smallest pair of byte strings).
-    Raises ValueError when vocab_size < 256."""
-    if vocab_size < 256:
-        raise ValueError(f"vocab_size = {vocab_size}: must be >= 256 (one token per byte)")
-    ranks = {bytes([b]): b for b in range(256)}
-    words = collections.Counter(tuple(bytes([b]) for b in m.encode()) for m in regex.findall(pat_str, text))
-    while len(ranks) < vocab_size:
-        pairs: collections.Counter = collections.Counter()
-        for w, c in words.items():
-            for a, b in zip(w, w[1:]):
-                pairs[(a, b)] += c
-        if not pairs:
-            break
-        best = min(pairs, key=lambda p: (-pairs[p], p))
-        merged = best[0] + best[1]
-        if merged not in ranks:
-            ranks[merged] = len(ranks)
-        new = collections.Counter()
-        for w, c in words.items():
-            out, i = [], 0
-            while i < len(w):
-                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
-                    out.append(merged)
-                    i += 2
-                else:
-                    out.append(w[i])
-                    i += 1
-            new[tuple(out)] += c
-        words = new
-    return ranks
-
-
-def bpe_encode_piece(piece: bytes, ranks: dict[bytes, int]) -> list[int]:
-    """Merge one pre-tokenized piece: repeatedly join the adjacent pair with the lowest rank."""
-    if piece in ranks:
-        return [ranks[piece]]
-    parts = [piece[i:i + 1] for i in range(len(piece))]
-    while len(parts) > 1:
-        best, best_rank = -1, None
-        for i in range(len(parts) - 1):
-            r = ranks.get(parts[i] + parts[i + 1])
-            if r is not None and (best_rank is None or r < best_rank):
-                best, best_rank = i, r
-        if best < 0:
-            break
-        parts[best: best + 2] = [parts[best] + parts[best + 1]]
-    return [ranks[p] for p in parts]
+def _runs(text: str) -> Iterator[str]:
+    """Kimi's encode chunks: pieces of MAX_ENCODE_CHARS characters, each cut so that no run of consecutive
+    whitespace (str.isspace) or non-whitespace characters exceeds MAX_SAME_CLASS_CHARS."""
+    for start in range(0, len(text), MAX_ENCODE_CHARS):
+        piece = text[start:start + MAX_ENCODE_CHARS]
+        cut, run, space = 0, 0, piece[:1].isspace()
+        for i, ch in enumerate(piece):
+            if ch.isspace() != space:
+                space, run = not space, 1
+                continue
+            run += 1
+            if run > MAX_SAME_CLASS_CHARS:
+                yield piece[cut:i]
+                cut, run = i, 1
+        yield piece[cut:]
 
 
 class Tokenizer:
-    """encode(text) -> ids, decode(ids) -> text. special_tokens: {text: id}; bos/eos ids come from the caller
-    (the model config). Raises ValueError on a rank file missing one of the 256 single bytes."""
+    """K3's tokenizer over `ranks` (dense 0..n-1) and NUM_SPECIAL specials n..n+255.
 
-    def __init__(self, ranks: dict[bytes, int], special_tokens: dict[str, int] | None = None,
-                 pat_str: str = PAT_STR, use_tiktoken: bool = True):
+    Args:
+        ranks: {token bytes: rank}; must hold the 256 single bytes.
+        special_names: {id: name} for ids n..n+255 (tokenizer_config.json's); others are `<|reserved_token_{id}|>`.
+    Raises:
+        ValueError: a single byte has no rank, or a special id lies outside n..n+255.
+    """
+
+    def __init__(self, ranks: dict[bytes, int], special_names_by_id: "dict[int, str] | None" = None):
         missing = [b for b in range(256) if bytes([b]) not in ranks]
         if missing:
             raise ValueError(f"ranks: single bytes {missing[:5]} have no rank; a byte-level BPE needs all 256")
-        self.ranks, self.pat_str = ranks, pat_str
-        n = max(ranks.values()) + 1
-        self.special_tokens = dict(special_tokens or {})
-        self.n_vocab = max([n] + [i + 1 for i in self.special_tokens.values()])
-        self._decoder = {r: t for t, r in ranks.items()}
-        self._special_decoder = {i: s.encode() for s, i in self.special_tokens.items()}
-        self._pat = regex.compile(pat_str)
-        self._special_pat = (regex.compile("|".join(regex.escape(s) for s in sorted(self.special_tokens, key=len, reverse=True)))
-                             if self.special_tokens else None)
-        self._tt = None
-        if use_tiktoken:
-            try:
-                import tiktoken
-                self._tt = tiktoken.Encoding("k3", pat_str=pat_str, mergeable_ranks=ranks,
-                                             special_tokens=self.special_tokens)
-            except ImportError:
-                log.debug("tiktoken not installed; using the pure-Python BPE")
+        n = len(ranks)
+        named = dict(special_names_by_id or {})
+        bad = [i for i in named if not n <= i < n + NUM_SPECIAL]
+        if bad:
+            raise ValueError(f"special tokens {bad[:5]}: ids must be in [{n}, {n + NUM_SPECIAL}) (the {NUM_SPECIAL} "
+                             f"reserved ids after the {n} ranks)")
+        names = special_names(n, named)
+        if len(set(names)) != len(names):
+            raise ValueError("special tokens: two ids share a name in tokenizer_config.json")
+        self.num_ranks = n
+        self.n_vocab = n + NUM_SPECIAL
+        self.special_ids: dict[str, int] = {name: n + off for off, name in enumerate(names)}
+        self.special_names: dict[int, str] = {i: s for s, i in self.special_ids.items()}
+        self._enc = tiktoken.Encoding("k3", pat_str=PAT_STR, mergeable_ranks=ranks, special_tokens=self.special_ids)
 
     @classmethod
-    def from_file(cls, path: "str | Path", special_tokens: dict[str, int] | None = None, **kw) -> "Tokenizer":
-        """Load `tiktoken.model` and, when present beside it, the special tokens of tokenizer_config.json."""
+    def from_file(cls, path: "str | Path") -> "Tokenizer":
+        """Load `tiktoken.model` and name the specials from `tokenizer_config.json` beside it (when present).
+        Raises ValueError for a malformed file (naming it), FileNotFoundError when `path` is missing."""
         path = Path(path)
         ranks = load_ranks(path)
-        specials = {}
+        named: dict[int, str] = {}
         cfg = path.with_name("tokenizer_config.json")
         if cfg.is_file():
-            for i, t in json.loads(cfg.read_text()).get("added_tokens_decoder", {}).items():
-                specials[t["content"]] = int(i)
-        specials.update(special_tokens or {})
-        return cls(ranks, specials, **kw)
+            try:
+                added = json.loads(cfg.read_text()).get("added_tokens_decoder", {})
+                named = {int(i): t["content"] for i, t in added.items()}
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+                raise ValueError(f"{cfg}: added_tokens_decoder must map ids to {{'content': name}} ({e})") from e
+        else:
+            log.warning("%s: no tokenizer_config.json beside it; special tokens are unnamed "
+                        "(<|reserved_token_N|>)", path)
+        return cls(ranks, named)
 
-    def encode(self, text: str, allow_special: bool = True) -> list[int]:
-        """Token ids of text; special token strings map to their ids when allow_special (else encoded as text)."""
-        if self._tt is not None:
-            return self._tt.encode(text, allowed_special="all" if allow_special else set(), disallowed_special=())
+    # ---- encoding ---------------------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` as ordinary text: special-token names in it are BPE-encoded like any characters."""
+        if not isinstance(text, str):
+            raise ValueError(f"encode: expected str, got {type(text).__name__}")
         out: list[int] = []
-        pos = 0
-        chunks = []
-        if allow_special and self._special_pat is not None:
-            for m in self._special_pat.finditer(text):
-                chunks.append((text[pos:m.start()], None))
-                chunks.append((None, self.special_tokens[m.group()]))
-                pos = m.end()
-        chunks.append((text[pos:], None))
-        for part, special in chunks:
-            if special is not None:
-                out.append(special)
-                continue
-            for piece in self._pat.findall(part):
-                out.extend(bpe_encode_piece(piece.encode(), self.ranks))
+        for run in _runs(text):
+            out += self._enc.encode_ordinary(run)
         return out
 
-    def decode_bytes(self, ids) -> bytes:
-        """Raises KeyError naming an id that is neither a rank nor a special token."""
+    def special_id(self, name: str) -> int:
+        """The id of special token `name`. Raises ValueError naming it when the tokenizer has no such token."""
         try:
-            return b"".join(self._decoder[i] if i in self._decoder else self._special_decoder[i] for i in ids)
-        except KeyError as e:
-            raise KeyError(f"token id {e.args[0]} is not in the vocabulary ({self.n_vocab})") from None
+            return self.special_ids[name]
+        except KeyError:
+            raise ValueError(f"special token {name!r} is not in this tokenizer (tokenizer_config.json beside "
+                             "tiktoken.model names K3's special tokens)") from None
 
-    def decode(self, ids) -> str:
-        return self.decode_bytes([int(i) for i in ids]).decode("utf-8", errors="replace")
+    def encode_segments(self, segments: Iterable[tuple[str, bool]]) -> list[int]:
+        """Segments `(text, special)` -> ids: each text segment encoded on its own (no merge crosses a boundary),
+        each special segment one id (CHAT.md §2)."""
+        out: list[int] = []
+        for text, special in segments:
+            if special:
+                out.append(self.special_id(text))
+            else:
+                out += self.encode(text)
+        return out
+
+    # ---- decoding ---------------------------------------------------------------------------------------------
+    def is_special(self, token_id: int) -> bool:
+        return self.num_ranks <= token_id < self.n_vocab
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """Bytes of one id (a special's name in UTF-8). Raises ValueError for an id outside [0, n_vocab)."""
+        if not 0 <= token_id < self.n_vocab:
+            raise ValueError(f"token id {token_id} is not in the vocabulary [0, {self.n_vocab})")
+        if token_id >= self.num_ranks:
+            return self.special_names[token_id].encode()
+        return self._enc.decode_single_token_bytes(token_id)
+
+    def decode_bytes(self, ids: Iterable[int], skip_special: bool = False) -> bytes:
+        """Bytes of ids; specials as their names unless skip_special. ValueError for an id outside the vocabulary."""
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.n_vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is not in the vocabulary [0, {self.n_vocab})")
+        if skip_special:
+            ids = [i for i in ids if i < self.num_ranks]
+        return self._enc.decode_bytes(ids)
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        """Text of ids (invalid UTF-8 replaced by U+FFFD)."""
+        return self.decode_bytes(ids, skip_special).decode("utf-8", errors="replace")

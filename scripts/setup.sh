@@ -12,5 +12,7 @@ if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
 if [ -f "$STAMP" ] && grep -qxF "$WANT" "$STAMP"; then exit 0; fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[${EXTRAS}]"
+# setuptools tells every editable install of a package-dir mapping to mind same-named folders (pip shows it as a
+# BuildBackendWarning): k3deploy/ is the package itself, so that one notice is filtered; other warnings still show
+PYTHONWARNINGS="ignore:Editable installation" .venv/bin/python -m pip install -q -e ".[${EXTRAS}]"
 echo "$WANT" >> "$STAMP"

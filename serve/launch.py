@@ -15,6 +15,10 @@ The wheel ships the server binary (``pytriton/tritonserver/bin/tritonserver``), 
 CLI::
 
     python -m k3deploy.serve.launch --repo REPO --http-port 8000 --grpc-port 8001 [--metrics-port 8002]
+    k3deploy serve --repo REPO --openai-port 8080     # + the OpenAI-compatible front (serve/openai.py)
+
+With ``--openai-port`` the front runs as a second child process (:class:`OpenAIFront`) talking to the server's
+gRPC port; both stop on SIGINT/SIGTERM (front first), and either one exiting stops the other.
 
 Python::
 
@@ -448,6 +452,100 @@ class TritonServer:
         self.stop()
 
 
+class OpenAIFront:
+    """The OpenAI-compatible front (``python -m k3deploy.serve.openai``) as a child process.
+
+    Args:
+        grpc_url: the Triton gRPC endpoint ``host:port``; port / host: where the front listens (loopback default);
+        api_key / served_model: passed on (``--api-key``, ``--served-model-name``); log_path: its output (default
+            inherited).
+    """
+
+    def __init__(self, grpc_url: str, port: int, *, host: str = DEFAULT_HOST, api_key: Optional[str] = None,
+                 served_model: Optional[str] = None, log_path: Optional[os.PathLike | str] = None):
+        if not 0 < int(port) < 65536:
+            raise TritonLaunchError(f"openai_port={port} is not a TCP port; pass 1..65535")
+        self.grpc_url, self.port, self.host = grpc_url, int(port), host
+        self.api_key, self.served_model = api_key, served_model
+        self.log_path = pathlib.Path(log_path) if log_path is not None else None
+        self._proc: Optional[subprocess.Popen] = None
+        self._log = None
+
+    @property
+    def url(self) -> str:
+        """Base URL of the OpenAI API (``http://host:port/v1``)."""
+        return f"http://{self.host}:{self.port}/v1"
+
+    def start(self, timeout: float = 120.0) -> "OpenAIFront":
+        """Start the front and wait until ``/health`` answers 200. Raises TritonLaunchError when it exits or
+        times out (with its log tail when logging to a file)."""
+        root = str(pathlib.Path(__file__).resolve().parent.parent)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + ([os.environ["PYTHONPATH"]]
+                                                                    if os.environ.get("PYTHONPATH") else [])))
+        cmd = [sys.executable, "-m", "k3deploy.serve.openai", "--triton-grpc", self.grpc_url, "--host", self.host,
+               "--port", str(self.port), "--timeout", str(timeout)]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
+        if self.served_model:
+            cmd += ["--served-model-name", self.served_model]
+        if self.log_path is not None:
+            self._log = open(self.log_path, "wb")
+        LOGGER.info("starting the OpenAI front: %s", " ".join(c if c != self.api_key else "***" for c in cmd))
+        self._proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=self._log,
+                                      stderr=subprocess.STDOUT if self._log else None, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._proc.poll() is not None:
+                tail = self.log_path.read_text(errors="replace")[-3000:] if self.log_path else ""
+                self.stop()
+                raise TritonLaunchError(f"the OpenAI front exited with code {self._proc_rc} before it was ready\n{tail}")
+            try:
+                with urllib.request.urlopen(f"http://{self.host}:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        LOGGER.info("OpenAI front ready: %s", self.url)
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TritonLaunchError(f"the OpenAI front was not ready after {timeout:.0f}s")
+            time.sleep(0.2)
+
+    _proc_rc: Optional[int] = None
+
+    @property
+    def pid(self) -> Optional[int]:
+        """Process id of the running front, if started."""
+        return None if self._proc is None else self._proc.pid
+
+    def is_alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def stop(self, timeout: float = 15.0) -> Optional[int]:
+        """SIGTERM, up to `timeout` seconds, then SIGKILL its process group. Returns the exit code. Idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    LOGGER.warning("the OpenAI front (pid %d) ignored SIGTERM; killing it", proc.pid)
+                    _signal_group(proc.pid, signal.SIGKILL)
+                    proc.wait()
+            self._proc_rc = proc.returncode
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        return self._proc_rc
+
+    def __enter__(self) -> "OpenAIFront":
+        return self.start() if not self.is_alive() else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
 def _signal_group(pgid: int, sig: int) -> bool:
     """Send `sig` to process group `pgid`; False when the group has no process left."""
     try:
@@ -525,8 +623,8 @@ def _parse_args(argv: Optional[Sequence[str]] = None, prog: str | None = None) -
         description="Run the tritonserver bundled in nvidia-pytriton against a model repository, bound to "
                     "127.0.0.1; prints the endpoints once ready and stops cleanly on SIGINT/SIGTERM.")
     p.add_argument("--repo", required=True, help="Triton model repository (see `python -m k3deploy.serve.repository`)")
-    p.add_argument("--http-port", type=int, required=True, help="HTTP/REST port")
-    p.add_argument("--grpc-port", type=int, required=True, help="gRPC port")
+    p.add_argument("--http-port", type=int, default=None, help="HTTP/REST port (default: a free one)")
+    p.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default: a free one)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics port (omit: metrics off)")
     p.add_argument("--host", default=DEFAULT_HOST, help="address to bind every endpoint to (default %(default)s)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for readiness (default %(default)s)")
@@ -536,6 +634,11 @@ def _parse_args(argv: Optional[Sequence[str]] = None, prog: str | None = None) -
     p.add_argument("--stub-site", default=None,
                    help="directory holding numpy<2 for the Python-backend stub when the environment has numpy>=2 "
                         f"(default ${STUB_SITE_ENV} or ~/.cache/k3deploy/triton-stub-site/pyX.Y)")
+    p.add_argument("--openai-port", type=int, default=None,
+                   help="also run the OpenAI-compatible front (serve/openai.py) on this port")
+    p.add_argument("--openai-host", default=DEFAULT_HOST, help="address the front binds to (default %(default)s)")
+    p.add_argument("--api-key", default=None, help="the front requires 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--served-model-name", default=None, help="model name the front serves (default k3)")
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
     p.add_argument("--log-level", default="INFO", help="launcher logging level (default %(default)s)")
     return p.parse_args(argv)
@@ -554,8 +657,12 @@ def main(argv: Optional[Sequence[str]] = None, prog: str | None = None) -> int:
 
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
+    front: Optional[OpenAIFront] = None
     try:
-        server = TritonServer(args.repo, args.http_port, args.grpc_port, args.metrics_port, host=args.host,
+        free = iter(free_ports(2, args.host))
+        http_port = args.http_port if args.http_port is not None else next(free)
+        grpc_port = args.grpc_port if args.grpc_port is not None else next(free)
+        server = TritonServer(args.repo, http_port, grpc_port, args.metrics_port, host=args.host,
                               workdir=args.workdir, startup_timeout=args.timeout, exit_timeout=args.exit_timeout,
                               log_verbose=args.log_verbose, stub_site=args.stub_site)
         server.start(wait=False)
@@ -575,11 +682,18 @@ def main(argv: Optional[Sequence[str]] = None, prog: str | None = None) -> int:
         print(f"grpc    {server.grpc_url}", flush=True)
         if server.metrics_url:
             print(f"metrics {server.metrics_url}", flush=True)
+        if args.openai_port is not None:
+            front = OpenAIFront(server.grpc_url, args.openai_port, host=args.openai_host, api_key=args.api_key,
+                                served_model=args.served_model_name).start(timeout=args.timeout)
+            print(f"openai  {front.url}", flush=True)
         print("ready", flush=True)
         while not stop_event.wait(0.5):
             if not server.is_alive():
                 LOGGER.error("tritonserver exited unexpectedly (code %s). Log tail:\n%s",
                              server._proc.returncode if server._proc else None, server.log_tail())
+                return 1
+            if front is not None and not front.is_alive():
+                LOGGER.error("the OpenAI front exited unexpectedly (code %s)", front.stop())
                 return 1
         LOGGER.info("received %s; shutting down", signal.Signals(received[0]).name)
         return 0
@@ -587,6 +701,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: str | None = None) -> int:
         LOGGER.error("%s", e)
         return 1
     finally:
+        if front is not None:
+            front.stop()
         rc = server.stop()
         LOGGER.info("tritonserver exited with code %s", rc)
 

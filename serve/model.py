@@ -1,29 +1,38 @@
 """Triton Python-backend model ``k3`` (copied to ``REPO/k3/1/model.py`` by :mod:`serve.repository`).
 
-Decoupled model speaking TensorRT-LLM's tensor names. ``initialize`` builds the runtime once
-(``runtime.api.LLM(model_path, backend=...).start()`` -> ``AsyncEngine``); ``execute`` validates each request
-and hands it to ``AsyncEngine.submit``, so concurrent Triton requests are batched by the runtime's scheduler
-thread. Responses are sent from that thread through each request's response sender:
+Decoupled model with the tensor contract of TensorRT-LLM's ``tensorrt_llm`` model (tensorrtllm_backend
+``all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt``): ``max_batch_size`` > 0, ``input_ids [1, L]``
+(ragged), scalars ``[1, 1]`` reshaped to ``[1]``. Each request carries one sequence (batch 1) and goes to the
+runtime's in-flight batcher: ``initialize`` builds ``runtime.api.LLM(model_path, backend=...).start()`` once
+(``AsyncEngine``); ``execute`` validates each request and hands it to ``AsyncEngine.submit``; responses are sent from
+the scheduler thread through each request's response sender.
 
-* ``streaming=true``: one response per token (``output_ids [[tok]]``, ``sequence_length [1]``), then an empty
-  response carrying only the FINAL flag (clients see it with ``enable_empty_final_response=True``);
-* otherwise one response with all generated tokens (``output_ids [1, n]``, ``sequence_length [n]``) + FINAL.
+Inputs: ``input_ids``, ``input_lengths``, ``request_output_len`` (required), ``end_id`` (replaces the checkpoint's
+EOS; -1: none), ``pad_id`` (unused: one sequence per response), ``temperature``, ``runtime_top_k``,
+``runtime_top_p``, ``random_seed``, ``streaming``, ``return_log_probs``, ``exclude_input_in_output`` (default true;
+false puts the prompt before the generated ids of a non-streamed response), ``stop_words_list`` /
+``bad_words_list`` (TensorRT-LLM's ``[1, 2, N]``: row 0 the words' ids concatenated, row 1 their exclusive end
+offsets, -1 padded; a stop word ends the request when the output ends with it, a bad word's last token is never
+sampled after the rest of it), ``stop`` (true: cancel the in-flight request with the same request id),
+``beam_width`` / ``num_return_sequences`` (1 only), penalties at their neutral values only. K3 extensions:
+``num_top_logprobs`` (k: the k most likely tokens per generated token) and ``return_prompt_log_probs``.
 
-The final response of a request that completed (not cancelled, no error) also carries ``num_cached_tokens``
-(``[1]`` INT32: prompt tokens served from the runtime's prefix cache, 0 when it is off); in streaming mode it is
-that final response's only output.
+Outputs (batch 1, beam 1): ``output_ids [1, 1, n]``, ``sequence_length [1, 1]``; with ``return_log_probs``
+``output_log_probs [1, 1, n]`` and ``cum_log_probs [1, 1]`` (natural log, the model's distribution); with
+``num_top_logprobs`` ``top_log_prob_ids`` / ``top_log_probs [1, 1, n, k]``; with ``return_prompt_log_probs``
+``prompt_log_probs [1, L]`` (NaN for the first token) and, with ``num_top_logprobs``,
+``prompt_top_log_prob_ids`` / ``prompt_top_log_probs [1, L, k]`` (in the first response); ``finish_reason [1, 1]``
+("stop" | "length") and ``num_cached_tokens [1, 1]`` (prompt tokens served from the runtime's prefix cache, 0 when it
+is off; docs/PREFIX_CACHING.md) in the last response.
 
-``output_ids`` holds generated tokens only (like TensorRT-LLM with ``exclude_input_in_output=true``).
-``end_id`` is the end-of-sequence id as in TensorRT-LLM: it replaces the checkpoint's EOS (``end_id = -1``: no
-EOS, generate ``request_output_len`` tokens); ``pad_id`` is accepted and unused (no padding: one sequence per
-response); ``stop_words`` is TensorRT-LLM's stop-words list ``[2, N]`` (or ``[1, 2, N]``): row 0 the concatenated
-word ids, row 1 the exclusive end offsets padded with -1; each word must be one token (the scheduler stops on
-single tokens; a longer word is an error response). ``top_k``/``top_p`` alias ``runtime_top_k``/``runtime_top_p``.
+* ``streaming=true``: one response per token; the last token's response carries the FINAL flag (a cancelled
+  request ends with an empty FINAL response);
+* otherwise one response with all generated tokens + FINAL.
 
 Cancellation: a cancelled request (``sender.is_cancelled()``, seen in the token callback or by a watcher
-thread polling active requests) is cancelled in the engine (``eng.cancel``), which frees its KDA slot and
-latent blocks; the FINAL flag is still sent. Bad requests and runtime errors become error responses; nothing
-raised here escapes ``execute`` or the callbacks.
+thread polling active requests, or a ``stop`` request) is cancelled in the engine (``eng.cancel``), which frees its
+KDA slot and latent blocks; the FINAL flag is still sent. Bad requests and runtime errors become error responses;
+nothing raised here escapes ``execute`` or the callbacks.
 
 Custom metrics (``pb_utils.MetricFamily``, label ``model``): gauges ``k3_kda_slots_in_use``,
 ``k3_latent_blocks_in_use``, ``k3_max_requests_per_step``, ``k3_active_requests`` and, with prefix caching,
@@ -58,13 +67,26 @@ _SCALARS = {  # name -> (numpy dtype kind(s) accepted, python type)
     "end_id": ("iu", int),
     "pad_id": ("iu", int),
     "runtime_top_k": ("iu", int),
-    "top_k": ("iu", int),
     "random_seed": ("iu", int),
     "temperature": ("f", float),
     "runtime_top_p": ("f", float),
-    "top_p": ("f", float),
     "streaming": ("b", bool),
+    "return_log_probs": ("b", bool),
+    "exclude_input_in_output": ("b", bool),
+    "stop": ("b", bool),
+    "beam_width": ("iu", int),
+    "num_return_sequences": ("iu", int),
+    "min_length": ("iu", int),
+    "repetition_penalty": ("f", float),
+    "presence_penalty": ("f", float),
+    "frequency_penalty": ("f", float),
+    "len_penalty": ("f", float),
+    "num_top_logprobs": ("iu", int),
+    "return_prompt_log_probs": ("b", bool),
 }
+# Accepted only at these values (no such sampling in the runtime); another value is an error naming the input.
+_NEUTRAL = {"beam_width": 1, "num_return_sequences": 1, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+            "frequency_penalty": 0.0, "len_penalty": 1.0}
 
 
 class RequestError(ValueError):
@@ -91,23 +113,31 @@ def _scalar(request, name: str):
     kinds, typ = _SCALARS[name]
     if arr.dtype.kind not in kinds:
         raise RequestError(f"{name}: dtype {arr.dtype} not accepted; send "
-                           f"{ {'iu': 'INT32', 'f': 'FP32', 'b': 'BOOL'}[kinds] } with shape [1]")
+                           f"{ {'iu': 'INT32', 'f': 'FP32', 'b': 'BOOL'}[kinds] } with shape [1, 1]")
     if arr.size != 1:
-        raise RequestError(f"{name}: expected exactly one value (shape [1]), got shape {list(arr.shape)}")
+        raise RequestError(f"{name}: expected one value (shape [1, 1]: one sequence per request), got shape "
+                           f"{list(arr.shape)}")
     return typ(arr.reshape(-1)[0])
 
 
 def parse_request(request, vocab_size: Optional[int]) -> dict:
-    """Turn a Triton request into ``{"prompt": list[int], "streaming": bool, "params": dict}``.
+    """Turn a Triton request into ``{"prompt": list[int], "streaming": bool, "params": dict, "stop": bool,
+    "return_log_probs": bool, "prompt_log_probs": bool, "top_logprobs": int, "exclude_input": bool}``
+    (module docstring).
 
     Raises:
         RequestError: naming the offending field and how to fix it.
     """
+    if _scalar(request, "stop"):
+        return {"stop": True}
     ids = _input(request, "input_ids")
     if ids is None:
-        raise RequestError("input_ids: missing; send the prompt token ids as INT32 with shape [N], N >= 1")
+        raise RequestError("input_ids: missing; send the prompt token ids as INT32 with shape [1, N], N >= 1")
     if ids.dtype.kind not in "iu":
         raise RequestError(f"input_ids: dtype {ids.dtype} not accepted; send INT32 token ids")
+    if ids.ndim == 2 and ids.shape[0] != 1:
+        raise RequestError(f"input_ids: shape {list(ids.shape)} holds {ids.shape[0]} sequences; send one sequence "
+                           "per request ([1, N]): the runtime batches requests in flight")
     ids = ids.reshape(-1).astype(np.int64)
     n_in = _scalar(request, "input_lengths")
     if n_in is not None:
@@ -122,9 +152,15 @@ def parse_request(request, vocab_size: Optional[int]) -> dict:
                            "send ids produced by the model's tokenizer")
     max_tokens = _scalar(request, "request_output_len")
     if max_tokens is None:
-        raise RequestError("request_output_len: missing; send the number of tokens to generate (INT32 [1], >= 1)")
+        raise RequestError("request_output_len: missing; send the number of tokens to generate (INT32 [1, 1], >= 1)")
     if max_tokens < 1:
         raise RequestError(f"request_output_len: {max_tokens} must be >= 1")
+    for name, neutral in _NEUTRAL.items():
+        v = _scalar(request, name)
+        if v is not None and v != neutral:
+            raise RequestError(f"{name}: {v} is not supported; send {neutral} or omit it")
+    if (_scalar(request, "min_length") or 0) > 1:
+        raise RequestError("min_length: not supported; omit it (or send 0 / 1)")
 
     params: dict[str, Any] = {"max_tokens": int(max_tokens)}
     temperature = _scalar(request, "temperature")
@@ -132,25 +168,26 @@ def parse_request(request, vocab_size: Optional[int]) -> dict:
         if not np.isfinite(temperature) or temperature < 0:
             raise RequestError(f"temperature: {temperature} must be a finite number >= 0 (0 = greedy)")
         params["temperature"] = float(temperature)
-    for canonical, alias, field in (("runtime_top_k", "top_k", "top_k"), ("runtime_top_p", "top_p", "top_p")):
-        a, b = _scalar(request, canonical), _scalar(request, alias)
-        if a is not None and b is not None and a != b:
-            raise RequestError(f"{canonical}={a} and {alias}={b} disagree; send only one of them")
-        v = a if a is not None else b
-        if v is None:
-            continue
-        if field == "top_k" and v < 0:
-            raise RequestError(f"{canonical}: {v} must be >= 0 (0 = no top-k)")
-        if field == "top_p" and not 0.0 < v <= 1.0:
-            raise RequestError(f"{canonical}: {v} must be in (0, 1]")
-        params[field] = v
+    top_k, top_p = _scalar(request, "runtime_top_k"), _scalar(request, "runtime_top_p")
+    if top_k is not None:
+        if top_k < 0:
+            raise RequestError(f"runtime_top_k: {top_k} must be >= 0 (0 = no top-k)")
+        params["top_k"] = int(top_k)
+    if top_p is not None:
+        if not 0.0 < top_p <= 1.0:
+            raise RequestError(f"runtime_top_p: {top_p} must be in (0, 1]")
+        params["top_p"] = float(top_p)
     seed = _scalar(request, "random_seed")
     if seed is not None:
         params["seed"] = int(seed)
-    stops: list[int] = []
-    sw = _input(request, "stop_words")
+    stops, seqs = [], []
+    sw = _input(request, "stop_words_list")
     if sw is not None:
-        stops += parse_stop_words(sw)
+        for w in parse_words(sw, "stop_words_list"):
+            (stops if len(w) == 1 else seqs).append(w[0] if len(w) == 1 else tuple(w))
+    bw = _input(request, "bad_words_list")
+    if bw is not None:
+        params["bad_words"] = tuple(tuple(w) for w in parse_words(bw, "bad_words_list"))
     end_id = _scalar(request, "end_id")
     if end_id is not None:
         params["ignore_eos"] = True           # end_id replaces the checkpoint's EOS (TensorRT-LLM semantics)
@@ -158,34 +195,43 @@ def parse_request(request, vocab_size: Optional[int]) -> dict:
             stops.append(int(end_id))
     if stops:
         params["stop_token_ids"] = tuple(dict.fromkeys(stops))
+    if seqs:
+        params["stop_sequences"] = tuple(dict.fromkeys(seqs))
+    logprobs = bool(_scalar(request, "return_log_probs") or False)
+    k = _scalar(request, "num_top_logprobs") or 0
+    prompt_lp = bool(_scalar(request, "return_prompt_log_probs") or False)
+    if not 0 <= k <= 20:
+        raise RequestError(f"num_top_logprobs: {k} must be in 0..20")
+    if logprobs or k:
+        params["logprobs"] = int(k)
+    if prompt_lp:
+        params["prompt_logprobs"] = int(k)
     _scalar(request, "pad_id")  # type-checked, otherwise unused
-    streaming = bool(_scalar(request, "streaming") or False)
-    return {"prompt": [int(x) for x in ids], "streaming": streaming, "params": params}
+    exclude = _scalar(request, "exclude_input_in_output")
+    return {"prompt": [int(x) for x in ids], "streaming": bool(_scalar(request, "streaming") or False),
+            "params": params, "stop": False, "return_log_probs": logprobs or bool(k), "top_logprobs": int(k),
+            "prompt_log_probs": prompt_lp, "exclude_input": True if exclude is None else bool(exclude)}
 
 
-def parse_stop_words(sw) -> list[int]:
-    """TensorRT-LLM stop_words_list [2, N] / [1, 2, N] (ids row, end-offsets row padded with -1) -> stop token ids.
-    Raises RequestError for another shape or dtype, bad offsets, or a word longer than one token."""
-    import numpy as np
-    if sw.dtype.kind not in "iu":
-        raise RequestError(f"stop_words: dtype {sw.dtype} not accepted; send INT32 [2, N] (ids, end offsets)")
-    a = np.asarray(sw).astype(np.int64)
+def parse_words(words, name: str) -> list[list[int]]:
+    """TensorRT-LLM's words list [2, N] / [1, 2, N] (ids row, end-offsets row padded with -1) -> token sequences.
+    Raises RequestError naming `name` for another shape or dtype, or bad offsets."""
+    if words.dtype.kind not in "iu":
+        raise RequestError(f"{name}: dtype {words.dtype} not accepted; send INT32 [1, 2, N] (ids, end offsets)")
+    a = np.asarray(words).astype(np.int64)
     if a.ndim == 3 and a.shape[0] == 1:
         a = a[0]
     if a.ndim != 2 or a.shape[0] != 2:
-        raise RequestError(f"stop_words: shape {list(sw.shape)}; send TensorRT-LLM's [2, N] list: row 0 the word "
+        raise RequestError(f"{name}: shape {list(words.shape)}; send TensorRT-LLM's [1, 2, N] list: row 0 the word "
                            "ids, row 1 the end offsets (-1 padded)")
     ids, offs = a[0], [int(o) for o in a[1] if o >= 0]
-    words, start = [], 0
+    out, start = [], 0
     for end in offs:
         if not start < end <= len(ids):
-            raise RequestError(f"stop_words: offsets {offs} must increase within 1..{len(ids)}")
-        words.append([int(t) for t in ids[start:end]])
+            raise RequestError(f"{name}: offsets {offs} must increase within 1..{len(ids)}")
+        out.append([int(t) for t in ids[start:end]])
         start = end
-    long = [w for w in words if len(w) != 1]
-    if long:
-        raise RequestError(f"stop_words: {long[:3]} have more than one token; only single-token stop words are supported")
-    return [w[0] for w in words]
+    return out
 
 
 def _error_response(msg: str, code=None):
@@ -195,30 +241,62 @@ def _error_response(msg: str, code=None):
     return pb_utils.InferenceResponse(output_tensors=[], error=err)
 
 
-def _tokens_response(tokens: list[int], num_cached_tokens: Optional[int] = None):
-    out = [pb_utils.Tensor("output_ids", np.asarray(tokens, dtype=np.int32).reshape(1, -1)),
-           pb_utils.Tensor("sequence_length", np.asarray([len(tokens)], dtype=np.int32))]
-    if num_cached_tokens is not None:
-        out.append(_cached_tensor(num_cached_tokens))
+def _tokens_response(st: "_Stream", tokens: list[int], first: int, final_reason: Optional[str] = None,
+                     prompt: bool = False):
+    """Response with `tokens` (output tokens first..first+len) of `st` in TensorRT-LLM's shapes (module docstring)."""
+    ids = (st.prompt if prompt and not st.streaming and not st.exclude_input else []) + tokens
+    out = [pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int32).reshape(1, 1, -1)),
+           pb_utils.Tensor("sequence_length", np.asarray([[len(ids)]], dtype=np.int32))]
+    req = st.req
+    if st.return_log_probs and req is not None and req.logprobs is not None:
+        lps = req.logprobs[first:first + len(tokens)]
+        out += [pb_utils.Tensor("output_log_probs", np.asarray(lps, dtype=np.float32).reshape(1, 1, -1)),
+                pb_utils.Tensor("cum_log_probs", np.asarray([[sum(req.logprobs[:first + len(tokens)])]],
+                                                            dtype=np.float32))]
+        if st.top_logprobs:
+            tops = req.top_logprobs[first:first + len(tokens)]
+            out += _top_tensors("top_log_prob", tops, st.top_logprobs, (1, 1, len(tokens), st.top_logprobs))
+    if prompt and st.prompt_log_probs and req is not None and req.prompt_logprobs is not None:
+        lp = [np.nan if v is None else v for v in req.prompt_logprobs]
+        out.append(pb_utils.Tensor("prompt_log_probs", np.asarray(lp, dtype=np.float32).reshape(1, -1)))
+        if st.top_logprobs:
+            out += _top_tensors("prompt_top_log_prob", req.prompt_top_logprobs, st.top_logprobs,
+                                (1, len(lp), st.top_logprobs))
+    if final_reason is not None:
+        out.append(pb_utils.Tensor("finish_reason", np.asarray([[final_reason.encode()]], dtype=np.object_)))
+        out.append(pb_utils.Tensor("num_cached_tokens", np.asarray([[getattr(req, "num_cached_tokens", 0) or 0]],
+                                                                   dtype=np.int32)))
     return pb_utils.InferenceResponse(output_tensors=out)
 
 
-def _cached_tensor(n: int):
-    return pb_utils.Tensor("num_cached_tokens", np.asarray([n], dtype=np.int32))
+def _top_tensors(prefix: str, tops, k: int, shape) -> list:
+    """`{prefix}_ids` / `{prefix}s` tensors of shape `shape` from [(id, logprob)] lists (None rows: -1 / NaN)."""
+    ids = np.full((len(tops), k), -1, dtype=np.int32)
+    vals = np.full((len(tops), k), np.nan, dtype=np.float32)
+    for i, row in enumerate(tops):
+        for j, (t, v) in enumerate(row or ()):
+            ids[i, j], vals[i, j] = t, v
+    return [pb_utils.Tensor(f"{prefix}_ids", ids.reshape(shape)), pb_utils.Tensor(f"{prefix}s", vals.reshape(shape))]
 
 
 class _Stream:
     """One in-flight request: its sender, collected tokens and cancellation state."""
 
-    def __init__(self, rid: str, sender, streaming: bool):
+    def __init__(self, rid: str, sender, parsed: dict, triton_id: str = ""):
         self.rid = rid
+        self.triton_id = triton_id  # the client's request id (a `stop` request names it)
         self.sender = sender
-        self.streaming = streaming
+        self.streaming = parsed["streaming"]
+        self.prompt = parsed["prompt"]
+        self.exclude_input = parsed["exclude_input"]
+        self.return_log_probs = parsed["return_log_probs"]
+        self.top_logprobs = parsed["top_logprobs"]
+        self.prompt_log_probs = parsed["prompt_log_probs"]
+        self.req = None  # the scheduler's Request (logprobs), set before its first callback
         self.tokens: list[int] = []
         self.cancelled = False  # client cancelled; engine cancel requested
         self.cancel_sent = False
         self.done = False
-        self.request = None  # the engine's Request (num_cached_tokens), set by execute
         self.lock = threading.Lock()
 
     def client_cancelled(self) -> bool:
@@ -377,7 +455,8 @@ class TritonPythonModel:
             _log("verbose", f"k3: cancel({st.rid}) -> {e!r}")
 
     # -- request path ----------------------------------------------------------------------------------
-    def _finish(self, st: _Stream, error: Optional[str]) -> None:
+    def _finish(self, st: _Stream, error: Optional[str], token: Optional[int] = None) -> None:
+        """Send the FINAL response (with the last token when streaming) and forget the stream."""
         with st.lock:
             if st.done:
                 return
@@ -385,16 +464,21 @@ class TritonPythonModel:
         with self._streams_lock:
             self._streams.pop(st.rid, None)
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        reason = getattr(st.req, "finish_reason", None)
         try:
             if error is not None:
                 st.sender.send(_error_response(f"k3: generation failed: {error}",
                                                getattr(pb_utils.TritonError, "INTERNAL", None)), flags=final)
-            elif st.cancelled:
+            elif st.cancelled or reason == "cancelled":
                 st.sender.send(flags=final)
+            elif st.streaming:
+                if token is None:
+                    st.sender.send(flags=final)
+                else:
+                    st.sender.send(_tokens_response(st, [token], len(st.tokens) - 1, reason,
+                                                    prompt=len(st.tokens) == 1), flags=final)
             else:
-                cached = int(getattr(st.request, "num_cached_tokens", 0) or 0)
-                st.sender.send(pb_utils.InferenceResponse(output_tensors=[_cached_tensor(cached)]) if st.streaming
-                               else _tokens_response(st.tokens, cached), flags=final)
+                st.sender.send(_tokens_response(st, st.tokens, 0, reason, prompt=True), flags=final)
         except Exception as e:  # noqa: BLE001 - client gone
             _log("verbose", f"k3: final send for {st.rid} failed: {e!r}")
         self._wake.set()
@@ -407,10 +491,11 @@ class TritonPythonModel:
                     st.cancelled = True  # the watcher calls engine.cancel (not re-entering the engine here)
                 else:
                     st.tokens.append(int(token))
-                    if st.streaming:
-                        st.sender.send(_tokens_response([int(token)]))
+                    if st.streaming and not finished:
+                        st.sender.send(_tokens_response(st, [int(token)], len(st.tokens) - 1,
+                                                        prompt=len(st.tokens) == 1))
             if finished:
-                self._finish(st, error)
+                self._finish(st, error, None if token is None or st.cancelled else int(token))
             else:
                 self._wake.set()
         except Exception as e:  # noqa: BLE001
@@ -419,6 +504,15 @@ class TritonPythonModel:
             self._wake.set()
             if finished:
                 self._finish(st, None)
+
+    def _stop_by_id(self, triton_id: str) -> int:
+        """A `stop` request: cancel the in-flight requests sent with this request id. Returns how many."""
+        with self._streams_lock:
+            hits = [st for st in self._streams.values() if triton_id and st.triton_id == triton_id]
+        for st in hits:
+            st.cancelled = True
+            self._cancel(st)
+        return len(hits)
 
     def execute(self, requests):
         """Validate and submit every request; responses are sent asynchronously. Returns ``None``."""
@@ -430,6 +524,11 @@ class TritonPythonModel:
                 continue
             try:
                 parsed = parse_request(request, self.vocab_size)
+                if parsed["stop"]:
+                    n = self._stop_by_id(request.request_id())
+                    _log("info", f"k3: stop request {request.request_id()!r} cancelled {n} request(s)")
+                    sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    continue
                 params = self._SamplingParams(**parsed["params"])
             except (RequestError, ValueError, TypeError) as e:
                 self._send_error(sender, str(e))
@@ -438,13 +537,13 @@ class TritonPythonModel:
                 self._send_error(sender, f"k3: cannot read request: {e!r}")
                 continue
             rid = f"{request.request_id() or 'req'}#{next(self._ids)}"
-            st = _Stream(rid, sender, parsed["streaming"])
+            st = _Stream(rid, sender, parsed, request.request_id() or "")
             with self._streams_lock:
                 self._streams[rid] = st
             try:
-                with self.engine._turn():  # st.request is set before the request's first step can finish it
-                    st.request = self.engine.submit(rid, parsed["prompt"], params,
-                                                    lambda tok, fin, err, st=st: self._on_token(st, tok, fin, err))
+                with self.engine._turn():            # st.req is set before the scheduler can call back
+                    st.req = self.engine.submit(rid, parsed["prompt"], params,
+                                                lambda tok, fin, err, st=st: self._on_token(st, tok, fin, err))
             except ValueError as e:  # runtime validation; names the field
                 with self._streams_lock:
                     self._streams.pop(rid, None)

@@ -6,8 +6,10 @@
 
 writes::
 
-    REPO/k3/config.pbtxt     decoupled Python-backend model, TensorRT-LLM tensor names
-    REPO/k3/1/model.py       copy of serve/model.py (drives runtime.api through AsyncEngine)
+    REPO/k3/config.pbtxt        decoupled Python-backend model, TensorRT-LLM's tensorrt_llm contract (token ids)
+    REPO/k3/1/model.py          copy of serve/model.py (drives runtime.api through AsyncEngine)
+    REPO/k3_text/config.pbtxt   text model with TensorRT-LLM's ensemble names (when DIR holds tiktoken.model)
+    REPO/k3_text/1/model.py     copy of serve/text_model.py (tokenizes, calls k3, detokenizes)
 
 ``DIR`` is what ``runtime.api.LLM(path, backend=...)`` loads (a checkpoint for ``torch``, an engine directory
 for ``onnxruntime``/``tensorrt``). The backend comes from ``DIR/manifest.json`` key ``"backend"`` when present,
@@ -39,28 +41,79 @@ DEFAULT_MODEL_NAME = "k3"
 PROJECT_ROOT = pathlib.Path(__file__).resolve().parent.parent  # holds k3deploy/ (a checkout or site-packages)
 MODEL_PY = pathlib.Path(__file__).resolve().parent / "model.py"
 
-# (name, Triton data type, dims, optional) -- mirrors tensorrt_llm's Triton model (docs/model_config.md).
-INPUTS: tuple[tuple[str, str, tuple[int, ...], bool], ...] = (
-    ("input_ids", "TYPE_INT32", (-1,), False),
-    ("input_lengths", "TYPE_INT32", (1,), True),
-    ("request_output_len", "TYPE_INT32", (1,), False),
-    ("streaming", "TYPE_BOOL", (1,), True),
-    ("end_id", "TYPE_INT32", (1,), True),
-    ("pad_id", "TYPE_INT32", (1,), True),
-    ("temperature", "TYPE_FP32", (1,), True),
-    ("runtime_top_k", "TYPE_INT32", (1,), True),
-    ("runtime_top_p", "TYPE_FP32", (1,), True),
-    ("top_k", "TYPE_INT32", (1,), True),  # alias of runtime_top_k (text-level name)
-    ("top_p", "TYPE_FP32", (1,), True),  # alias of runtime_top_p
-    ("random_seed", "TYPE_UINT64", (1,), True),
-    ("stop_words", "TYPE_INT32", (2, -1), True),  # TensorRT-LLM stop_words_list: ids row, end-offsets row
+# (name, Triton data type, dims, optional, kind): kind "scalar" = dims [1] reshaped to [] (TensorRT-LLM's scalars),
+# "ragged" = allow_ragged_batch. The contract of tensorrtllm_backend's tensorrt_llm/config.pbtxt, plus the K3
+# extensions num_top_logprobs / return_prompt_log_probs (serve/model.py).
+INPUTS: tuple[tuple[str, str, tuple[int, ...], bool, str], ...] = (
+    ("input_ids", "TYPE_INT32", (-1,), True, "ragged"),           # optional: a `stop` request carries none
+    ("input_lengths", "TYPE_INT32", (1,), True, "scalar"),
+    ("request_output_len", "TYPE_INT32", (1,), False, "scalar"),
+    ("end_id", "TYPE_INT32", (1,), True, "scalar"),
+    ("pad_id", "TYPE_INT32", (1,), True, "scalar"),
+    ("stop_words_list", "TYPE_INT32", (2, -1), True, "ragged"),
+    ("bad_words_list", "TYPE_INT32", (2, -1), True, "ragged"),
+    ("beam_width", "TYPE_INT32", (1,), True, "scalar"),
+    ("num_return_sequences", "TYPE_INT32", (1,), True, "scalar"),
+    ("temperature", "TYPE_FP32", (1,), True, "scalar"),
+    ("runtime_top_k", "TYPE_INT32", (1,), True, "scalar"),
+    ("runtime_top_p", "TYPE_FP32", (1,), True, "scalar"),
+    ("len_penalty", "TYPE_FP32", (1,), True, "scalar"),
+    ("repetition_penalty", "TYPE_FP32", (1,), True, "scalar"),
+    ("min_length", "TYPE_INT32", (1,), True, "scalar"),
+    ("presence_penalty", "TYPE_FP32", (1,), True, "scalar"),
+    ("frequency_penalty", "TYPE_FP32", (1,), True, "scalar"),
+    ("random_seed", "TYPE_UINT64", (1,), True, "scalar"),
+    ("return_log_probs", "TYPE_BOOL", (1,), True, "scalar"),
+    ("exclude_input_in_output", "TYPE_BOOL", (1,), True, "scalar"),
+    ("stop", "TYPE_BOOL", (1,), True, "scalar"),
+    ("streaming", "TYPE_BOOL", (1,), True, "scalar"),
+    ("num_top_logprobs", "TYPE_INT32", (1,), True, "scalar"),
+    ("return_prompt_log_probs", "TYPE_BOOL", (1,), True, "scalar"),
 )
 OUTPUTS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
     ("output_ids", "TYPE_INT32", (-1, -1)),
     ("sequence_length", "TYPE_INT32", (-1,)),
+    ("cum_log_probs", "TYPE_FP32", (-1,)),
+    ("output_log_probs", "TYPE_FP32", (-1, -1)),
+    ("top_log_prob_ids", "TYPE_INT32", (-1, -1, -1)),
+    ("top_log_probs", "TYPE_FP32", (-1, -1, -1)),
+    ("prompt_log_probs", "TYPE_FP32", (-1,)),
+    ("prompt_top_log_prob_ids", "TYPE_INT32", (-1, -1)),
+    ("prompt_top_log_probs", "TYPE_FP32", (-1, -1)),
+    ("finish_reason", "TYPE_STRING", (1,)),
     ("num_cached_tokens", "TYPE_INT32", (1,)),  # with the final response: prompt tokens served from the prefix cache
 )
-REQUIRED_INPUTS = tuple(name for name, _, _, optional in INPUTS if not optional)
+
+# The text model: TensorRT-LLM's ensemble / tensorrt_llm_bls names (serve/text_model.py).
+TEXT_MODEL_NAME = "k3_text"
+TEXT_MODEL_PY = pathlib.Path(__file__).resolve().parent / "text_model.py"
+TEXT_INPUTS: tuple[tuple[str, str, tuple[int, ...], bool, str], ...] = (
+    ("text_input", "TYPE_STRING", (1,), False, ""),
+    ("max_tokens", "TYPE_INT32", (1,), False, ""),
+    ("bad_words", "TYPE_STRING", (-1,), True, ""),
+    ("stop_words", "TYPE_STRING", (-1,), True, ""),
+    ("exclude_input_in_output", "TYPE_BOOL", (1,), True, ""),
+    ("end_id", "TYPE_INT32", (1,), True, ""),
+    ("pad_id", "TYPE_INT32", (1,), True, ""),
+    ("top_k", "TYPE_INT32", (1,), True, ""),
+    ("top_p", "TYPE_FP32", (1,), True, ""),
+    ("temperature", "TYPE_FP32", (1,), True, ""),
+    ("length_penalty", "TYPE_FP32", (1,), True, ""),
+    ("repetition_penalty", "TYPE_FP32", (1,), True, ""),
+    ("min_length", "TYPE_INT32", (1,), True, ""),
+    ("presence_penalty", "TYPE_FP32", (1,), True, ""),
+    ("frequency_penalty", "TYPE_FP32", (1,), True, ""),
+    ("random_seed", "TYPE_UINT64", (1,), True, ""),
+    ("return_log_probs", "TYPE_BOOL", (1,), True, ""),
+    ("beam_width", "TYPE_INT32", (1,), True, ""),
+    ("num_return_sequences", "TYPE_INT32", (1,), True, ""),
+    ("stream", "TYPE_BOOL", (1,), True, ""),
+)
+TEXT_OUTPUTS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
+    ("text_output", "TYPE_STRING", (-1,)),
+    ("cum_log_probs", "TYPE_FP32", (-1,)),
+    ("output_log_probs", "TYPE_FP32", (-1, -1)),
+)
 
 
 class RepositoryError(ValueError):
@@ -109,20 +162,23 @@ def _dims(d: Sequence[int]) -> str:
     return "[ " + ", ".join(str(x) for x in d) + " ]"
 
 
-def render_config(name: str, parameters: Mapping[str, Any], instance_count: int = 1) -> str:
-    """Text of ``config.pbtxt`` for the decoupled Python-backend model ``name``."""
+def _render(name: str, inputs, outputs, parameters: Mapping[str, Any], instance_count: int, max_batch_size: int,
+            comment: str) -> str:
     lines = [
         f'name: "{name}"',
         'backend: "python"',
-        "max_batch_size: 0  # requests are batched in-flight inside runtime/ (AsyncEngine), not by Triton",
+        f"max_batch_size: {int(max_batch_size)}  # {comment}",
         "model_transaction_policy { decoupled: true }",
         "input [",
     ]
-    ins = [f'  {{ name: "{n}" data_type: {t} dims: {_dims(d)}{" optional: true" if opt else ""} }}'
-           for n, t, d, opt in INPUTS]
+    ins = []
+    for n, t, d, opt, kind in inputs:
+        extra = (" optional: true" if opt else "") + (" allow_ragged_batch: true" if kind == "ragged" else "") + (
+            " reshape: { shape: [ ] }" if kind == "scalar" else "")
+        ins.append(f'  {{ name: "{n}" data_type: {t} dims: {_dims(d)}{extra} }}')
     lines.append(",\n".join(ins))
     lines += ["]", "output ["]
-    lines.append(",\n".join(f'  {{ name: "{n}" data_type: {t} dims: {_dims(d)} }}' for n, t, d in OUTPUTS))
+    lines.append(",\n".join(f'  {{ name: "{n}" data_type: {t} dims: {_dims(d)} }}' for n, t, d in outputs))
     lines += ["]", f"instance_group [ {{ count: {int(instance_count)} kind: KIND_CPU }} ]"]
     for key, value in parameters.items():
         if value is None:
@@ -131,14 +187,30 @@ def render_config(name: str, parameters: Mapping[str, Any], instance_count: int 
     return "\n".join(lines) + "\n"
 
 
-def validate_config(text: str, expect_name: Optional[str] = None, *, where: str = "config.pbtxt"):
-    """Parse ``text`` with tritonclient's ``ModelConfig`` protobuf and check what ``k3`` relies on.
+def render_config(name: str, parameters: Mapping[str, Any], instance_count: int = 1, max_batch_size: int = 1) -> str:
+    """Text of ``config.pbtxt`` for the decoupled Python-backend model ``name`` (TensorRT-LLM's tensorrt_llm
+    contract: ``max_batch_size`` > 0; each request is one sequence, batched in flight inside runtime/)."""
+    return _render(name, INPUTS, OUTPUTS, parameters, instance_count, max_batch_size,
+                   "one sequence per request; requests are batched in flight by runtime/ (AsyncEngine)")
+
+
+def render_text_config(name: str, parameters: Mapping[str, Any], instance_count: int = 1,
+                       max_batch_size: int = 1) -> str:
+    """Text of ``config.pbtxt`` for the text model (TensorRT-LLM's ensemble names; serve/text_model.py)."""
+    return _render(name, TEXT_INPUTS, TEXT_OUTPUTS, parameters, instance_count, max_batch_size,
+                   "one text per request, passed on to the token model")
+
+
+def validate_config(text: str, expect_name: Optional[str] = None, *, where: str = "config.pbtxt",
+                    text_model: bool = False):
+    """Parse ``text`` with tritonclient's ``ModelConfig`` protobuf and check what ``k3`` (or, with ``text_model``,
+    the text model) relies on.
 
     Returns the parsed ``ModelConfig``.
 
     Raises:
         RepositoryError: the text does not parse, or the model is not a decoupled Python-backend model with
-            the required inputs/outputs.
+            max_batch_size > 0 and the required inputs/outputs.
     """
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
@@ -155,14 +227,18 @@ def validate_config(text: str, expect_name: Optional[str] = None, *, where: str 
         problems.append(f"backend is {cfg.backend!r}, must be \"python\"")
     if not cfg.model_transaction_policy.decoupled:
         problems.append("model_transaction_policy.decoupled must be true (streaming sends many responses)")
+    if cfg.max_batch_size < 1:
+        problems.append(f"max_batch_size is {cfg.max_batch_size}, must be > 0 (TensorRT-LLM clients send a batch "
+                        "dimension)")
     inputs = {i.name: i for i in cfg.input}
-    for name in REQUIRED_INPUTS:
-        if name not in inputs:
+    want_in, want_out = (TEXT_INPUTS, TEXT_OUTPUTS) if text_model else (INPUTS, OUTPUTS)
+    for name, _, _, optional, _ in want_in:
+        if name not in inputs and (not optional or name == "input_ids"):
             problems.append(f"input {name!r} is missing")
-        elif inputs[name].optional:
+        elif name in inputs and not optional and inputs[name].optional:
             problems.append(f"input {name!r} must not be optional")
     outputs = {o.name for o in cfg.output}
-    for name, _, _ in OUTPUTS:
+    for name, _, _ in want_out:
         if name not in outputs:
             problems.append(f"output {name!r} is missing")
     if problems:
@@ -178,7 +254,9 @@ def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backe
                      device: Optional[str] = None, ops: Optional[str] = None,
                      cuda_graphs: bool = False, dense_dtype: Optional[str] = None,
                      enable_prefix_caching: bool = False) -> pathlib.Path:
-    """Write ``out/<name>/config.pbtxt`` and ``out/<name>/1/model.py``; return the config's path.
+    """Write ``out/<name>/config.pbtxt`` and ``out/<name>/1/model.py``; return the config's path. When ``engines``
+    holds a tokenizer (``tiktoken.model``, found as ``runtime.api.resolve_model_dir`` finds it) the text model
+    ``out/k3_text`` (serve/text_model.py, TensorRT-LLM's ensemble names) is written beside it, calling ``<name>``.
     ``device`` / ``ops`` (torch backend: "cuda", "cuda:N", "cpu" / "torch", "kernels", "reference") become
     parameters the model passes to ``LLM(device=..., ops=...)``; omitted = the runtime's defaults (CPU).
     ``cuda_graphs`` becomes ``LLM(cuda_graphs=True)`` (decode steps replayed from CUDA graphs; CUDA, ops "kernels").
@@ -222,11 +300,17 @@ def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backe
     if (ops is not None or cuda_graphs or dense_dtype is not None) and resolved != "torch":
         raise RepositoryError(f"--ops / --cuda-graphs / --dense-dtype apply to the torch backend; {engines} is "
                               f"served by the {resolved} backend")
-    model_dir = out / name
-    if model_dir.exists():
-        if not overwrite:
-            raise RepositoryError(f"{model_dir} exists; pass --force (overwrite=True) to replace it")
-        shutil.rmtree(model_dir)
+    from k3deploy.runtime.api import resolve_model_dir
+    try:
+        tokenizer = resolve_model_dir(engines)["tokenizer"]
+    except (OSError, ValueError) as e:
+        raise RepositoryError(f"--engines {engines}: {e}") from e
+    model_dir, text_dir = out / name, out / TEXT_MODEL_NAME
+    for d in (model_dir, text_dir) if tokenizer is not None else (model_dir,):
+        if d.exists():
+            if not overwrite:
+                raise RepositoryError(f"{d} exists; pass --force (overwrite=True) to replace it")
+            shutil.rmtree(d)
     (model_dir / "1").mkdir(parents=True)
     params = {
         "project_root": str(pathlib.Path(project_root).resolve()),
@@ -247,6 +331,16 @@ def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backe
     (model_dir / "config.pbtxt").write_text(text)
     shutil.copy2(MODEL_PY, model_dir / "1" / "model.py")
     LOGGER.info("wrote %s (backend %s, model %s)", model_dir, resolved, engines)
+    if tokenizer is None:
+        LOGGER.info("no tiktoken.model in %s: the text model %s is not written", engines, TEXT_MODEL_NAME)
+    else:
+        (text_dir / "1").mkdir(parents=True)
+        tparams = {"project_root": params["project_root"], "tokenizer": str(tokenizer), "token_model": name}
+        ttext = render_text_config(TEXT_MODEL_NAME, tparams, instance_count)
+        validate_config(ttext, TEXT_MODEL_NAME, where=str(text_dir / "config.pbtxt"), text_model=True)
+        (text_dir / "config.pbtxt").write_text(ttext)
+        shutil.copy2(TEXT_MODEL_PY, text_dir / "1" / "model.py")
+        LOGGER.info("wrote %s (text in, text out, through %s)", text_dir, name)
     return model_dir / "config.pbtxt"
 
 
@@ -265,6 +359,8 @@ def validate_repository(repo: str | pathlib.Path) -> list[pathlib.Path]:
             raise RepositoryError(f"{cfg_path} does not parse as a Triton ModelConfig: {e}") from e
         if cfg.backend == "python" and cfg.name == DEFAULT_MODEL_NAME:
             validate_config(text, cfg_path.parent.name, where=str(cfg_path))
+        elif cfg.backend == "python" and cfg.name == TEXT_MODEL_NAME:
+            validate_config(text, cfg_path.parent.name, where=str(cfg_path), text_model=True)
         checked.append(cfg_path)
     return checked
 

@@ -1,5 +1,5 @@
 """Shared fixtures: one k3-tiny synthetic checkpoint per test session (MODEL.md §1.4A), a 2-layer micro cut of it,
-and the built deployments."""
+the built deployments, and the k3-tiny-vl checkpoint and deployment (VISION.md §10.1)."""
 from __future__ import annotations
 
 import pytest
@@ -91,3 +91,43 @@ def tiny_build_tp1(tiny_ckpt, tmp_path_factory):
 def tiny_build_tp2(tiny_ckpt, tmp_path_factory):
     """The main job on k3-tiny at TP=2 / EP=2."""
     return _build(tiny_ckpt, tmp_path_factory.mktemp("build") / "tp2", "--tp", 2, "--ep", 2)
+
+
+@pytest.fixture(scope="session")
+def tiny_vl_cfg():
+    return load_config("k3-tiny-vl")
+
+
+@pytest.fixture(scope="session")
+def tiny_vl_ckpt(tmp_path_factory, tiny_vl_cfg):
+    """Path of a k3-tiny-vl synthetic checkpoint (seed 0: its text weights are k3-tiny's, seed 0)."""
+    return _checkpoint(tmp_path_factory, tiny_vl_cfg, "k3tinyvl", 0)
+
+
+@pytest.fixture(scope="session")
+def tiny_vl_model(tiny_vl_ckpt):
+    return _model(tiny_vl_ckpt)
+
+
+def _link_tree(src, dst):
+    """A copy of the build directory `src` at `dst`: big files hard-linked (every stage replaces its outputs
+    atomically, so `src` is never changed), small ones copied."""
+    import os
+    import shutil
+
+    def link(a, b):
+        if os.path.getsize(a) > 1 << 20:
+            os.link(a, b)
+        else:
+            shutil.copy2(a, b)
+    shutil.copytree(src, dst, copy_function=link)
+
+
+@pytest.fixture(scope="session")
+def tiny_vl_build(tiny_vl_ckpt, tiny_build_tp1, tmp_path_factory):
+    """The main job on k3-tiny-vl at TP=1, run in a copy of the k3-tiny build: the text graphs are the same (same
+    text config and weights), so the pipeline keeps their export, verification and engines and builds the vision
+    graph, its engine and the two-image smoke (a rerun after adding the vision tower)."""
+    out = tmp_path_factory.mktemp("build") / "vl"
+    _link_tree(tiny_build_tp1[0], out)
+    return _build(tiny_vl_ckpt, out)

@@ -1,7 +1,6 @@
-"""Comparison helpers and the poisoned-margin tensor guard shared by the kernel tests (tests/test_kernels.py,
-tests/test_graph_safe.py,
-tests/test_aot_prefill.py), and the AOT helpers: PTX compiled in a subprocess, PTX launched through the CUDA driver
-the way TensorRT's AOT launcher does, a stand-in ``tensorrt.plugin``."""
+"""Comparison helpers and the poisoned-margin tensor guard shared by the kernel tests (tests/plugins/,
+tests/benchmarks/), the AOT helpers (PTX compiled in a subprocess, PTX launched through the CUDA driver the way
+TensorRT's AOT launcher does, a stand-in ``tensorrt.plugin``) and an interpreter of the Gluon MoE's decode PTX."""
 import os
 import subprocess
 import sys
@@ -61,7 +60,7 @@ class Guarded:
                     assert (margin == self._poison(buf.dtype)).all(), "a kernel wrote outside its tensor"
 
 
-# ---------------------------------------------------------------- ahead-of-time kernels (issue 6)
+# ---------------------------------------------------------------- ahead-of-time kernels
 # defined for the subprocess snippets: how many parameters kernel `name`'s .entry has in `ptx`
 ENTRY_PARAMS = ("import re as _re\n"
                  "def entry_params(name, ptx):\n"
@@ -182,3 +181,77 @@ class Sym:
 
     def __floordiv__(self, other):
         return self._op("//", other)
+
+
+# ---------------------------------------------------------------- the Gluon MoE decode
+def run_decode_ptx(asm: str, word: int, factor_bits: int) -> list[int]:
+    """Interpret the integer / bf16x2 PTX of a decode (plugins/moe/kernels_gluon.py `_dq_asm`,
+    benchmarks/moe_decode_floor.py `dq_asm14`) on one 32-bit word: mov, and, shl, mul.lo.u32, prmt (mode 0x2301: bytes swapped within each half) and mul.rn.bf16x2
+    (products of exact powers of two and E2M1 values: exact in fp32, so rounding never enters). $4 = word,
+    $5 = factor bits; returns $0..$3."""
+    import re
+    import struct
+
+    def bf(b):
+        return struct.unpack("<f", struct.pack("<I", (b & 0xFFFF) << 16))[0]
+
+    def to_bf(x):
+        b = struct.unpack("<I", struct.pack("<f", x))[0]
+        assert b & 0xFFFF == 0, x                 # exactly a bf16
+        return b >> 16
+
+    reg = {"$4": word, "$5": factor_bits}
+    body = asm.strip()
+    assert body.startswith("{") and body.endswith("}"), asm
+    for stmt in (x.strip() for x in body[1:-1].split(";")):
+        if not stmt or stmt.startswith(".reg"):
+            continue
+        m = re.fullmatch(r"([a-z][\w.]*)\s+(.*)", stmt, re.S)
+        assert m, f"unparsed PTX statement {stmt!r}"
+        op, args = m.group(1), [x.strip() for x in m.group(2).split(",")]
+        val = [reg[x] if x in reg else int(x, 0) for x in args[1:]]
+        if op == "mov.b32":
+            r = val[0]
+        elif op == "and.b32":
+            r = val[0] & val[1]
+        elif op == "shl.b32":
+            r = val[0] << val[1]
+        elif op == "mul.lo.u32":
+            r = val[0] * val[1]
+        elif op == "prmt.b32":
+            assert val[2] == 0x2301, hex(val[2])
+            r = ((val[0] & 0x00FF00FF) << 8) | ((val[0] >> 8) & 0x00FF00FF)
+        elif op == "mul.rn.bf16x2":
+            r = to_bf(bf(val[0]) * bf(val[1])) | to_bf(bf(val[0] >> 16) * bf(val[1] >> 16)) << 16
+        else:
+            raise AssertionError(f"unexpected PTX {op}")
+        reg[args[0]] = r & 0xFFFFFFFF
+    return [reg[f"${i}"] for i in range(4)]
+
+def check_e2m1_decode(asm_of, word_of) -> None:
+    """Assert that the decode PTX `asm_of(folded)` on the word `word_of(codes)` of 8 E2M1 codes gives output
+    i = (n_i, n_{i+4}) x the E8M0 factor, folded (2^(s-1) factor bits, s <= 128) and not (2^(s-127), after x 2^126),
+    exactly and with the sign of zero, for all codes 0..7 in order and 300 random words each way (`run_decode_ptx`)."""
+    import math
+    import random
+    import struct
+
+    e2m1 = [0, .5, 1, 1.5, 2, 3, 4, 6]
+
+    def val(c):
+        return (-1.0 if c & 8 else 1.0) * e2m1[c & 7]
+
+    def bf(b):
+        return struct.unpack("<f", struct.pack("<I", (b & 0xFFFF) << 16))[0]
+    rnd = random.Random(0)
+    for folded in (True, False):
+        asm = asm_of(folded)
+        for trial in range(300):
+            codes = [rnd.randrange(16) for _ in range(8)] if trial else list(range(8))
+            s = rnd.randrange(100, 129) if folded else rnd.randrange(60, 200)
+            fbits = (s * 0x00800080 + (0x3F003F00 if folded else 0)) & 0xFFFFFFFF   # kernels_gluon._scale_bits
+            out = run_decode_ptx(asm, word_of(codes), fbits)
+            for i in range(4):
+                for got, c in ((bf(out[i]), codes[i]), (bf(out[i] >> 16), codes[i + 4])):
+                    want = val(c) * 2.0 ** (s - 127)
+                    assert got == want and math.copysign(1, got) == math.copysign(1, want), (folded, codes, i)

@@ -8,10 +8,10 @@ kda_decode : ONE fused kernel per layer step: conv-history update + SiLU, L2 nor
 kda_prefill: Triton conv pass over the packed tokens + a fix-up of each sequence's first three tokens from the
              slot's conv history (L2 norm of q/k fused) + conv-history update + beta = sigmoid(b); then fla-core's
              chunk stages (gate cumsum, intra-chunk WY solve, inter-chunk state pass; one sequence: dense, several:
-             static chunk indices) and our output kernel with the gated RMSNorm fused (`chunk_impl='k3'`), or
-             fla-core's whole `chunk_kda` + our gated-RMSNorm kernel (`chunk_impl='fla'`); initial/final states
-             gathered/scattered through slots by Triton copies. Where fla or CUDA is unavailable (CPU CI) the delta
-             rule falls back to a torch token recurrence. No host sync (the TensorRT plugin relies on it), scratch
+             static chunk indices) and our output kernel with the gated RMSNorm fused (for fla-core versions
+             whose internal stages were not tested here: fla-core's whole `chunk_kda` + our gated-RMSNorm kernel);
+             initial/final states gathered/scattered through slots by Triton copies. Where fla or CUDA is
+             unavailable (CPU CI) the delta rule falls back to a torch token recurrence. No host sync (the TensorRT plugin relies on it), scratch
              from `workspace=` (`kda_prefill_workspace_bytes`); fla's intermediates still come from torch's caching
              allocator (plugins/trt_common.py says what that means for capture).
 
@@ -86,9 +86,8 @@ def _kda_decode_kernel(
     IV_FAST: tl.constexpr = 0,
 ):
     """grid (B, H, K // BV), or (K // BV, B, H) with IV_FAST: a (token, head)'s V tiles launched side by side, so
-    they share its q/k prologue reads in L2 and the last one's output norm follows soon (H200 run 12: 4-7% faster at
-    12 heads B=256 and 96 heads B=64/256; equal at 12 heads B=64 inside a CUDA graph). Each program owns the [BV, K]
-    rows of S^T for value channels v0..v0+BV.
+    they share its q/k prologue reads in L2 and the last one's output norm follows soon. Each program owns the
+    [BV, K] rows of S^T for value channels v0..v0+BV.
     PREFETCH (GPU only): the state tile is prefetched into L2 as soon as the slot is known, so its DRAM reads
     overlap the conv/norm/gate prologue (loading it into registers that early doubles the registers).
     q/k conv + L2 norm are recomputed by every V-tile program (cheap); the v conv, state and output rows are
@@ -191,65 +190,78 @@ def _check_last_contig(*xs):
 
 
 def _decode_block_v(n_items: int, K: int) -> int:
-    """Default V tile of the split kernel for n_items = tokens x heads (H200, benchmarks/RESULTS.md run 23: each
-    layer's pools its own, as deployed): <= 48 items 16, <= 1024 items 32, more 64. (Until run 23 the whole tile
-    between 17 and 256 items, chosen on one pool replayed from L2: 1.1-1.4x slower on distinct pools.)"""
+    """V tile of the split kernel for n_items = tokens x heads: K below 128 (one program per (token, head)), else
+    16 up to 48 items, 32 up to 1024, 64 above: the fastest tile per batch with each layer's pools its own, as
+    deployed (on an H200: benchmarks/sweep_kda_decode_tiles.py)."""
     return K if K < 128 else (16 if n_items <= 48 else 32 if n_items <= 1024 else 64)
 
 
 def _decode_num_warps(block_v: int, head_dim: int) -> int:
-    """Default warps of `_kda_decode_kernel` for a [block_v, head_dim] fp32 state tile: 8 from 16384 elements (64 KB)
-    up, else 4 (plugins/kda/trt_aot.py `num_warps` repeats it for the whole tile without importing Triton)."""
+    """Warps of `_kda_decode_kernel` for a [block_v, head_dim] fp32 state tile: 8 from 16384 elements (64 KB) up,
+    else 4 (plugins/kda/trt_aot.py `num_warps` repeats it for the whole tile without importing Triton)."""
     return 8 if block_v * head_dim >= 16384 else 4
 
 
-def _decode_grid(batch: int, num_heads: int, nv: int, iv_fast: bool) -> tuple[tuple[int, int, int], bool]:
-    """(launch grid, IV_FAST) of `_kda_decode_kernel`: (nv, batch, heads) with IV_FAST (V tiles of a (token, head)
-    adjacent) when asked and batch <= 65535 (CUDA's limit on grid dimension y), else (batch, heads, nv)."""
-    if iv_fast and batch <= 65535:
+def _decode_grid(batch: int, num_heads: int, nv: int) -> tuple[tuple[int, int, int], bool]:
+    """(launch grid, IV_FAST) of `_kda_decode_kernel`: (nv, batch, heads) with IV_FAST (the V tiles of a (token,
+    head) adjacent, sharing its q/k prologue reads in L2) for batch <= 65535 (CUDA's limit on grid dimension y),
+    else (batch, heads, nv)."""
+    if batch <= 65535:
         return (nv, batch, num_heads), True
     return (batch, num_heads, nv), False
 
 
-def _decode_scratch(batch: int, num_heads: int, head_dim: int, block_v: int | None) -> list:
+def _decode_scratch(batch: int, num_heads: int, head_dim: int, block_v: int) -> list:
     """(shape, dtype) of the split kernel's scratch in carve order: fp32 output accumulator, int32 counters."""
-    bv = block_v or _decode_block_v(batch * num_heads, head_dim)
     n = batch * num_heads
-    return [] if bv >= head_dim else [((n * head_dim,), torch.float32), ((n,), torch.int32)]
+    return [] if block_v >= head_dim else [((n * head_dim,), torch.float32), ((n,), torch.int32)]
 
 
-def kda_decode_workspace_bytes(batch: int, num_heads: int, head_dim: int, block_v: int | None = None) -> int:
+def kda_decode_workspace_bytes(batch: int, num_heads: int, head_dim: int) -> int:
     """Scratch bytes `kda_decode` needs for `batch` tokens (plugins/workspace.py convention): 0 for the
-    whole-tile V split; else an fp32 [batch*H*K] accumulator + int32 [batch*H] counters. With block_v None the
-    default tile (`_decode_block_v`) either splits at every batch (K >= 128) or never (K < 128), so the bytes at
-    `batch` bound every smaller batch too (`test_kda_decode_default_tile_rule` checks it)."""
-    return plan_bytes(_decode_scratch(batch, num_heads, head_dim, block_v))
+    whole-tile V split; else an fp32 [batch*H*K] accumulator + int32 [batch*H] counters. The V tile
+    (`_decode_block_v`) either splits at every batch (K >= 128) or never (K < 128), so the bytes at `batch` bound
+    every smaller batch too."""
+    return plan_bytes(_decode_scratch(batch, num_heads, head_dim, _decode_block_v(batch * num_heads, head_dim)))
 
 
 def kda_decode(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slots, *,
                num_heads: int, head_dim: int, lower_bound: float = -5.0, norm_eps: float = 1e-5, out=None,
-               block_v: int | None = None, num_warps: int | None = None, workspace: torch.Tensor | None = None,
-               prefetch: bool | None = None, iv_fast: bool = True, maxnreg: int | None = None):
+               workspace: torch.Tensor | None = None):
     """KdaDecode (MODEL.md §4, DESIGN.md): one token per request; updates `state` and `conv` in place.
 
-    qkv [B, 3P], f [B, P], b [B, H], g [B, P] act; conv_w [3P, 4], A_log [H], dt_bias [P], o_norm_w [K] fp32;
-    state [S, H, K, K] fp32 (Sᵀ per head), conv [S, 3P, 3] act; slots [B] int32. Returns (out [B, P] act, state,
-    conv) — the same pool tensors. Rows on slot 0 (the padding sentinel, e.g. CUDA-graph padding rows) compute
-    an output but write neither pool, so slot 0 stays untouched (the fp32 reference does write it).
-    `block_v`: V tile (None = the measured default, `_decode_block_v`).
-    `workspace`: optional uint8 device buffer of >= `kda_decode_workspace_bytes(...)` bytes for the split
-    kernel's scratch (CUDA-graph / TensorRT enqueue: nothing is allocated then). `prefetch`: the state tile's L2
-    prefetch (None = on for CUDA tensors outside the interpreter; False for A/B timing). `iv_fast`: a (token,
-    head)'s V tiles adjacent in the launch order (default; False = tokens fastest, runs 3-11, for A/B timing; batches
-    of more than 65535 tokens always take that order: CUDA grid dimension y is limited). `maxnreg`: a register cap
-    per thread for A/B timing (None = the compiler's choice). AssertionError on bad shapes."""
+    Args:
+        qkv [B, 3P], f [B, P], b [B, H], g [B, P]: activations (fp32 / bf16 / fp16; P = H*K).
+        conv_w [3P, 4], A_log [H], dt_bias [P], o_norm_w [K]: fp32 weights.
+        state [S, H, K, K] fp32 (Sᵀ per head), conv [S, 3P, 3] act: the pools, contiguous.
+        slots [B] int (any integer dtype): the pool row of each token; slot 0 is the padding sentinel (CUDA-graph
+            padding rows): its rows compute an output but write neither pool (the fp32 reference does write it).
+        num_heads, head_dim: H and K (K a power of 2); lower_bound, norm_eps: MODEL.md §4.
+        out: optional [B, P] act destination (any row stride).
+        workspace: optional uint8 device buffer of >= `kda_decode_workspace_bytes(B, H, K)` bytes for the split
+            kernel's scratch (CUDA graph / TensorRT enqueue: nothing is allocated then).
+    Returns:
+        (out [B, P] act, state, conv): the same pool tensors, updated in place.
+    Raises:
+        AssertionError on mismatched shapes or a K that is not a power of 2; RuntimeError when a CUDA-graph
+        capture without `workspace` would need more arrival counters than were allocated eagerly.
+    """
+    return _decode(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slots, num_heads=num_heads,
+                   head_dim=head_dim, lower_bound=lower_bound, norm_eps=norm_eps, out=out, workspace=workspace,
+                   block_v=_decode_block_v(qkv.shape[0] * num_heads, head_dim))
+
+
+def _decode(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slots, *, num_heads, head_dim,
+            lower_bound, norm_eps, out, workspace, block_v):
+    """`kda_decode` with the V tile `block_v` (a power of 2 dividing K) given: the whole tile K (no scratch) is the
+    JIT form of the AOT plugin (plugins/kda/trt_aot.py)."""
     B = qkv.shape[0]
     H, K = num_heads, head_dim
     P = H * K
     assert qkv.shape[1] == 3 * P and f.shape == (B, P) and b.shape == (B, H) and g.shape == (B, P)
     assert state.is_contiguous() and conv.is_contiguous() and state.shape[1:] == (H, K, K)
     assert conv.shape[1:] == (3 * P, 3) and slots.shape[0] == B
-    assert K & (K - 1) == 0
+    assert K & (K - 1) == 0 and K % block_v == 0
     qkv, f, b, g = _check_last_contig(qkv, f, b, g)
     conv_w, slots = conv_w.contiguous(), index_i32(slots)
     if out is None:
@@ -257,7 +269,7 @@ def kda_decode(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slot
     if B == 0:
         return out, state, conv
     scalars = (float(lower_bound), float(norm_eps), float(K) ** -0.5)
-    BV = block_v or _decode_block_v(B * H, K)
+    BV = block_v
     NV = K // BV
     if NV > 1:
         if workspace is not None:
@@ -270,13 +282,12 @@ def kda_decode(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slot
             cnt = _counters(qkv.device, B * H)
     else:
         oacc = cnt = out
-    grid, iv_fast = _decode_grid(B, H, NV, iv_fast)
+    grid, iv_fast = _decode_grid(B, H, NV)
     _kda_decode_kernel[grid](
         qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slots, out, oacc, cnt,
         qkv.stride(0), f.stride(0), b.stride(0), g.stride(0), out.stride(0), *scalars,
-        H=H, K=K, P=P, BV=BV, PREFETCH=(qkv.is_cuda and not _INTERPRET) if prefetch is None else bool(prefetch),
-        IV_FAST=int(iv_fast), num_warps=num_warps or _decode_num_warps(BV, K),
-        **({"maxnreg": int(maxnreg)} if maxnreg and qkv.is_cuda and not _INTERPRET else {}),
+        H=H, K=K, P=P, BV=BV, PREFETCH=qkv.is_cuda and not _INTERPRET, IV_FAST=int(iv_fast),
+        num_warps=_decode_num_warps(BV, K),
     )
     return out, state, conv
 
@@ -284,11 +295,9 @@ def kda_decode(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, slot
 # --------------------------------------------------------------------------------------------------
 # Prefill
 # --------------------------------------------------------------------------------------------------
-# conv main kernel launch: token tile BT, warps, flat grid (column blocks fastest). H200 run 11, T=32768 in one
-# sequence, 12 / 96 heads: BT 16 / 4 warps / flat 170 / 1325-1343 us (84% of copy at 96 heads); the same on the 2-D
-# grid (token tiles fastest) 187 / 1431, BT 32 / 4 warps 196 / 1501, flat BT 32 180 / 1372, flat BT 64 185 / 1489;
-# the pass before run 11 (one load + unpack per tap and element, SiLU with IEEE range fix-ups) 224 / 1708.
-_CONV_CFG = dict(BT=16, num_warps=4, flat=True, pairs=True)
+# conv main kernel: 16-token tiles, 4 warps, a flat grid with the column blocks fastest (the fastest tiling tried
+# on an H200 at T=32768, 12 and 96 heads)
+_CONV_BT, _CONV_WARPS = 16, 4
 
 
 def _conv_pairs_ok(qkv, y) -> bool:
@@ -300,30 +309,23 @@ def _conv_pairs_ok(qkv, y) -> bool:
             and y.data_ptr() % 4 == 0)
 
 
-def _conv_main(qkv, conv_w, y, T, D, P, K, cfg=None):
-    """`_conv_main_kernel` over the packed tokens as one sequence (x_{<0} = 0; shapes as `_conv_prefill`).
-    `cfg` overrides `_CONV_CFG`: BT (tokens per tile, a multiple of 4 whose quarter is a power of 2), num_warps,
-    flat (1-D grid with the column blocks fastest; False: the 2-D grid, token tiles fastest) and pairs (False
-    forces the generic path for bf16: A/B timing; True still needs `_conv_pairs_ok`). AssertionError for a BT
-    that is not a multiple of 4."""
-    c = dict(_CONV_CFG, **(cfg or {}))
-    assert c["BT"] % 4 == 0, f"conv tile BT={c['BT']}: must be a multiple of 4 (4-row groups)"
-    grid = ((triton.cdiv(T, c["BT"]) * triton.cdiv(D, K),) if c["flat"] else
-            (triton.cdiv(T, c["BT"]), triton.cdiv(D, K)))
-    _conv_main_kernel[grid](qkv, conv_w, y, T, qkv.stride(0), D=D, P=P, BT=c["BT"], BD=K,
-                            PAIRS=bool(c["pairs"]) and _conv_pairs_ok(qkv, y), FLAT=bool(c["flat"]),
-                            num_warps=c["num_warps"])
+def _conv_main(qkv, conv_w, y, T, D, P, K):
+    """`_conv_main_kernel` over the packed tokens as one sequence (x_{<0} = 0; shapes as `_conv_prefill`); bf16
+    takes the channel-pair path where `_conv_pairs_ok`."""
+    _conv_main_kernel[(triton.cdiv(T, _CONV_BT) * triton.cdiv(D, K),)](
+        qkv, conv_w, y, T, qkv.stride(0), D=D, P=P, BT=_CONV_BT, BD=K, PAIRS=_conv_pairs_ok(qkv, y),
+        num_warps=_CONV_WARPS)
 
 
-def _conv_prefill(qkv, conv_w, conv, slots, cu32, y, T, D, P, K, cfg=None):
+def _conv_prefill(qkv, conv_w, conv, slots, cu32, y, T, D, P, K):
     """y = SiLU(causal conv) of the packed tokens, q/k rows L2-normalized (MODEL.md §4), in two launches.
 
     qkv [T, D=3P] act (row stride free, last dim contiguous); conv_w [D, 4] fp32; conv [S, D, 3] act (the slots'
     conv history, read only); slots [N] int32; cu32 [N+1] int32; y [3, T, P] (written; q, k, v).
     `_conv_main` convolves the packed tokens as if they were one sequence (no token->sequence lookups, so every
-    load is independent; `cfg`: its launch options); `_conv_start_kernel` then rewrites the first three tokens of
-    each sequence with the slot's history in place of the previous sequence's tokens (one head per program)."""
-    _conv_main(qkv, conv_w, y, T, D, P, K, cfg)
+    load is independent); `_conv_start_kernel` then rewrites the first three tokens of each sequence with the
+    slot's history in place of the previous sequence's tokens (one head per program)."""
+    _conv_main(qkv, conv_w, y, T, D, P, K)
     _conv_start_kernel[(slots.shape[0], triton.cdiv(D, K))](
         qkv, conv_w, conv, slots, cu32, y, T, qkv.stride(0), D=D, P=P, BD=K, num_warps=4)
 
@@ -363,16 +365,12 @@ def _conv_store(acc, y_ptr, tt, cc, m2, T, P: tl.constexpr, IS_QK):
 
 @triton.jit
 def _conv_main_kernel(qkv_ptr, convw_ptr, y_ptr, T, stride_qkv, D: tl.constexpr, P: tl.constexpr,
-                      BT: tl.constexpr, BD: tl.constexpr, PAIRS: tl.constexpr = True, FLAT: tl.constexpr = False):
-    """grid (cdiv(T, BT), cdiv(D, BD)), or with FLAT (cdiv(T, BT) * cdiv(D, BD),) with the column blocks fastest
-    (programs in flight read whole rows): `_conv_main_tile` of each (token tile, column block)."""
-    if FLAT:
-        NC: tl.constexpr = (D + BD - 1) // BD
-        pt = tl.program_id(0) // NC
-        pc = tl.program_id(0) % NC
-    else:
-        pt = tl.program_id(0)
-        pc = tl.program_id(1)
+                      BT: tl.constexpr, BD: tl.constexpr, PAIRS: tl.constexpr = True):
+    """grid (cdiv(T, BT) * cdiv(D, BD),), the column blocks fastest (programs in flight read whole rows):
+    `_conv_main_tile` of each (token tile, column block)."""
+    NC: tl.constexpr = (D + BD - 1) // BD
+    pt = tl.program_id(0) // NC
+    pc = tl.program_id(0) % NC
     _conv_main_tile(qkv_ptr, convw_ptr, y_ptr, T, stride_qkv, pt, pc, D, P, BT, BD, PAIRS)
 
 
@@ -383,7 +381,7 @@ def _conv_main_tile(qkv_ptr, convw_ptr, y_ptr, T, stride_qkv, pt, pc, D: tl.cons
     as one sequence (x_{<0} = 0); the rows of each sequence's first three tokens are rewritten afterwards by
     `_conv_start_kernel` (whatever this kernel left there, inf/NaN included, is overwritten, not combined).
     PAIRS (bf16 in and out, 4-byte aligned: `_conv_pairs_ok`): `_conv_main_pairs`; else the generic path below
-    (fp32 or mixed dtypes, unaligned bf16, and A/B timing)."""
+    (fp32 or mixed dtypes, unaligned bf16)."""
     if PAIRS and qkv_ptr.dtype.element_ty == tl.bfloat16 and y_ptr.dtype.element_ty == tl.bfloat16:
         _conv_main_pairs(qkv_ptr, convw_ptr, y_ptr, T, stride_qkv, pt, pc, P, BT, BD)
     else:
@@ -579,8 +577,7 @@ def _gated_norm_kernel(o_ptr, g_ptr, w_ptr, out_ptr, T, stride_g, stride_out, no
 # with the gated RMSNorm fused (MODEL.md §4)
 # --------------------------------------------------------------------------------------------------
 _CHUNK = 64                              # tokens per chunk (fla's KDA chunk size)
-# the output kernel's K step / warps / stages: H200 run 9, T=32768: 237 us at 12 heads, 1757 at 96 (fla's output
-# kernel + our norm pass: 198 + 72 / 1535 + 582); K step 32 or 8 warps or 3 stages were slower at both
+# the output kernel's K step / warps / stages: the fastest at T=32768, 12 and 96 heads (profile_kda_prefill.py)
 _OUT_CFG = dict(block_k=64, num_warps=4, num_stages=2)
 _FLA_STAGES_VERSIONS = ("0.6.0",)        # fla-core versions whose internal stage functions were tested here
 
@@ -659,16 +656,14 @@ def _chunk_out_norm_kernel(q_ptr, gk_ptr, h_ptr, vn_ptr, a_ptr, gate_ptr, w_ptr,
 
 
 def _chunk_core(q, k, v, f, beta, A_log, dt_bias, g, o_norm_w, h0, cu32, cu64, out, *, H, K, lower_bound, norm_eps,
-                st, out_cfg=None):
+                st):
     """Chunked delta rule + output norm of the packed tokens: writes `out` [T, P] and returns the final states
     [N, H, V, K] fp32. q, k (L2-normalized), v, f [T, P] y-dtype contiguous; beta [T, H]; g [T, P] (output gate,
     any row stride); h0 [N, H, V, K] fp32 initial states (gathered from the slots); cu32 [N+1] int32 and cu64
     [N+1] int64 scratch (filled here). st: `_fla_stages()`. One sequence: dense; several: fla's static chunk indices
-    (fixed shape nt_max = cdiv(T, 64) + N - 1, built on the device: no host sync). out_cfg overrides `_OUT_CFG`.
-    fla's stages are called without fla's `input_guard` (which switches to the tensors' device): like our own
-    launches they run on the current CUDA device, which must hold the tensors.
-    The inter-chunk state pass is fla's: ours (one Triton kernel, V split for parallelism) took 918-1330 us at 12
-    heads against fla's 720 and tied at 96 heads (H200 run 9), so it was dropped."""
+    (fixed shape nt_max = cdiv(T, 64) + N - 1, built on the device: no host sync). The output kernel's tiles:
+    `_OUT_CFG`. fla's stages are called without fla's `input_guard` (which switches to the tensors' device): like
+    our own launches they run on the current CUDA device, which must hold the tensors."""
     T = q.shape[0]
     N = h0.shape[0]
     BT = _CHUNK
@@ -689,7 +684,7 @@ def _chunk_core(q, k, v, f, beta, A_log, dt_bias, g, o_norm_w, h0, cu32, cu64, o
                                    disable_recompute=False, use_graph=varlen)
     h, vn, ht = st.state_pass(k=kg, w=w, u=u, gk=gk, initial_state=h0, output_final_state=True, cu_seqlens=cu64,
                               chunk_indices=ci, chunk_offsets=co, chunk_size=BT, state_v_first=True)
-    oc = dict(_OUT_CFG, **(out_cfg or {}))
+    oc = _OUT_CFG
     _chunk_out_norm_kernel[(NT, H)](q, gk, h, vn, Aqk, g, o_norm_w, out, cu32, ci, T, g.stride(0), out.stride(0),
                                     K ** -0.5, float(norm_eps), H=H, K=K, BT=BT, BK=min(oc["block_k"], K),
                                     IS_VARLEN=varlen, num_warps=oc["num_warps"], num_stages=oc["num_stages"])
@@ -801,29 +796,32 @@ def kda_prefill_workspace_bytes(num_tokens: int, num_seqs: int, num_heads: int, 
 
 def kda_prefill(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, cu_seqlens, slots, *,
                 num_heads: int, head_dim: int, lower_bound: float = -5.0, norm_eps: float = 1e-5, out=None,
-                graph_safe: bool = True, workspace: torch.Tensor | None = None, chunk_impl: str = "k3"):
+                workspace: torch.Tensor | None = None):
     """KdaPrefill (MODEL.md §4): varlen packed prefill continuing from the slots' state/conv history; in place.
 
-    qkv [T, 3P], f [T, P], b [T, H], g [T, P] act (bf16 or fp32); conv_w [3P, 4], A_log [H], dt_bias [P],
-    o_norm_w [K] fp32; state [S, H, K, K] fp32 (Sᵀ per head), conv [S, 3P, 3] act; cu_seqlens [N+1] int (every
-    length >= 1), slots [N] int32 (P = H*K; schema: plugins/kda/reference.py). Returns (out [T, P] act, state,
-    conv): the pools updated in place. AssertionError on mismatched shapes.
+    Chunk core on the GPU with fla-core: fla-core's gate cumsum, intra-chunk and inter-chunk state stages, then
+    `_chunk_out_norm_kernel` (the chunk output with the gated RMSNorm fused); for a fla-core version outside
+    `_FLA_STAGES_VERSIONS` (its stages are internal API) fla-core's public `chunk_kda`, then `_gated_norm_kernel`.
+    Several sequences: chunk indices built on the device with a fixed shape, so no host sync on either path. Without
+    fla-core or CUDA (CPU CI) a torch token recurrence in fp32. beta = sigmoid(b) is stored in the conv output's
+    dtype (bf16 on the GPU path).
 
-    workspace: optional uint8 scratch (size: :func:`kda_prefill_workspace_bytes`) for the conv output, beta,
-    the gathered initial states and the int64 cu_seqlens; fla's intermediates come from torch's caching allocator.
-
-    chunk_impl (GPU with fla-core; the CPU fallback is a torch token recurrence either way):
-      'k3' (default): fla-core's gate cumsum, intra-chunk and inter-chunk state stages (internal API, used only for
-          the fla-core versions in `_FLA_STAGES_VERSIONS`, else 'fla'), then `_chunk_out_norm_kernel`: the chunk
-          output with the gated RMSNorm fused, so the unnormalized output is never written. One sequence: dense;
-          several: chunk indices built on the device with a fixed shape (no host sync, `graph_safe` or not).
-          H200 run 9 (T=32768, one sequence): see benchmarks/RESULTS.md.
-      'fla': fla-core's `chunk_kda` (one sequence: its dense path; several: `use_graph=True, max_num_seqs=N` when
-          graph_safe, else host-built chunk indices, a device sync), then our gated-norm kernel.
-    ValueError for another chunk_impl, or lower_bound outside [-5, 0) (on every device, so a config that the GPU
-    path would refuse fails on the CPU too). beta = sigmoid(b) is stored in y's dtype (bf16 on the GPU path): on a bf16
-    case of the CPU fallback that raises the error against the fp32 reference from 5.7e-3 to 6.4e-3 (output) and
-    6.9e-3 to 8.4e-3 (state) versus fp32 beta."""
+    Args:
+        qkv [T, 3P], f [T, P], b [T, H], g [T, P]: packed activations, bf16 or fp32 (P = H*K).
+        conv_w [3P, 4], A_log [H], dt_bias [P], o_norm_w [K]: fp32 weights.
+        state [S, H, K, K] fp32 (Sᵀ per head), conv [S, 3P, 3] act: the pools.
+        cu_seqlens [N+1] int (every length >= 1), slots [N] int: schema of plugins/kda/reference.py.
+        num_heads, head_dim: H and K; lower_bound (in [-5, 0)), norm_eps: MODEL.md §4.
+        out: optional [T, P] act destination (any row stride).
+        workspace: optional uint8 scratch (size: :func:`kda_prefill_workspace_bytes`) for the conv output, beta,
+            the gathered initial states and the int64 cu_seqlens; fla's intermediates come from torch's caching
+            allocator (plugins/trt_common.py says what that means for capture).
+    Returns:
+        (out [T, P] act, state, conv): the pools updated in place.
+    Raises:
+        ValueError for lower_bound outside [-5, 0) (on every device, so a config that the GPU path would refuse
+        fails on the CPU too); AssertionError on mismatched shapes.
+    """
     T = qkv.shape[0]
     H, K = num_heads, head_dim
     P = H * K
@@ -832,9 +830,6 @@ def kda_prefill(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, cu_
     if not -5.0 <= lower_bound < 0.0:
         raise ValueError(f"kda_prefill: lower_bound={lower_bound} must be in [-5, 0): the GPU path's safe gate "
                          "(fla-core) keeps chunk-local gate products in fp32 range only there (MODEL.md §4: -5)")
-    if chunk_impl not in ("k3", "fla"):
-        raise ValueError(f"kda_prefill: chunk_impl={chunk_impl!r}; use 'k3' (fla-core's chunk stages + our output "
-                         "kernel with the gated norm fused) or 'fla' (fla-core's chunk_kda + our norm kernel)")
     assert qkv.shape[1] == D and f.shape == (T, P) and b.shape == (T, H) and g.shape == (T, P)
     assert cu_seqlens.shape[0] == N + 1
     dev = qkv.device
@@ -854,7 +849,7 @@ def kda_prefill(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, cu_
     _conv_prefill(qkv, conv_w, conv, slots, cu32, y, T, D, P, K)
     _conv_hist_kernel[(N, triton.cdiv(D, 256))](qkv, conv, slots, cu32, qkv.stride(0), D=D, BD=256, num_warps=4)
     q, k, v = y[0], y[1], y[2]
-    st = _fla_stages() if use_fla and chunk_impl == "k3" else None
+    st = _fla_stages() if use_fla else None
     if use_fla:
         from fla.ops.kda import chunk_kda
         h0 = ws.empty(*next(scratch))                                 # [N, H, V, K] (state_v_first layout)
@@ -872,9 +867,8 @@ def kda_prefill(qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w, state, conv, cu_
         _copy_rows(ht if ht.dtype == state.dtype else ht.to(state.dtype), state, slots, gather=False)
         return out, state, conv
     if use_fla:
-        # one sequence: chunk_kda's dense path (no chunk index, no varlen; measured faster, RESULTS.md run 8)
-        varlen = {} if N == 1 else dict(cu_seqlens=cu64.copy_(cu32),
-                                        **(dict(use_graph=True, max_num_seqs=N) if graph_safe else {}))
+        # one sequence: chunk_kda's dense path (no chunk index, no varlen: faster)
+        varlen = {} if N == 1 else dict(cu_seqlens=cu64.copy_(cu32), use_graph=True, max_num_seqs=N)
         o, ht = chunk_kda(
             q.view(1, T, H, K), k.view(1, T, H, K), v.view(1, T, H, K), fa.view(1, T, H, K), beta.view(1, T, H),
             scale=K ** -0.5, initial_state=h0, output_final_state=True,

@@ -5,7 +5,7 @@ Contract: docs/DESIGN.md "kimi::KdaPrefill / kimi::KdaDecode". Inputs (act = fp3
 o_norm_w [K] f32, state [S,H,V,K] f32, conv [S,3P,3] act, (Prefill: cu_seqlens [N+1] i32), slots [N] i32``.
 Outputs: ``out [T,P] act``, ``state_out`` (= input 8, same buffer), ``conv_out`` (= input 9, same buffer).
 Fields (ONNX attributes; INT arrives as INT32): num_heads, head_dim, lower_bound (-5.0), norm_eps (1e-5).
-enqueue calls ``plugins.kda.kernels.kda_prefill`` (``graph_safe=True``: fla ``chunk_kda(use_graph=True)``, or its dense path for one sequence) /
+enqueue calls ``plugins.kda.kernels.kda_prefill`` (chunk indices built on the device: no host sync) /
 ``kda_decode`` (same argument order as the reference) with ``workspace=`` carved from TensorRT's workspace, whose
 size is the ops' workspace rule (``kda_prefill_workspace_bytes`` / ``kda_decode_workspace_bytes`` on the profile's
 max dims). Both also have ahead-of-time forms: KdaDecode one kernel (plugins/kda/trt_aot.py), KdaPrefill a chain
@@ -49,10 +49,9 @@ def _decode_workspace(attrs, shapes, dtypes):
 
 
 KDA_PREFILL = OpSpec("KdaPrefill", _COMMON_IN + (("cu_seqlens", I32), ("slots", I32)), _OUT, _ATTRS,
-                     _shape_rule, "plugins.kda.kernels:kda_prefill", workspace=_prefill_workspace,
-                     kernel_options=(("graph_safe", True),))
+                     _shape_rule, "k3deploy.plugins.kda.kernels:kda_prefill", workspace=_prefill_workspace)
 KDA_DECODE = OpSpec("KdaDecode", _COMMON_IN + (("slots", I32),), _OUT, _ATTRS,
-                    _shape_rule, "plugins.kda.kernels:kda_decode", workspace=_decode_workspace)
+                    _shape_rule, "k3deploy.plugins.kda.kernels:kda_decode", workspace=_decode_workspace)
 
 _LAZY = {"KdaPrefillPlugin": (KDA_PREFILL, 0), "KdaPrefillPluginCreator": (KDA_PREFILL, 1),
          "KdaDecodePlugin": (KDA_DECODE, 0), "KdaDecodePluginCreator": (KDA_DECODE, 1)}

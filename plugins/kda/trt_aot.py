@@ -189,7 +189,7 @@ def _define_qdp(trt, trtp) -> None:
         # JIT form (nodes without aot=1): the same single kernel through torch (BV = K: no scratch)
         import torch
 
-        from k3deploy.plugins.kda.kernels import kda_decode
+        from k3deploy.plugins.kda.kernels import _decode
         from k3deploy.plugins.trt_common import tensor_from_ptr
 
         tnames = {**names, trt.int32: "int32"}
@@ -201,6 +201,6 @@ def _define_qdp(trt, trtp) -> None:
         with torch.cuda.stream(torch.cuda.ExternalStream(int(stream))):
             ins = [wrap(t) for t in (qkv, f, b, g, conv_w, A_log, dt_bias, o_norm_w)]
             out, st, cv = (wrap(t) for t in outputs)   # state/conv outputs alias the pool inputs
-            kda_decode(*ins, st, cv, wrap(slots), num_heads=int(scalar(num_heads)), head_dim=K,
-                       lower_bound=float(scalar(lower_bound)), norm_eps=float(scalar(norm_eps)), out=out,
-                       block_v=K)
+            _decode(*ins, st, cv, wrap(slots), num_heads=int(scalar(num_heads)), head_dim=K,
+                    lower_bound=float(scalar(lower_bound)), norm_eps=float(scalar(norm_eps)), out=out,
+                    workspace=None, block_v=K)

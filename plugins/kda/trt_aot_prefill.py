@@ -2,9 +2,10 @@
 >= 10.9; table and glue in plugins/aot_ops.py) that ``build_engines.py --aot`` rewrites each KdaPrefill node into
 (:func:`decompose_kda_prefill`), so prefill engines with KDA layers run without Python.
 
-The chain is ``kda_prefill``'s GPU path (plugins/kda/kernels.py, ``chunk_impl='k3'``) with every launch a graph node
-and every scratch buffer a tensor TensorRT allocates; always the varlen form (N is dynamic), chunk indices built on
-the device with fla's fixed-shape convention (NT = cdiv(T, 64) + N - 1 rows, padding rows (-1, 0))::
+The chain is ``kda_prefill``'s GPU path (plugins/kda/kernels.py, fla-core's stages + our output kernel) with every
+launch a graph node and every scratch buffer a tensor TensorRT allocates; always the varlen form (N is dynamic),
+chunk indices built on the device with fla's fixed-shape convention (NT = cdiv(T, 64) + N - 1 rows, padding rows
+(-1, 0))::
 
     KdaConvBeta(qkv, conv_w, b)                        -> y [3, T, P] y, beta [T, H] y, Akk [T, H, 64] y (zeros)
     KdaConvStart(qkv, conv_w, conv, slots, cu, y)      -> y (in place), conv_out (in place)
@@ -25,7 +26,7 @@ only, see its entry). Entry kernels: ours
 (`_conv_main_tile` + `_beta_tile` on a flat grid; `_conv_start_kernel` then, after a CTA barrier, `_conv_hist_kernel`;
 `_copy_rows_kernel` + the chunk-index builder; `_chunk_out_norm_kernel` + the final-state scatter) and fla-core's
 stage kernels called as device functions (the raw ``triton.jit`` functions under fla's autotune/heuristics wrappers)
-with the configs fla's autotuner chose on the H200 (run 9 caches, T=32768, 12 and 96 heads): gate cumsum BS=64 /
+with the configs fla's autotuner chose on an H200 (T=32768, 12 and 96 heads): gate cumsum BS=64 /
 4 warps, intra sub-chunk 1 warp, inter-solve BK=32 / 1 warp, WY recompute 4 warps, state pass 4 warps with
 :func:`state_config` (BV=32 / 4 stages below 48 heads, BV=64 / 2 stages from 48). fla-core's internal kernels are only used for the versions plugins/kda/kernels.py tested
 (``_FLA_STAGES_VERSIONS``); with another version (or without fla-core) :func:`register` registers nothing and
@@ -33,8 +34,8 @@ with the configs fla's autotuner chose on the H200 (run 9 caches, T=32768, 12 an
 GPU's machine, as TensorRT builds are.
 
 ``Akk`` must be zero above the diagonal (the solve writes the lower triangle only; fla zero-fills it with torch):
-``KdaConvBeta`` writes it as zeros with H more program columns of full-width stores (run 10: zeroing the upper
-triangle inside the 1-warp solve programs instead cost ~60 µs at 12 heads, T=32768).
+``KdaConvBeta`` writes it as zeros with H more program columns of full-width stores (cheaper than zeroing the
+upper triangle inside the 1-warp solve programs).
 
 Attributes compiled in: num_heads, head_dim (all ops), lower_bound (gate), norm_eps (output). Errors: ValueError from
 :func:`decompose_kda_prefill` for a node missing an attribute.
@@ -46,15 +47,14 @@ import os
 from k3deploy.plugins.aot_ops import KernelOp, make_aot_node, register_table, replace_nodes
 
 BT, BC = 64, 16                         # fla's KDA chunk and sub-chunk sizes (kernels._CHUNK)
-CONV_BT = 16                            # conv / beta / Akk-zeroing token tile (the JIT conv pass's, run 11)
+CONV_BT = 16                            # conv / beta / Akk-zeroing token tile (the JIT conv pass's, kernels._CONV_BT)
 COPY_BLOCK = 4096                       # fp32 elements per state-row copy program
 GATE_BS, SOLVE_BK = 64, 32
 
 
 def state_config(num_heads: int) -> tuple[int, int]:
-    """(BV, pipeline stages) of the inter-chunk state pass: fla's autotuner on the H200 (run 9 caches) picked
-    BV=32 / 4 stages at 12 heads (twice the programs of BV=64: 2*H per sequence is few) and BV=64 / 2 stages at 96;
-    AOT with BV=64 / 2 stages at 12 heads took 1166 us vs ~720 (run 10)."""
+    """(BV, pipeline stages) of the inter-chunk state pass: what fla's autotuner picks on an H200, BV=32 / 4 stages
+    below 48 heads (twice the programs of BV=64: 2*H per sequence is few) and BV=64 / 2 stages from 48."""
     return (32, 4) if num_heads < 48 else (64, 2)
 OUT_BK = 64                             # kernels._OUT_CFG block_k
 

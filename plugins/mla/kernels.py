@@ -5,7 +5,7 @@ mla_decode : write the new latent at context_lens[b] (tiny kernel), then absorbe
              safe), fp32 online softmax, values = first R=512 latent columns; then a combine kernel (log-sum-exp).
 mla_prefill: write the new latents, then either (graph_safe=False; the default on the CPU) per sequence: gather its
              latents, up-project with kv_b, torch SDPA (causal with context offset; reads cu_seqlens on the host), or
-             (graph_safe=True: the default on CUDA — 2.3-7.3x SDPA on the H200 —, what the TensorRT plugin runs) the
+             (graph_safe=True: the default on CUDA, the faster path there, what the TensorRT plugin runs) the
              absorbed form: q_nope through W_UK (Triton GEMM), the paged
              decode kernel generalized to several query tokens per sequence (rows = tokens x heads, per-row
              causal limit, (sequence, tile) of each program found on the device in a fixed grid
@@ -20,8 +20,6 @@ Same signatures as plugins.mla.reference; the cache is updated in place and retu
 from __future__ import annotations
 
 import functools
-import logging
-import math
 import os
 
 import torch
@@ -31,8 +29,6 @@ import triton.language as tl
 
 from k3deploy.plugins.common import index_i32, num_sms
 from k3deploy.plugins.workspace import WORKSPACE_ALIGN, Workspace, plan_bytes
-
-_LOG = logging.getLogger(__name__)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")   # as Triton reads it
 
@@ -158,22 +154,19 @@ def _mla_combine_kernel(po_ptr, plse_ptr, out_ptr, H, NSPLIT, stride_ob, stride_
 
 def _split_policy(BH: int, BN: int) -> tuple[int, int]:
     """(programs per SM to aim for, least tokens per split) of the decode's sequence split for a BH x BN tile: the
-    64 x 64 tiles (216 KiB of shared memory: one program per SM) aim at 2 per SM with 512 tokens per split, the
-    smaller tiles (several resident per SM) at 8 with 256. H200 run 21 (96 heads, the 64 x 64 tiles with the 8 / 256
-    policy -> this one): B=1 L=32K 70.4 -> 54.5 µs in CUDA graphs (64 splits instead of 128: half the partials the
-    combine reads), B=64 L=8K 628 -> 556 µs."""
+    64 x 64 tiles (216 KiB of shared memory: one program per SM) aim at 2 per SM with 512 tokens per split (half
+    the partials for the combine to read), the smaller tiles (several resident per SM) at 8 with 256."""
     return (2, 512) if BH >= 64 and BN >= 64 else (8, 256)
 
 
-def _launch_cfg(B, H, capacity, device, BN, BH=None, programs_per_sm=None):
-    """Split-K along the sequence: enough (head group, split, sequence) programs for `programs_per_sm` per SM
-    (None: `_split_policy`; several resident CTAs per SM and a short tail), each split at least `_split_policy`'s
-    tokens. Fixed from the cache capacity (no host sync; CUDA-graph safe). BH None: `_decode_tiles`' head group for
-    `device`."""
-    BH = BH or _decode_tiles(_device_cap(device), H, 64)[0]
+def _launch_cfg(B, H, capacity, device, BN, BH):
+    """Split-K along the sequence for BH-head groups and BN-key tiles: enough (head group, split, sequence) programs
+    for `_split_policy`'s programs per SM (several resident CTAs per SM and a short tail), each split at least its
+    tokens. Fixed from the cache capacity (no host sync; CUDA-graph safe). Returns (BH, head groups, splits, tokens
+    per split)."""
     pps, min_tok = _split_policy(BH, BN)
     ngroups = triton.cdiv(H, BH)
-    target = (programs_per_sm or pps) * num_sms(device)
+    target = pps * num_sms(device)
     nsplit = max(1, min(triton.cdiv(target, B * ngroups), triton.cdiv(capacity, min_tok)))
     nsplit, tok = _split_tokens(capacity, nsplit, BN)
     return BH, ngroups, nsplit, tok
@@ -191,17 +184,14 @@ def _device_cap(device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
 
-def _decode_tiles(cap: tuple[int, int] | None, H: int, BS: int, block_h: int | None = None,
-                  block_n: int | None = None, num_stages: int | None = None,
-                  num_warps: int | None = None, itemsize: int = 2) -> tuple[int, int, int, int]:
+def _decode_tiles(cap: tuple[int, int] | None, H: int, BS: int, itemsize: int = 2) -> tuple[int, int, int, int]:
     """(BH heads per program, BN keys per tile, stages, warps) of `_mla_split_kernel` on a GPU of compute capability
-    `cap` (None: the interpreter); explicit values win, BN is capped by the largest power of 2 dividing BS (a tile
-    never straddles two paged blocks). H <= 16 (K3 at TP=8): 16 x 32, 3 stages, 4 warps (91 KiB of shared memory
-    at R=512, offline). More heads: 64-head groups (H200 run 3: 2591 vs 4248 µs for 32 at 96 heads, B=64, L=32K)
-    where they fit — sm_90 / sm_100: 64 x 64, 2 stages, 8 warps (216 KiB, wgmma; H200 run 21: 1.06-1.21x the 64 x
-    32 x 3 tiles at 96 heads, B = 1-64, L = 8K-32K, 64-token blocks; 16- / 32-token blocks cap the key tile and keep
-    3 stages), sm_80 / 87 and the interpreter: 64 x 32, 3 stages, 8 warps (148 KiB of sm_80's 163) —, else
-    (sm_86 / 89 / 120: 99 KiB per block) 16-head groups as for H <= 16.
+    `cap` (None: the interpreter); BN is capped by the largest power of 2 dividing BS (a tile never straddles two
+    paged blocks). H <= 16 (K3 at TP=8): 16 x 32, 3 stages, 4 warps (91 KiB of shared memory at R=512, offline).
+    More heads: 64-head groups (each latent tile read once for more heads) where they fit — sm_90 / sm_100: 64 x 64,
+    2 stages, 8 warps (216 KiB, wgmma; 16- / 32-token blocks cap the key tile and keep 3 stages), sm_80 / 87 and the
+    interpreter: 64 x 32, 3 stages, 8 warps (148 KiB of sm_80's 163) —, else (sm_86 / 89 / 120: 99 KiB per block)
+    16-head groups as for H <= 16.
     A cache of `itemsize` 4 (fp32: the runtime's pools unless dense_dtype is bf16) doubles every tile's bytes
     (offline Triton 3.6, R=512): sm_90 / 100 take 16 x 32 (180 KiB) up to 16 heads and 64 x 16 (220 KiB) above,
     sm_80 / 87 16 x 16 (108 KiB), the 99 KiB GPUs 16 x 16 with 2 stages (104 KiB: too big there at R=512; the
@@ -217,13 +207,12 @@ def _decode_tiles(cap: tuple[int, int] | None, H: int, BS: int, block_h: int | N
         bh, bn = 16, 32
     if itemsize > 2 and cap is not None:
         bh, bn = (bh, 32 if bh <= 16 else 16) if wide else (16, 16)
-    bh = block_h or bh
-    bn = min(block_n or bn, _pow2_divisor(BS))
-    # 2 stages only for the 64 x 64 tile (216 KiB); capped by a 16- or 32-token block it keeps 3 (a review on the
-    # H200, 96 heads, block 16: 2 stages 1.07-1.23x slower than 3); 2 for fp32 on the 99 KiB GPUs
+    bn = min(bn, _pow2_divisor(BS))
+    # 2 stages only for the 64 x 64 tile (216 KiB; capped by a 16- or 32-token block it keeps 3, which is faster
+    # there) and for fp32 on the 99 KiB GPUs
     small = itemsize > 2 and cap is not None and not wide and cap not in ((8, 0), (8, 7))
     stages = 2 if (bh >= 64 and bn >= 64) or small else 3
-    return bh, bn, num_stages or stages, num_warps or (4 if bh <= 16 else 8)
+    return bh, bn, stages, 4 if bh <= 16 else 8
 
 
 def _default_device():
@@ -231,37 +220,31 @@ def _default_device():
 
 
 def mla_decode_workspace_bytes(batch: int, num_heads: int, kv_lora_rank: int, max_blocks: int, block_size: int, *,
-                               device=None, num_splits: int | None = None, block_h: int | None = None,
-                               block_n: int | None = None, programs_per_sm: int | None = None,
-                               dtype: torch.dtype = torch.bfloat16) -> int:
+                               device=None, dtype: torch.dtype = torch.bfloat16) -> int:
     """Workspace bytes of :func:`mla_decode` (split partials `po [B*H*S, R]` fp32, `plse [B*H*S]` fp32) for every
     batch <= `batch` and block-table width <= `max_blocks` (the split count S shrinks as B grows, so the bound is
     the max over B' <= batch). device: where the kernel runs (its SM count and compute capability set the tiles and
     S: `_decode_tiles`, `_split_policy`; default: CUDA if present); dtype: the latent cache's (its element size
     sets the tiles too)."""
     dev = torch.device(device) if device is not None else _default_device()
-    BH, BN = _decode_tiles(_device_cap(dev), int(num_heads), int(block_size), block_h, block_n,
-                           itemsize=dtype.itemsize)[:2]
+    BH, BN = _decode_tiles(_device_cap(dev), int(num_heads), int(block_size), dtype.itemsize)[:2]
     pps, min_tok = _split_policy(BH, BN)
     return _decode_ws_bytes(int(batch), int(num_heads), int(kv_lora_rank), int(max_blocks), int(block_size),
-                            num_sms(dev), num_splits, BH, BN, programs_per_sm or pps, min_tok)
+                            num_sms(dev), BH, pps, min_tok)
 
 
 @functools.lru_cache(maxsize=256)   # evaluated by every TensorRT enqueue: cache the O(batch) bound
-def _decode_ws_bytes(batch, num_heads, kv_lora_rank, max_blocks, block_size, num_sms, num_splits, BH, BN,
-                     programs_per_sm, min_tok) -> int:
+def _decode_ws_bytes(batch, num_heads, kv_lora_rank, max_blocks, block_size, num_sms, BH, programs_per_sm,
+                     min_tok) -> int:
     capacity = max_blocks * block_size
     if batch <= 0 or capacity <= 0:
         return 0
     rows = 0
-    if num_splits is not None:
-        rows = batch * num_heads * _split_tokens(capacity, num_splits, BN)[0]
-    else:
-        ngroups = triton.cdiv(num_heads, BH)
-        target = programs_per_sm * num_sms
-        cap_splits = triton.cdiv(capacity, min_tok)
-        for b in range(1, int(batch) + 1):   # nsplit(b) <= this bound, which is monotone in the capacity
-            rows = max(rows, b * num_heads * max(1, min(triton.cdiv(target, b * ngroups), cap_splits)))
+    ngroups = triton.cdiv(num_heads, BH)
+    target = programs_per_sm * num_sms
+    cap_splits = triton.cdiv(capacity, min_tok)
+    for b in range(1, int(batch) + 1):   # nsplit(b) <= this bound, which is monotone in the capacity
+        rows = max(rows, b * num_heads * max(1, min(triton.cdiv(target, b * ngroups), cap_splits)))
     return plan_bytes([((rows, kv_lora_rank), torch.float32), ((rows,), torch.float32)])
 
 
@@ -284,21 +267,27 @@ def _check_triton_inputs(op: str, is_cuda: bool, R: int, DR: int) -> None:
 
 
 def mla_decode(q_abs, latent, cache, block_tables, context_lens, *, num_heads: int, kv_lora_rank: int, scale: float,
-               out=None, num_splits: int | None = None, block_h: int | None = None, block_n: int | None = None,
-               num_stages: int | None = None, num_warps: int | None = None, programs_per_sm: int | None = None,
-               workspace: torch.Tensor | None = None):
+               out=None, workspace: torch.Tensor | None = None):
     """MlaDecode (MODEL.md §5.3): writes latent[b] at context_lens[b], attends over context_lens[b]+1 latents.
-    q_abs [B, H, R+Dr] (q_nope·W_UK ‖ q_pe), latent [B, R+Dr] act; cache [NB, BS, R+Dr] act (block 0 = padding
-    sentinel); block_tables [B, MB] int32; context_lens [B] int32; R = kv_lora_rank (schema:
-    plugins/mla/reference.py). Returns (out_latent [B, H, R] in q_abs dtype, cache) — the cache updated in place.
 
-    workspace: optional uint8 scratch (size: :func:`mla_decode_workspace_bytes`); the split partials are carved
-    from it (with a smaller workspace the split count is reduced to fit). Inputs already contiguous, in the cache
-    dtype and with int32 metadata (what the TensorRT plugin hands over) are used without copies. Tiles and splits:
-    `_decode_tiles` and `_split_policy` per GPU generation unless block_h / block_n / num_stages / num_warps /
-    programs_per_sm / num_splits are given. CPU tensors run under the Triton interpreter (TRITON_INTERPRET=1).
-    Raises ValueError on CPU tensors outside the interpreter, for kv_lora_rank or the rope width not a power of 2,
-    and on CUDA for a cache block size that is not a multiple of 16."""
+    Tiles and the split along the sequence: `_decode_tiles` and `_split_policy` per GPU generation and cache dtype.
+    Inputs already contiguous, in the cache dtype and with int32 metadata (what the TensorRT plugin hands over) are
+    used without copies. CPU tensors run under the Triton interpreter (TRITON_INTERPRET=1).
+
+    Args:
+        q_abs [B, H, R+Dr] (q_nope·W_UK ‖ q_pe), latent [B, R+Dr]: act; R = kv_lora_rank, R and Dr powers of 2.
+        cache [NB, BS, R+Dr] act: the paged latent pool (block 0 = the padding sentinel), contiguous.
+        block_tables [B, MB], context_lens [B]: int (schema: plugins/mla/reference.py).
+        num_heads, kv_lora_rank, scale: H, R and the softmax scale (MODEL.md §5.3).
+        out: optional [B, H, R] destination in the cache dtype.
+        workspace: optional uint8 scratch (size: :func:`mla_decode_workspace_bytes`) for the split partials; a
+            smaller one (sized for another GPU) gets fewer, longer splits.
+    Returns:
+        (out_latent [B, H, R] in the cache dtype, cache): the cache updated in place.
+    Raises:
+        ValueError on CPU tensors outside the interpreter, for kv_lora_rank or the rope width not a power of 2, on
+        CUDA for a cache block size that is not a multiple of 16, and for tiles the GPU's shared memory cannot hold
+        (an fp32 cache on a 99 KiB GPU)."""
     B, H, DL = q_abs.shape
     R = kv_lora_rank
     DR = DL - R
@@ -319,17 +308,14 @@ def mla_decode(q_abs, latent, cache, block_tables, context_lens, *, num_heads: i
     _write_latent_kernel[(B,)](latent, cache, bt, ctx, latent.stride(0), bt.stride(0),
                                BS=BS, DL=DL, BDL=triton.next_power_of_2(DL), num_warps=4)
     capacity = bt.shape[1] * BS
-    BH, BN, stages, warps = _decode_tiles(_device_cap(dev), H, BS, block_h, block_n, num_stages, num_warps,
-                                          cache.element_size())
+    BH, BN, stages, warps = _decode_tiles(_device_cap(dev), H, BS, cache.element_size())
     if BN < 16 and dev.type == "cuda":
         raise ValueError(f"cache block_size = {BS}: the GPU decode kernel needs blocks of a multiple of 16 tokens "
                          "(tl.dot tiles); allocate the latent pool with block_size 16, 32 or 64")
-    BH, ngroups, nsplit, tok = _launch_cfg(B, H, capacity, dev, BN, BH, programs_per_sm)
-    if num_splits is not None:
-        nsplit, tok = _split_tokens(capacity, num_splits, BN)
+    BH, ngroups, nsplit, tok = _launch_cfg(B, H, capacity, dev, BN, BH)
     ws = Workspace(workspace, dev, "mla_decode")
     if not ws.fits([((B * H * nsplit, R), torch.float32), ((B * H * nsplit,), torch.float32)]):
-        # a workspace sized for another device (SM count) or knobs: fewer, longer splits
+        # a workspace sized for another device (SM count): fewer, longer splits
         fit = (ws.remaining() - WORKSPACE_ALIGN) // ((R + 1) * 4 * B * H)
         nsplit, tok = _split_tokens(capacity, max(1, fit), BN)
     po = ws.empty((B * H * nsplit, R), torch.float32)
@@ -341,7 +327,7 @@ def mla_decode(q_abs, latent, cache, block_tables, context_lens, *, num_heads: i
     except triton.runtime.errors.OutOfResources as e:
         raise ValueError(f"mla_decode: the {BH} x {BN} tiles over a {cache.dtype} latent cache of width {DL} do not "
                          f"fit this GPU ({e}); use a 16-bit cache (the torch backend's "
-                         "LLM(dense_dtype='bfloat16') allocates bf16 latents) or smaller block_h / block_n") from e
+                         "LLM(dense_dtype='bfloat16') allocates bf16 latents)") from e
     _mla_combine_kernel[(B, H)](po, plse, out, H, nsplit, out.stride(0), out.stride(1),
                                 R=R, BSPLIT=min(16, max(2, triton.next_power_of_2(nsplit))), num_warps=4)
     return out, cache
@@ -570,17 +556,15 @@ PREFILL_MAX_SPLITS = 8
 PREFILL_MIN_SPLIT_KEYS = 1024
 
 
-def _prefill_splits(tiles: int, sms: int, capacity: int, num_splits: int | None = None) -> int:
+def _prefill_splits(tiles: int, sms: int, capacity: int) -> int:
     """Key-range parts of the prefill attention for `tiles` row tiles with rows (at most cdiv(T*H, BM) + N - 1 for
     N sequences) on `sms` SMs (one 64 x 64 program per SM on sm_90; on other GPUs several 32 x 32 programs fit an
     SM, so the rule splits more than needed there: untimed), from host-known sizes only (CUDA-graph safe):
-    `num_splits` when given, else 1 when the tiles fill the SMs, else the s <= PREFILL_MAX_SPLITS (and <= capacity /
+    1 when the tiles fill the SMs, else the s <= PREFILL_MAX_SPLITS (and <= capacity /
     PREFILL_MIN_SPLIT_KEYS, capacity = the block-table width x block size: the longest context the batch may hold,
     not this one's) with the least time in waves, ceil(tiles * s / sms) / s (the smaller s on a tie). Parts are
     sized from each tile's own keys: a short prompt in a wide table splits into parts of few keys, most of them
     empty (they only store their -inf log-sum-exp)."""
-    if num_splits is not None:
-        return max(1, int(num_splits))
     if tiles >= sms:
         return 1
     smax = max(1, min(PREFILL_MAX_SPLITS, capacity // PREFILL_MIN_SPLIT_KEYS))
@@ -588,8 +572,7 @@ def _prefill_splits(tiles: int, sms: int, capacity: int, num_splits: int | None 
 
 
 def mla_prefill_workspace_bytes(num_tokens: int, num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int, *,
-                                dtype: torch.dtype = torch.bfloat16, device=None, num_splits: int | None = None,
-                                block_m: int | None = None) -> int:
+                                dtype: torch.dtype = torch.bfloat16, device=None) -> int:
     """Workspace bytes of the graph-safe :func:`mla_prefill` path for up to `num_tokens` packed tokens: absorbed
     queries `[T*H, R+Dr]` and latent outputs `[T*H, R]` in the cache dtype `dtype`, plus, for prompts split along
     the keys (`_prefill_splits`), the partials `po [T*H*S, R]` and `plse [T*H*S]` fp32 (bound: the largest
@@ -601,37 +584,32 @@ def mla_prefill_workspace_bytes(num_tokens: int, num_heads: int, kv_lora_rank: i
         return 0
     dev = torch.device(device) if device is not None else _default_device()
     cap = _device_cap(dev)
-    bm = _prefill_attn_tiles(cap[0] if cap else None, dtype.itemsize, 64, block_m)[0]
+    bm = _prefill_attn_tiles(cap[0] if cap else None, dtype.itemsize, 64)[0]
     return plan_bytes([((rows, kv_lora_rank + qk_rope_head_dim), dtype), ((rows, kv_lora_rank), dtype)]
-                      + _prefill_partials(int(num_tokens), int(num_heads), int(kv_lora_rank), bm, num_sms(dev),
-                                          num_splits))
+                      + _prefill_partials(int(num_tokens), int(num_heads), int(kv_lora_rank), bm, num_sms(dev)))
 
 
 @functools.lru_cache(maxsize=256)   # evaluated by every TensorRT enqueue: cache the O(num_tokens) bound
-def _prefill_partials(num_tokens, num_heads, kv_lora_rank, bm, sms, num_splits) -> list:
+def _prefill_partials(num_tokens, num_heads, kv_lora_rank, bm, sms) -> list:
     """The partials of the largest split over T' <= num_tokens tokens in any number of sequences (T' tokens in N
     sequences: up to cdiv(T' H, bm) + N - 1 row tiles with rows, N unbounded: zero-length sequences count):
     [(po), (plse)] or []."""
-    if num_splits is not None:
-        prows = num_tokens * num_heads * num_splits if num_splits > 1 else 0
-    else:
-        most = [1] * (sms + 1)          # most[t] = the most parts any tile count >= t gets (>= sms tiles: 1)
-        for t in range(sms - 1, 0, -1):
-            most[t] = max(most[t + 1], _prefill_splits(t, sms, 1 << 62))
-        prows = 0
-        for t in range(1, num_tokens + 1):
-            lo = triton.cdiv(t * num_heads, bm)          # tiles with rows, one sequence; more sequences: more
-            if lo < sms and most[lo] > 1:
-                prows = max(prows, t * num_heads * most[lo])
+    most = [1] * (sms + 1)          # most[t] = the most parts any tile count >= t gets (>= sms tiles: 1)
+    for t in range(sms - 1, 0, -1):
+        most[t] = max(most[t + 1], _prefill_splits(t, sms, 1 << 62))
+    prows = 0
+    for t in range(1, num_tokens + 1):
+        lo = triton.cdiv(t * num_heads, bm)          # tiles with rows, one sequence; more sequences: more
+        if lo < sms and most[lo] > 1:
+            prows = max(prows, t * num_heads * most[lo])
     return [((prows, kv_lora_rank), torch.float32), ((prows,), torch.float32)] if prows else []
 
 
-def _prefill_attn_tiles(cap_major: int | None, itemsize: int, block_size: int, block_m: int | None = None,
-                        block_n: int | None = None, num_warps: int | None = None) -> tuple[int, int, int]:
+def _prefill_attn_tiles(cap_major: int | None, itemsize: int, block_size: int) -> tuple[int, int, int]:
     """(BM query rows, BN keys, warps) of `_mla_prefill_attn_kernel` for a GPU of compute capability major
-    `cap_major` (None: the CPU interpreter) and a cache of `itemsize`-byte elements; explicit values win, BN is also
-    capped by the largest power of 2 dividing `block_size` (a key tile never straddles two cache blocks).
-    sm_90: 64 rows run on the warpgroup MMA (H200 run 20, bf16 64 x 64: 1.7-3.2x the 32 x 32 mma.sync tiles); the
+    `cap_major` (None: the CPU interpreter) and a cache of `itemsize`-byte elements; BN is capped by the largest
+    power of 2 dividing `block_size` (a key tile never straddles two cache blocks).
+    sm_90: 64 rows run on the warpgroup MMA (faster than the 32 x 32 mma.sync tiles); the
     key tile keeps the kernel's shared memory within sm_90's 227 KiB at R=512 (offline Triton 3.6: bf16 64 x 64 and
     fp32 64 x 16 216 KiB each, fp32 64 x 64 432 KiB). Other GPUs: bf16 32 x 32 (74 KiB), fp32 16 x 16 with 4 warps
     (104 KiB: fits sm_80's 163 KiB, not the 99 KiB of sm_86 / 89 / 120, where `_graph_safe_default` keeps fp32 caches
@@ -642,7 +620,7 @@ def _prefill_attn_tiles(cap_major: int | None, itemsize: int, block_size: int, b
         bm, bn, nw = 64, (64 if itemsize <= 2 else 16), 8
     else:
         bm, bn, nw = (32, 32, 8) if itemsize <= 2 else (16, 16, 4)
-    return block_m or bm, min(block_n or bn, _pow2_divisor(block_size)), num_warps or nw
+    return bm, min(bn, _pow2_divisor(block_size)), nw
 
 
 def _graph_safe_default(is_cuda: bool, capturing: bool, has_workspace: bool, block_size: int,
@@ -654,8 +632,7 @@ def _graph_safe_default(is_cuda: bool, capturing: bool, has_workspace: bool, blo
     return capturing or has_workspace or (is_cuda and _pow2_divisor(block_size) >= 16 and fits)
 
 
-def _mla_prefill_graph_safe(q, latent, kv_b, cache, bt, cu, ctx, out, H, Dn, Dv, R, scale, workspace,
-                            block_m, block_n, num_warps, num_stages, cap_major, num_splits):
+def _mla_prefill_graph_safe(q, latent, kv_b, cache, bt, cu, ctx, out, H, Dn, Dv, R, scale, workspace, cap_major):
     T = q.shape[0]
     N = ctx.shape[0]
     NB, BS, DL = cache.shape
@@ -680,22 +657,18 @@ def _mla_prefill_graph_safe(q, latent, kv_b, cache, bt, cu, ctx, out, H, Dn, Dv,
         q, kv_b, qa, T, H, q.stride(0), q.stride(1), kv_b.stride(0),
         DN=Dn, BDN=max(16, triton.next_power_of_2(Dn)), DV=Dv, R=R, DR=DR, BT=BT, BR=BR,
         num_warps=8 if gpu else 4)   # sm_90: no spills at 8 warps (4 warps spill at BR=128)
-    BM, BN, nw = _prefill_attn_tiles(cap_major, cache.element_size(), BS, block_m, block_n, num_warps)
+    BM, BN, nw = _prefill_attn_tiles(cap_major, cache.element_size(), BS)
     if BN < 16 and gpu:
         raise ValueError(f"cache block_size = {BS}: the GPU prefill kernel needs blocks of a multiple of 16 tokens")
     tiles = triton.cdiv(T * H, BM) + N                 # grid: an upper bound; programs past the last tile return
-    nsplit = _prefill_splits(tiles - 1, num_sms(dev), bt.shape[1] * BS, num_splits)
+    nsplit = _prefill_splits(tiles - 1, num_sms(dev), bt.shape[1] * BS)
+
     def partials(s):
         return [((T * H * s, R), torch.float32), ((T * H * s,), torch.float32)]
     if nsplit > 1 and not ws.fits(partials(nsplit)):
-        # a workspace sized for another device, dtype or part count: as many parts as fit
-        fit = next((s for s in range(nsplit - 1, 1, -1) if ws.fits(partials(s))), 1)
-        if num_splits is not None:
-            _LOG.warning("mla_prefill: num_splits=%d reduced to %d: the workspace has no room for more partials "
-                         "(size it with mla_prefill_workspace_bytes(..., dtype=<cache dtype>, num_splits=%d))",
-                         num_splits, fit, num_splits)
-        nsplit = fit
-    attn_cfg = dict(BS=BS, R=R, DR=DR, BM=BM, BN=BN, BNS=BNS, num_warps=nw, num_stages=num_stages or 2)
+        # a workspace sized for another device or dtype: as many parts as fit
+        nsplit = next((s for s in range(nsplit - 1, 1, -1) if ws.fits(partials(s))), 1)
+    attn_cfg = dict(BS=BS, R=R, DR=DR, BM=BM, BN=BN, BNS=BNS, num_warps=nw, num_stages=2)
     if nsplit == 1:
         _mla_prefill_attn_kernel[(tiles,)](qa, cache, bt, cu, ctx, ol, N, H, bt.stride(0), float(scale), **attn_cfg)
     else:
@@ -726,31 +699,34 @@ def _write_latents_prefill(latent, cache, block_tables, cu_seqlens, context_lens
 
 def mla_prefill(q, latent, kv_b, cache, block_tables, cu_seqlens, context_lens, *, num_heads: int,
                 qk_nope_head_dim: int, v_head_dim: int, kv_lora_rank: int, scale: float, out=None,
-                graph_safe: bool | None = None, workspace: torch.Tensor | None = None, block_m: int | None = None,
-                block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                num_splits: int | None = None):
+                graph_safe: bool | None = None, workspace: torch.Tensor | None = None):
     """MlaPrefill (MODEL.md §5.2): writes the new latents, then causal attention over context + new tokens.
-    q [T, H, Dn+Dr], latent [T, R+Dr], kv_b [H*(Dn+Dv), R] act; cache [NB, BS, R+Dr] act; block_tables [N, MB],
-    cu_seqlens [N+1], context_lens [N] int32 (schema: plugins/mla/reference.py). Returns (out [T, H*Dv] in q dtype,
-    cache) — the cache updated in place.
 
-    graph_safe=False: per sequence, gather + up-project the latents, torch SDPA (reads cu_seqlens/context_lens on
-    the host). graph_safe=True: absorbed Triton path (q_nope through W_UK, paged attention over the latents, W_UV
-    after), four launches with fixed grids (five when the keys are split), no host reads, scratch from `workspace`
-    (size: :func:`mla_prefill_workspace_bytes`). Default (None, `_graph_safe_default`): graph-safe on CUDA when the
-    cache block size is a multiple of 16 and the cache is 16-bit or the GPU sm_90 (on the H200 the Triton path takes
-    0.14-0.43x SDPA's time at 12 and 96 heads with a bf16 cache, with its sm_90 tiles of 64 rows x 64 keys:
-    RESULTS.md run 20; 256-token chunks after long contexts with key splits: 0.17x, run 21), when a workspace is
-    given or when the stream is being captured; else SDPA. The TensorRT plugin passes graph_safe=True. block_m /
-    block_n / num_warps / num_stages: the attention kernel's tiles (None: `_prefill_attn_tiles` and 2 stages).
-    num_splits: parts of each row tile's key range, one program each, merged by log-sum-exp (None:
-    `_prefill_splits`, from T, H, the number of sequences and the block-table width: more than 1 only when the row
-    tiles alone leave SMs idle, e.g. a 256-token chunk after a long context at 12 heads; the partials come from the
-    workspace, fewer parts when it is too small — size it with the cache's dtype and the same num_splits; a part
-    count asked for and reduced is logged as a warning).
-    Raises ValueError for graph_safe=True on CUDA with a block size that is not a multiple of 16, on CPU tensors
-    outside the Triton interpreter (also when graph_safe=None picked that path because a workspace was given), for
-    kv_lora_rank or the rope width not a power of 2, and for num_splits < 1."""
+    Two paths. graph_safe=True: the absorbed Triton path (q_nope through W_UK, paged attention over the latents,
+    W_UV after), four launches with fixed grids (five when each row tile's keys are split into parts merged by
+    log-sum-exp, `_prefill_splits`: only when the row tiles alone leave SMs idle, e.g. a 256-token chunk after a
+    long context at 12 heads), no host reads, scratch from `workspace`; the attention tiles: `_prefill_attn_tiles`.
+    graph_safe=False: per sequence, gather + up-project the latents, torch SDPA (reads cu_seqlens / context_lens on
+    the host). graph_safe=None (`_graph_safe_default`): the Triton path under CUDA-graph capture, with a workspace,
+    and on CUDA when the cache block size is a multiple of 16 and the cache is 16-bit or the GPU sm_90 (there it is
+    the faster path); else SDPA. The TensorRT plugin passes True.
+
+    Args:
+        q [T, H, Dn+Dr], latent [T, R+Dr], kv_b [H*(Dn+Dv), R]: act (R = kv_lora_rank and Dr powers of 2 on the
+            Triton path).
+        cache [NB, BS, R+Dr] act: the paged latent pool, contiguous.
+        block_tables [N, MB], cu_seqlens [N+1], context_lens [N]: int (schema: plugins/mla/reference.py).
+        num_heads, qk_nope_head_dim, v_head_dim, kv_lora_rank, scale: H, Dn, Dv, R, softmax scale (MODEL.md §5.2).
+        out: optional [T, H*Dv] destination in q's dtype.
+        graph_safe: the path (above).
+        workspace: optional uint8 scratch of the Triton path (size: :func:`mla_prefill_workspace_bytes` with the
+            cache's dtype); a smaller one (sized for another GPU) gets fewer key parts.
+    Returns:
+        (out [T, H*Dv] in q's dtype, cache): the cache updated in place.
+    Raises:
+        ValueError on the Triton path for a CUDA cache block size that is not a multiple of 16, CPU tensors outside
+        the Triton interpreter (also when graph_safe=None picked it because a workspace was given), and
+        kv_lora_rank or the rope width not a power of 2."""
     T, H, Dqk = q.shape
     Dn, Dv, R = qk_nope_head_dim, v_head_dim, kv_lora_rank
     NB, BS, DL = cache.shape
@@ -764,11 +740,9 @@ def mla_prefill(q, latent, kv_b, cache, block_tables, cu_seqlens, context_lens, 
         out = torch.empty(T, H * Dv, dtype=q.dtype, device=q.device)
     if graph_safe:
         _check_triton_inputs("mla_prefill", q.is_cuda, R, DL - R)
-        if num_splits is not None and num_splits < 1:
-            raise ValueError(f"mla_prefill: num_splits = {num_splits}: give 1 or more parts (None: the default)")
         bt, cu, ctx = index_i32(block_tables), index_i32(cu_seqlens), index_i32(context_lens)
         return _mla_prefill_graph_safe(q, latent, kv_b, cache, bt, cu, ctx, out, H, Dn, Dv, R, scale, workspace,
-                                       block_m, block_n, num_warps, num_stages, cap_major, num_splits)
+                                       cap_major)
     _write_latents_prefill(latent, cache, block_tables, cu_seqlens, context_lens)
     cu = [int(x) for x in cu_seqlens.tolist()]
     ctxl = [int(x) for x in context_lens.tolist()]

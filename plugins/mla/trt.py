@@ -46,7 +46,7 @@ MLA_PREFILL = OpSpec(
     (AttrSpec("num_heads", "int"), AttrSpec("qk_nope_head_dim", "int"), AttrSpec("v_head_dim", "int"),
      AttrSpec("kv_lora_rank", "int"), AttrSpec("scale", "float")),
     lambda a: [(In(0, 0), int(a["num_heads"]) * int(a["v_head_dim"])), Like(3)],
-    "plugins.mla.kernels:mla_prefill",
+    "k3deploy.plugins.mla.kernels:mla_prefill",
     workspace=_prefill_workspace,
     kernel_options=(("graph_safe", True),),
 )
@@ -56,7 +56,7 @@ MLA_DECODE = OpSpec(
     (("out_latent", ACT), ("cache_out", ("alias", 2))),
     (AttrSpec("num_heads", "int"), AttrSpec("kv_lora_rank", "int"), AttrSpec("scale", "float")),
     lambda a: [(In(0, 0), In(0, 1), int(a["kv_lora_rank"])), Like(2)],
-    "plugins.mla.kernels:mla_decode",
+    "k3deploy.plugins.mla.kernels:mla_decode",
     workspace=_decode_workspace,
 )
 

@@ -30,7 +30,7 @@ kernels through torch (``mla_decode``).
 
 Pure helpers (tested on a CPU machine): :func:`kernel_signature`, :func:`kernel_constexprs`, :func:`launch_params`,
 :func:`extra_args`, :func:`autotune_types`, :func:`compile_ptx`; the entry kernel itself runs under the Triton
-interpreter against the reference (tests/test_graph_safe.py).
+interpreter against the reference (tests/plugins/test_graph_safe.py).
 """
 # no `from __future__ import annotations`: tensorrt.plugin reads the QDP functions' annotations as objects
 

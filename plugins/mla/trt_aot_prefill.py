@@ -16,11 +16,10 @@ width), BS (cache block size: exported graphs keep it symbolic, so the kernels t
 attention tile of cached tokens must lie inside one cache block: 32 tokens where 32 divides BS, else 16 (both
 compiled in, chosen at run time); a block size that 16 does not divide makes the attention write NaN (fails loudly;
 the runtime allocates 16, 32 or 64). Tiles: absorption 64 tokens x 128 latent columns (8 warps), attention 32 query
-rows (8 warps, 2 stages; mma.sync), up-projection 64 tokens x 64 outputs (4 warps). H200 (benchmarks/RESULTS.md run
-10, T=4096): 1.01x / 1.00x the JIT op of that time at 12 / 96 heads (an earlier variant with 16-token tiles only:
-0.57x). Since run 20 the JIT op's attention takes 64 x 64 tiles on sm_90 (warpgroup MMA; 64 x 16 for fp32 caches),
-2.7-3.1x the 32 x 32 tiles at T >= 2048 in bf16, so this chain's attention is that much slower than the JIT plugin's
-on Hopper; moving it to those tiles needs the launcher to opt into ~216 KiB of shared memory (not done, not timed).
+rows (8 warps, 2 stages; mma.sync), up-projection 64 tokens x 64 outputs (4 warps). The JIT op's attention takes
+64 x 64 tiles on sm_90 (warpgroup MMA; 64 x 16 for fp32 caches), faster than these 32 x 32 tiles, so on Hopper this
+chain's attention is slower than the JIT plugin's (bench_kernels.py --only aot_prefill measures both); moving it to
+those tiles needs the launcher to opt into ~216 KiB of shared memory (not done).
 Attributes compiled in: num_heads, qk_nope_head_dim, v_head_dim, kv_lora_rank, scale; the rope width Dr and the
 latent width come from q's and latent's static last dims.
 """

@@ -7,6 +7,8 @@ mxfp4_moe: tokens' (token, expert) pairs are sorted by local expert (one Triton 
             two weights through inline PTX on the GPU; plain Triton arithmetic in the interpreter), gate and up
             tiles of the same columns in one program, SiTU fused in fp32, h written in bf16;
   kernel 2: per (expert, Rl-tile) h·W2ᵀ the same way, times the pair's routing weight, written per pair;
+  (on CUDA sm_90+ for decode-sized batches the Gluon GEMMs of plugins/moe/kernels_gluon.py take kernels 1 and 2's
+  place: `_pick_impl`)
   combine: fp32 sum over the k choices (one Triton launch; deterministic; non-local choices contribute 0).
   Scratch (sort buffers, h, per-pair outputs) comes from `workspace=` when given (plugins/workspace.py).
 route: the fp32 router: the logits GEMM in torch (cuBLAS), then one Triton program per token (`_route_kernel`:
@@ -51,63 +53,6 @@ def _dequant_ref(p, s):
     return lo, hi
 
 
-@triton.jit
-def _dequant_asm(p, sb):
-    """GPU decode: p uint8 [BN, BKH]; sb bf16 [BN, BKH] = 2^(u-127) per byte.
-    E2M1 sign -> bf16 bit 15, magnitude bits -> bf16 bits 8:6 (a bf16 equal to value * 2^-126, subnormal for
-    the 0.5 code), mul.bf16x2 by 2^126 (PTX bf16 mul keeps subnormals) gives the E2M1 value exactly, then
-    mul.bf16x2 by the E8M0 factor."""
-    lo, hi = tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 L, H, a, t, u, bias;
-        mov.b32 bias, 0x7E807E80;
-        and.b32 L, $4, 0x0F0F0F0F;
-        shr.b32 H, $4, 4;
-        and.b32 H, H, 0x0F0F0F0F;
-        prmt.b32 a, L, 0, 0x4140;
-        and.b32 t, a, 0x00070007;
-        and.b32 u, a, 0x00080008;
-        shl.b32 t, t, 6;
-        shl.b32 u, u, 12;
-        or.b32 a, t, u;
-        mul.rn.bf16x2 a, a, bias;
-        mul.rn.bf16x2 $0, a, $5;
-        prmt.b32 a, L, 0, 0x4342;
-        and.b32 t, a, 0x00070007;
-        and.b32 u, a, 0x00080008;
-        shl.b32 t, t, 6;
-        shl.b32 u, u, 12;
-        or.b32 a, t, u;
-        mul.rn.bf16x2 a, a, bias;
-        mul.rn.bf16x2 $1, a, $6;
-        prmt.b32 a, H, 0, 0x4140;
-        and.b32 t, a, 0x00070007;
-        and.b32 u, a, 0x00080008;
-        shl.b32 t, t, 6;
-        shl.b32 u, u, 12;
-        or.b32 a, t, u;
-        mul.rn.bf16x2 a, a, bias;
-        mul.rn.bf16x2 $2, a, $5;
-        prmt.b32 a, H, 0, 0x4342;
-        and.b32 t, a, 0x00070007;
-        and.b32 u, a, 0x00080008;
-        shl.b32 t, t, 6;
-        shl.b32 u, u, 12;
-        or.b32 a, t, u;
-        mul.rn.bf16x2 a, a, bias;
-        mul.rn.bf16x2 $3, a, $6;
-        }
-        """,
-        constraints="=r,=r,=r,=r,r,r,r",
-        args=[p, sb],
-        dtype=(tl.bfloat16, tl.bfloat16),
-        is_pure=True,
-        pack=4,
-    )
-    return lo, hi
-
-
 def _asm2_text(folded: bool) -> str:
     """PTX of `_dequant_asm2`: the same steps for bytes 0-1 (prmt selector 0x4140 -> outputs $0 even columns, $2
     odd) and bytes 2-3 (0x4342 -> $1, $3). folded: one mul.bf16x2 by 2^(s-1) (bits `s*128 + 0x3F00` per lane,
@@ -147,7 +92,7 @@ _ASM2_FOLDED = tl.constexpr(_asm2_text(True))
 
 @triton.jit
 def _dequant_asm2(p, s, FOLDED: tl.constexpr):
-    """GPU decode, fewer integer ops than `_dequant_asm`: p uint8 [BN, BKH] packed; s uint8 [BN, BKH] the E8M0
+    """GPU decode: p uint8 [BN, BKH] packed; s uint8 [BN, BKH] the E8M0
     exponent of each byte's group. Per 32-bit word (4 bytes, 8 weights): one prmt spreads two bytes into the two
     bf16 lanes; even codes (low nibbles): magnitude bits << 6 to bf16 bits 8:6 and sign << 12 to bit 15, one lop3
     `(a<<6 | a<<12) & 0x81C081C0` (the two shifted copies never overlap inside that mask); odd codes (high nibbles):
@@ -155,7 +100,7 @@ def _dequant_asm2(p, s, FOLDED: tl.constexpr):
     so no carry; `test_dequant_odd_nibble_multiply_identity`). The result is the E2M1 value times 2^-126 (0.5 is a
     bf16 subnormal), so mul.bf16x2 by 2^126 makes it exact; the scale 2^(s-127) is `s << 7` as bf16 bits (E8M0
     s <= 254; s = 0 gives 0). FOLDED (only when every s <= 128): one multiply by 2^(s-1) does both. About 3.5
-    instructions per weight (3 folded) instead of about 5 (`_dequant_asm`)."""
+    instructions per weight (3 folded)."""
     if FOLDED:
         lo, hi = tl.inline_asm_elementwise(asm=_ASM2_FOLDED, constraints="=r,=r,=r,=r,r,r", args=[p, s],
                                            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
@@ -186,8 +131,8 @@ def _scan_groups(ng: int) -> int:
 def _load_wtile(w_ptr, s_ptr, rows, rmask, j0, stride_w, stride_s,
                 BN: tl.constexpr, BKH: tl.constexpr, DQ: tl.constexpr, CDT: tl.constexpr):
     """Dequantized (lo, hi) [BN, BKH] tiles of rows `rows`, packed columns j0 .. j0+BKH.
-    DQ: 0 plain Triton (interpreter), 1 `_dequant_asm`, 2 `_dequant_asm2`, 3 its folded form (GPU; only for
-    scales <= 128: the kernels pick 2 or 3 per program with `_scale_max`)."""
+    DQ: 0 plain Triton (interpreter), 2 `_dequant_asm2`, 3 its folded form (GPU; only for scales <= 128: the
+    kernels pick 2 or 3 per program with `_scale_max`)."""
     jj = tl.arange(0, BKH)
     p = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + (j0 + jj)[None, :], mask=rmask[:, None], other=0)
     gg = tl.arange(0, BKH // 16)
@@ -195,10 +140,6 @@ def _load_wtile(w_ptr, s_ptr, rows, rmask, j0, stride_w, stride_s,
     if DQ >= 2:
         se = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, BKH // 16, 16)), (BN, BKH))
         lo, hi = _dequant_asm2(p, se, DQ == 3)
-    elif DQ == 1:
-        sb = (s.to(tl.int32) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        sb = tl.reshape(tl.broadcast_to(sb[:, :, None], (BN, BKH // 16, 16)), (BN, BKH))
-        lo, hi = _dequant_asm(p, sb)
     else:
         se = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, BKH // 16, 16)), (BN, BKH))
         lo, hi = _dequant_ref(p, se)
@@ -210,7 +151,7 @@ def _load_wtile(w_ptr, s_ptr, rows, rmask, j0, stride_w, stride_s,
 @triton.jit
 def _load_x_split(base, rows, rmask, k0, stride, BM: tl.constexpr, BK: tl.constexpr):
     """(even, odd) columns [BM, BK/2] of rows `rows` of a row-major matrix, columns k0 .. k0+BK: one contiguous
-    [BM, BK] load split in registers (two stride-2 loads were 35% slower on the H200, benchmarks/RESULTS.md run 6)."""
+    [BM, BK] load split in registers (faster than two stride-2 loads)."""
     kk = tl.arange(0, BK)
     xv = tl.load(base + rows[:, None] * stride + (k0 + kk)[None, :], mask=rmask[:, None], other=0.0)
     return tl.split(tl.reshape(xv, (BM, BK // 2, 2)))
@@ -332,89 +273,6 @@ def _moe_w2_kernel(
 
 
 @triton.jit
-def _moe_w13_ds_kernel(
-    x_ptr, tok_ptr, offs_ptr, w_ptr, s_ptr, h_ptr,
-    stride_x, stride_we, stride_w, stride_se, stride_s, stride_h,
-    I, RL, beta, lbeta,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-):
-    """Swapped grouped GEMM hᵀ = W13 · xᵀ for one (I-tile, expert): the MXFP4 weights are the LHS of
-    tl.dot_scaled (e2m1 codes packed along K exactly as stored, E8M0 scales [BN, BK/32] exactly as stored), so on
-    Hopper they are upcast in registers straight into the wgmma A-operand layout (no shared-memory round trip
-    of the dequantized tile); the few tokens of the expert are the N side (BM >= 16). Gate and up rows of the
-    same columns in one program; SiTU fused; h written in bf16."""
-    pid_n = tl.program_id(0)
-    e = tl.program_id(1)
-    lo_off = tl.load(offs_ptr + e)
-    hi_off = tl.load(offs_ptr + e + 1)
-    if hi_off <= lo_off:
-        return
-    nn = pid_n * BN + tl.arange(0, BN)
-    nmask = nn < I
-    kh = tl.arange(0, BK // 2)
-    ks = tl.arange(0, BK // 32)
-    kk = tl.arange(0, BK)
-    wg = w_ptr + e.to(tl.int64) * stride_we + nn[:, None].to(tl.int64) * stride_w
-    wu = wg + I * stride_w
-    sg = s_ptr + e.to(tl.int64) * stride_se + nn[:, None].to(tl.int64) * stride_s
-    su = sg + I * stride_s
-    for m0 in range(lo_off, hi_off, BM):
-        mm = m0 + tl.arange(0, BM)
-        mmask = mm < hi_off
-        tok = tl.load(tok_ptr + mm, mask=mmask, other=0).to(tl.int64)
-        acc_g = tl.zeros([BN, BM], dtype=tl.float32)
-        acc_u = tl.zeros([BN, BM], dtype=tl.float32)
-        for k0 in range(0, RL, BK):
-            xt = tl.load(x_ptr + tok[None, :] * stride_x + (k0 + kk)[:, None], mask=mmask[None, :], other=0.0)
-            xt = xt.to(tl.bfloat16)
-            pg = tl.load(wg + (k0 // 2 + kh)[None, :], mask=nmask[:, None], other=0)
-            qg = tl.load(sg + (k0 // 32 + ks)[None, :], mask=nmask[:, None], other=127)
-            acc_g = tl.dot_scaled(pg, qg, "e2m1", xt, None, "bf16", acc_g, fast_math=True)
-            pu = tl.load(wu + (k0 // 2 + kh)[None, :], mask=nmask[:, None], other=0)
-            qu = tl.load(su + (k0 // 32 + ks)[None, :], mask=nmask[:, None], other=127)
-            acc_u = tl.dot_scaled(pu, qu, "e2m1", xt, None, "bf16", acc_u, fast_math=True)
-        hval = _situ(acc_g, acc_u, beta, lbeta)                                           # [BN, BM]
-        tl.store(h_ptr + mm[None, :].to(tl.int64) * stride_h + nn[:, None], hval.to(h_ptr.dtype.element_ty),
-                 mask=mmask[None, :] & nmask[:, None])
-
-
-@triton.jit
-def _moe_w2_ds_kernel(
-    h_ptr, pair_ptr, wts_ptr, offs_ptr, w_ptr, s_ptr, y_ptr,
-    stride_h, stride_we, stride_w, stride_se, stride_s, stride_y,
-    I, RL,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-):
-    """Swapped yᵀ = W2 · hᵀ for one (Rl-tile, expert) through tl.dot_scaled (as above), times the pair's
-    routing weight, written per pair."""
-    pid_n = tl.program_id(0)
-    e = tl.program_id(1)
-    lo_off = tl.load(offs_ptr + e)
-    hi_off = tl.load(offs_ptr + e + 1)
-    if hi_off <= lo_off:
-        return
-    nn = pid_n * BN + tl.arange(0, BN)
-    nmask = nn < RL
-    kh = tl.arange(0, BK // 2)
-    ks = tl.arange(0, BK // 32)
-    kk = tl.arange(0, BK)
-    wb = w_ptr + e.to(tl.int64) * stride_we + nn[:, None].to(tl.int64) * stride_w
-    sb = s_ptr + e.to(tl.int64) * stride_se + nn[:, None].to(tl.int64) * stride_s
-    for m0 in range(lo_off, hi_off, BM):
-        mm = m0 + tl.arange(0, BM)
-        mmask = mm < hi_off
-        acc = tl.zeros([BN, BM], dtype=tl.float32)
-        for k0 in range(0, I, BK):
-            ht = tl.load(h_ptr + mm[None, :].to(tl.int64) * stride_h + (k0 + kk)[:, None], mask=mmask[None, :], other=0.0)
-            pw = tl.load(wb + (k0 // 2 + kh)[None, :], mask=nmask[:, None], other=0)
-            qw = tl.load(sb + (k0 // 32 + ks)[None, :], mask=nmask[:, None], other=127)
-            acc = tl.dot_scaled(pw, qw, "e2m1", ht.to(tl.bfloat16), None, "bf16", acc, fast_math=True)
-        pair = tl.load(pair_ptr + mm, mask=mmask, other=0).to(tl.int64)
-        wt = tl.load(wts_ptr + pair, mask=mmask, other=0.0)
-        tl.store(y_ptr + pair[None, :] * stride_y + nn[:, None], acc * wt[None, :], mask=mmask[None, :] & nmask[:, None])
-
-
-@triton.jit
 def _moe_sort_kernel(ids_ptr, order_ptr, tok_ptr, offs_ptr, M, E, expert_offset,
                      K: tl.constexpr, BLOCK: tl.constexpr):
     """grid (E + 1,): counting sort of the M = T*K (token, choice) pairs by local expert, stable, deterministic,
@@ -472,48 +330,48 @@ def _sort_pairs(ids, E, expert_offset, ws):
     return order, tok, offs
 
 
-def _h_dtype(device, impl: str = "legacy") -> torch.dtype:
-    # interpreter (CPU): fp32 math (its bf16 dot is unreliable); dot_scaled always writes bf16
-    return torch.bfloat16 if device.type == "cuda" or impl == "dot_scaled" else torch.float32
+def _h_dtype(device) -> torch.dtype:
+    # interpreter (CPU): fp32 math (its bf16 dot is unreliable)
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def mxfp4_moe_workspace_bytes(num_tokens: int, top_k: int, num_experts: int, intermediate_size: int,
-                              hidden_size: int, *, device=None, impl: str = "legacy") -> int:
-    """Workspace bytes of :func:`mxfp4_moe` for up to `num_tokens` tokens with `top_k` choices, `num_experts`
-    local experts, intermediate size I and latent size Rl (`hidden_size`): sort buffers (pair order, token ids,
-    expert offsets; int32), h `[T*k, I]` (bf16 on the GPU), per-pair outputs `[T*k, Rl]` fp32, and on the GPU the
-    activations in the Gluon kernels' column order `[T, Rl]` bf16 (whichever impl runs)."""
+                              hidden_size: int, *, device=None) -> int:
+    """Workspace bytes of :func:`mxfp4_moe` (plugins/workspace.py convention) for up to `num_tokens` tokens with
+    `top_k` choices, `num_experts` local experts, intermediate size I and latent size Rl (`hidden_size`): sort
+    buffers (pair order, token ids, expert offsets; int32), h `[T*k, I]` (bf16 on the GPU), per-pair outputs
+    `[T*k, Rl]` fp32, and on the GPU the activations in the Gluon kernels' column order `[T, Rl]` bf16 (whichever
+    kernels run). device: where it runs (default CUDA if present)."""
     M = int(num_tokens) * int(top_k)
     if M <= 0:
         return 0
     dev = torch.device(device) if device is not None else (
         torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
-    return plan_bytes(_workspace_plan(int(num_tokens), M, num_experts, intermediate_size, hidden_size, dev, impl))
+    return plan_bytes(_workspace_plan(int(num_tokens), M, num_experts, intermediate_size, hidden_size, dev))
 
 
-def _workspace_plan(T, M, num_experts, inter, latent, dev, impl):
+def _workspace_plan(T, M, num_experts, inter, latent, dev):
     """(shape, dtype) of each workspace buffer, in the order `mxfp4_moe` takes them."""
     plan = [((M,), torch.int32), ((M,), torch.int32), ((num_experts + 1,), torch.int32),
-            ((M, inter), _h_dtype(dev, impl)), ((M, latent), torch.float32)]
+            ((M, inter), _h_dtype(dev)), ((M, latent), torch.float32)]
     return plan + ([((T, latent), torch.bfloat16)] if dev.type == "cuda" else [])
 
 
 def _pick_block_m(T, k, num_experts):
-    """Token tile of the grouped GEMMs from the mean (token, choice) pairs per expert, T*k / num_experts with
-    the GLOBAL routed expert count (under EP the T*k pairs spread over all ranks' experts): one 16-row tile when an
-    expert gets few tokens (decode), else 64 rows so each weight tile is dequantized once for more tokens (H200
-    run 6, T=256 over 112 experts, 37 per expert: 1598 us at 64 rows, 2403 at 32, 2859 at 16; at 9 per expert
-    16 rows: T=64 920 us vs 1580 at 64 rows)."""
+    """Token tile of the legacy grouped GEMMs from the mean (token, choice) pairs per expert, T*k / num_experts
+    with the GLOBAL routed expert count (under EP the T*k pairs spread over all ranks' experts): one 16-row tile
+    when an expert gets few tokens (decode), else 64 rows so each weight tile is dequantized once for more
+    tokens."""
     avg = triton.cdiv(T * k, max(num_experts, 1))
     return 16 if avg <= 16 else 64
 
 
 def default_block_k(latent: int, inter: int, block_m: int = 16) -> int:
-    """K tile of `mxfp4_moe`: the largest power of two <= 64 for 16/32-row token tiles, <= 128 for 64-row tiles
-    (H200 run 6: T=64 1012 us at 64 vs 1055 at 128; T=256 with 64 rows 1598 at 128 vs 1770 at 64), and >= 32 (the
-    MXFP4 group), dividing both the latent width Rl (inner dim of w13) and the expert width I (inner dim of w2).
-    The K loops load whole tiles without a column mask, so a tile that does not divide a row would read past it:
-    k3-tiny (I = 64) and its TP=2 expert slices (I = 32). ValueError when no such tile exists."""
+    """K tile of the legacy grouped GEMMs for `block_m`-row token tiles: the largest power of two <= 64 for 16-row
+    tiles, <= 128 for 64-row tiles (the faster K tile of each), and >= 32 (the MXFP4 group), dividing both the
+    latent width Rl (inner dim of w13) and the expert width I (inner dim of w2). The K loops load whole tiles
+    without a column mask, so a tile that does not divide a row would read past it: k3-tiny (I = 64) and its TP=2
+    expert slices (I = 32). ValueError when no such tile exists."""
     bk = 128 if block_m >= 64 else 64
     while bk > 32 and (latent % bk or inter % bk):
         bk //= 2
@@ -524,66 +382,44 @@ def default_block_k(latent: int, inter: int, block_m: int = 16) -> int:
 
 
 def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *, expert_offset: int = 0,
-              situ_beta: float = 4.0, situ_linear_beta: float = 25.0, num_experts: int = 0,
-              block_m: int | None = None, block_n13: int | None = None, block_n2: int | None = None,
-              block_k: int | None = None,
-              impl: str | None = None, num_warps: int = 4, num_stages: int | None = None,
-              dequant: int | None = None, maxnreg: int | None = None, split_m: bool | None = None, out=None,
+              situ_beta: float = 4.0, situ_linear_beta: float = 25.0, num_experts: int = 0, out=None,
               workspace: torch.Tensor | None = None):
     """Mxfp4Moe (MODEL.md §7.2, §8.3): y [T, Rl] fp32 = sum over local choices of w * w2_e(SiTU(w1_e x, w3_e x)).
-    x [T, Rl] bf16/fp32; topk_ids [T, k] int (global expert ids; ids outside expert_offset .. +E contribute 0);
-    topk_w [T, k] fp32; w13_packed [E, 2I, Rl/2] uint8 (E2M1 pairs, low nibble = even column), w13_scale
-    [E, 2I, Rl/32] uint8 (E8M0); w2_packed [E, Rl, I/2], w2_scale [E, Rl, I/32] likewise.
-    impl None (default): "gluon" on a CUDA device when the shapes allow it (:func:`pick_impl`), else "legacy".
-    impl "gluon": plugins/moe/kernels_gluon.py, the explicit-layout GEMMs (MXFP4 bytes decoded straight into the
-    mma.sync operand registers, weights and activation tiles through a cp.async ring; H200 run 16: T=64 1.30-1.33x
-    and T=8 1.47-1.49x the legacy kernels): block_n13 / block_n2 weight rows per program (default 128), block_k the K
-    columns per copy (128, 256 or 512; default 256 where both widths allow), num_stages the ring depth (2, 4 or 8;
-    default 2), block_m 8, 16 or 32 tokens (default: 8 when experts average <= 8 pairs, 16 up to 12, else 32),
-    num_warps 4 or 8, maxnreg (default 128; 168 with 32-token tiles).
-    impl "legacy": inline-PTX dequant to bf16 tiles in registers, x as the LHS (block_n 128);
-    dequant: 3 (GPU default for 16/32-row token tiles: `_dequant_asm2` with one multiply per weight pair in every
-    program whose scales are all <= 2^1, checked per program), 2 (`_dequant_asm2` always with two; the GPU default
-    for 64-row tiles), 1 (`_dequant_asm`, runs 2-5), 0 plain Triton (the interpreter; the only choice off the GPU,
-    ValueError otherwise). E8M0 0 (2^-127) decodes as 0 on the unfolded GPU paths.
-    maxnreg: register cap per thread for the two GEMM kernels of either implementation (legacy: default none, run
-    6: 168 within noise of none; gluon: 64 .. 255, default 128 where the tiles fit, run 15, 168 with 32-token
-    tiles, run 19; with impl None it does
-    not choose the implementation: ask for impl='legacy' explicitly).
-    split_m (gluon only, ignored by the others): with 16- or 32-token tiles, a tile of <= 8 pairs runs as an 8-token
-    tile, and with 32 one of <= 16 pairs as a 16-token tile (default True: kernels_gluon.SPLIT_M; run 16: T=64 4-6%
-    faster; False for A/B timing).
-    impl "dot_scaled": weights as the scaled-dot LHS (see _moe_w13_ds_kernel). On the H200 (runs 3 and 6,
-    benchmarks/RESULTS.md) dot_scaled was slower (T=64: 2511 us vs 1055 us), so it is opt-in.
-    num_experts: routed experts over all EP ranks (0 = E, no EP): the token-tile choice divides T*k by it;
-    ValueError when set below expert_offset + E (plugins.moe.reference.check_num_experts).
-    block_m: token tile (legacy: None = `_pick_block_m`: 16 for decode-sized batches, 64 when experts get > 16
-    pairs; gluon: None = `kernels_gluon.resolve_tiles`' choice);
-    block_k: K tile (None = :func:`default_block_k`, a tile that divides both inner widths);
-    out: optional [T, Rl] fp32 destination; workspace: optional uint8 scratch (size:
-    :func:`mxfp4_moe_workspace_bytes`) holding the sort buffers, h and the per-pair outputs. Every launch has a
-    grid fixed by the shapes (no host reads): CUDA-graph safe."""
+
+    The grouped GEMMs (`_pick_impl`): the Gluon kernels of plugins/moe/kernels_gluon.py (MXFP4 bytes decoded
+    straight into the mma.sync operand registers, weights and activation tiles through a cp.async ring; tiles:
+    `kernels_gluon.resolve_tiles`) on CUDA sm_90+ for decode-sized batches, else the Triton kernels here (MXFP4
+    dequantized to bf16 tiles in registers by inline PTX, 128 output columns, the token tile `_pick_block_m`, the
+    K tile :func:`default_block_k`; plain Triton arithmetic in the interpreter). Every launch has a grid fixed by
+    the shapes (no host reads): CUDA-graph safe.
+
+    Args:
+        x [T, Rl]: bf16 / fp32 activations.
+        topk_ids [T, k] int: global expert ids (ids outside expert_offset .. expert_offset + E contribute 0);
+            topk_w [T, k] fp32: their routing weights.
+        w13_packed [E, 2I, Rl/2] uint8 (E2M1 pairs, low nibble = even column), w13_scale [E, 2I, Rl/32] uint8
+            (E8M0); w2_packed [E, Rl, I/2], w2_scale [E, Rl, I/32] likewise (Rl and I multiples of 32).
+        expert_offset: the first local expert's global id (EP); situ_beta, situ_linear_beta: SiTU's constants
+            (MODEL.md §7.2).
+        num_experts: routed experts over all EP ranks (0 = E, no EP): the token tiles divide T*k by it.
+        out: optional [T, Rl] fp32 destination.
+        workspace: optional uint8 scratch (size: :func:`mxfp4_moe_workspace_bytes`) for the sort buffers, h and
+            the per-pair outputs.
+    Returns:
+        y [T, Rl] fp32: the sum over this rank's experts (an EP partial sum).
+    Raises:
+        ValueError for num_experts below expert_offset + E (plugins.moe.reference.check_num_experts) and for
+        widths that are not multiples of 32.
+    """
     T, RL = x.shape
     k = topk_ids.shape[1]
     E, I2, _ = w13_packed.shape
     I = I2 // 2
     dev = x.device
-    n_global = check_num_experts(num_experts, int(expert_offset), E)    # validated even with block_m given
-    if impl is None:
-        impl = "legacy" if dequant is not None else pick_impl(dev, T, k, n_global, RL, I, block_n13=block_n13,
-                                                               block_n2=block_n2, block_k=block_k, block_m=block_m,
-                                                               num_warps=num_warps, num_stages=num_stages,
-                                                               maxnreg=maxnreg)
-    if impl not in ("legacy", "gluon", "dot_scaled"):
-        raise ValueError(f"mxfp4_moe: impl={impl!r} must be 'legacy', 'gluon' or 'dot_scaled' (or None: the default)")
-    if impl == "gluon" and (dev.type != "cuda" or _INTERPRET):
-        raise ValueError("mxfp4_moe: impl='gluon' needs a CUDA device (the Triton interpreter cannot run Gluon); "
-                         "use impl='legacy' (CPU tensors: with TRITON_INTERPRET=1 set before Triton is imported)")
-    if impl == "gluon" and dequant is not None:
-        raise ValueError("mxfp4_moe: dequant applies to impl='legacy' only; drop it or use impl='legacy'")
-    block_m_arg, block_k_arg = block_m, block_k
-    block_m = block_m or _pick_block_m(T, k, n_global)
-    block_k = block_k or default_block_k(RL, I, 64 if impl == "dot_scaled" else block_m)
+    n_global = check_num_experts(num_experts, int(expert_offset), E)
+    impl = _pick_impl(dev, T, k, n_global, RL, I)
+    block_m = _pick_block_m(T, k, n_global)
+    block_k = default_block_k(RL, I, block_m)
     x = x if x.stride(-1) == 1 else x.contiguous()
     if out is None:
         out = torch.empty(T, RL, dtype=torch.float32, device=dev)
@@ -595,68 +431,45 @@ def mxfp4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *
     order, tok, offs = _sort_pairs(ids, E, int(expert_offset), ws)
     wts = topk_w.reshape(-1)
     wts = wts if wts.dtype == torch.float32 and wts.is_contiguous() else wts.to(torch.float32).contiguous()
-    h = ws.empty((T * k, I), _h_dtype(dev, impl))
+    h = ws.empty((T * k, I), _h_dtype(dev))
     ypair = ws.empty((T * k, RL), torch.float32)   # rows of local pairs only are written, and only those read
-    if impl == "dot_scaled":
-        BM, BK = block_m, block_k
-        BN13 = block_n13 or 64      # 4 warps = one wgmma warpgroup; no register spills at BM <= 64 (ptxas, sm_90)
-        BN2 = block_n2 or 64
-        ns = num_stages or 4
-        _moe_w13_ds_kernel[(triton.cdiv(I, BN13), E)](
-            x, tok, offs, w13_packed, w13_scale, h,
-            x.stride(0), w13_packed.stride(0), w13_packed.stride(1), w13_scale.stride(0), w13_scale.stride(1),
-            h.stride(0), I, RL, float(situ_beta), float(situ_linear_beta),
-            BM=BM, BN=BN13, BK=BK, num_warps=num_warps, num_stages=ns)
-        _moe_w2_ds_kernel[(triton.cdiv(RL, BN2), E)](
-            h, order, wts, offs, w2_packed, w2_scale, ypair,
-            h.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-            ypair.stride(0), I, RL, BM=BM, BN=BN2, BK=BK, num_warps=num_warps, num_stages=ns)
-    elif impl == "gluon":
+    if impl == "gluon":
         from k3deploy.plugins.moe import kernels_gluon
         kernels_gluon.grouped_gemms(x, tok, order, wts, offs, w13_packed, w13_scale, w2_packed, w2_scale, h, ypair,
                                     ws.empty((T, RL), torch.bfloat16), situ_beta=situ_beta,
-                                    situ_linear_beta=situ_linear_beta, block_n13=block_n13, block_n2=block_n2,
-                                    block_k=block_k_arg, block_m=block_m_arg, num_warps=num_warps,
-                                    stages=num_stages, maxnreg=maxnreg, split_m=split_m,
+                                    situ_linear_beta=situ_linear_beta,
                                     pairs_per_expert=triton.cdiv(T * k, n_global))
     else:
         on_gpu = dev.type == "cuda" and not _INTERPRET
-        if dequant is None:   # folded scales with 64-row tiles ran 1.45x slower on the H200 (RESULTS.md run 6)
-            dequant = (3 if block_m < 64 else 2) if on_gpu else 0
-        if dequant not in (0, 1, 2, 3) or (dequant and not on_gpu):
-            raise ValueError(f"mxfp4_moe: dequant={dequant!r} must be 0 (plain Triton) or 1, 2, 3 (inline PTX, GPU "
-                             "only)")
+        # the folded-scale decode with 16-row token tiles; with 64-row tiles the unfolded one is faster
+        dequant = (3 if block_m < 64 else 2) if on_gpu else 0
         cdt = tl.bfloat16 if dev.type == "cuda" else tl.float32   # interpreter: fp32 math (its bf16 dot is unreliable)
-        BM = block_m
-        regs = {} if maxnreg is None else {"maxnreg": int(maxnreg)}
-        block_n13, block_n2 = block_n13 or 128, block_n2 or 128
-        _moe_w13_kernel[(triton.cdiv(I, block_n13), E)](
+        bn = 128
+        _moe_w13_kernel[(triton.cdiv(I, bn), E)](
             x, tok, offs, w13_packed, w13_scale, h,
             x.stride(0), w13_packed.stride(0), w13_packed.stride(1), w13_scale.stride(0), w13_scale.stride(1),
             h.stride(0), I, RL, float(situ_beta), float(situ_linear_beta),
-            BM=BM, BN=block_n13, BK=block_k, DQ=dequant, CDT=cdt, SG=_scan_groups(RL // 32), num_warps=num_warps,
-            num_stages=num_stages or 3, **regs)
-        _moe_w2_kernel[(triton.cdiv(RL, block_n2), E)](
+            BM=block_m, BN=bn, BK=block_k, DQ=dequant, CDT=cdt, SG=_scan_groups(RL // 32), num_warps=4,
+            num_stages=3)
+        _moe_w2_kernel[(triton.cdiv(RL, bn), E)](
             h, order, wts, offs, w2_packed, w2_scale, ypair,
             h.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-            ypair.stride(0), I, RL, BM=BM, BN=block_n2, BK=block_k, DQ=dequant, CDT=cdt, SG=_scan_groups(I // 32),
-            num_warps=num_warps, num_stages=num_stages or 3, **regs)
+            ypair.stride(0), I, RL, BM=block_m, BN=bn, BK=block_k, DQ=dequant, CDT=cdt, SG=_scan_groups(I // 32),
+            num_warps=4, num_stages=3)
     BR = min(256, triton.next_power_of_2(RL))
     _moe_combine_kernel[(T, triton.cdiv(RL, BR))](ypair, ids, out, RL, E, int(expert_offset), out.stride(0),
                                                  K=k, BK=triton.next_power_of_2(k), BR=BR, num_warps=4)
     return out
 
 
-def pick_impl(dev, T: int, k: int, num_experts: int, latent: int, inter: int, **tiles) -> str:
-    """`mxfp4_moe`'s default implementation: "gluon" on a CUDA device of compute capability >= 9.0 (its decode's
+def _pick_impl(dev, T: int, k: int, num_experts: int, latent: int, inter: int) -> str:
+    """The grouped GEMMs of `mxfp4_moe`: "gluon" on a CUDA device of compute capability >= 9.0 (its decode's
     bf16x2 multiply; not the interpreter) whose Triton has Gluon, for decode-sized batches of at least 64 (token,
     choice) pairs and at most 32 per expert on average over the `num_experts` routed experts of all ranks (the Gluon
-    kernels take 8/16/32-token tiles; H200 run 19, 112 experts: 18 pairs per expert 961.6 vs 1551.2 us for the legacy
-    kernels, 37 pairs 1694 vs 1571), and widths and `tiles` (block_n13, block_n2, block_k, block_m, num_warps,
-    num_stages, maxnreg as given to `mxfp4_moe`; None = its default) the Gluon kernels accept; else "legacy". Below 64 pairs
-    (T=1, 2 at top-16) the eager H200 timings were host-bound and the Gluon path's were 1.3-2.4x the legacy path's
-    (its launches cost more Python time), while its kernels took no longer on the GPU (ncu: 140 vs 151 us at T=1;
-    benchmarks/RESULTS.md run 14)."""
+    kernels take 8/16/32-token tiles; above 32 per expert the legacy kernels' 64-row tiles are faster), for widths
+    the Gluon kernels take (`kernels_gluon.resolve_tiles`); else "legacy". Below 64 pairs (T=1, 2 at top-16) eager
+    calls are host-bound and the Gluon path's launches cost more Python time, while its kernels take no longer on
+    the GPU."""
     if dev.type != "cuda" or _INTERPRET or T * k < 64 or triton.cdiv(T * k, max(num_experts, 1)) > 32 \
             or not _has_gluon():
         return "legacy"
@@ -667,10 +480,7 @@ def pick_impl(dev, T: int, k: int, num_experts: int, latent: int, inter: int, **
         pass
     from k3deploy.plugins.moe import kernels_gluon
     try:
-        kernels_gluon.resolve_tiles(latent, inter, block_n13=tiles.get("block_n13"), block_n2=tiles.get("block_n2"),
-                                    block_k=tiles.get("block_k"), block_m=tiles.get("block_m"),
-                                    num_warps=tiles.get("num_warps") or 4, stages=tiles.get("num_stages"),
-                                    maxnreg=tiles.get("maxnreg"))
+        kernels_gluon.resolve_tiles(latent, inter)
     except ValueError:
         return "legacy"
     return "gluon"
@@ -739,28 +549,25 @@ def _route_kernel(z_ptr, bias_ptr, ids_ptr, w_ptr, E, stride_z, scaling,
 
 
 def route(x, gate_w, correction_bias, *, top_k: int = 16, num_expert_group: int = 1, topk_group: int = 1,
-          routed_scaling_factor: float = 1.0, renormalize: bool = True, impl: str | None = None, out=None):
+          routed_scaling_factor: float = 1.0, renormalize: bool = True, out=None):
     """fp32 router (MODEL.md §7.2, noaux_tc): x [T, d] any float dtype, gate_w [E, d], correction_bias [E] (used
     for the selection only): the fp32 logits x·gate_wᵀ in torch (cuBLAS on the GPU), then `route_topk`. Returns
-    (topk_ids int32 [T, k] best first, topk_w fp32 [T, k]); impl, out and errors as in `route_topk`."""
+    (topk_ids int32 [T, k] best first, topk_w fp32 [T, k]); out and errors as in `route_topk`."""
     z = x.float() @ gate_w.float().t()
     return route_topk(z, correction_bias, top_k=top_k, num_expert_group=num_expert_group, topk_group=topk_group,
-                      routed_scaling_factor=routed_scaling_factor, renormalize=renormalize, impl=impl, out=out)
+                      routed_scaling_factor=routed_scaling_factor, renormalize=renormalize, out=out)
 
 
 def route_topk(z, correction_bias, *, top_k: int = 16, num_expert_group: int = 1, topk_group: int = 1,
-               routed_scaling_factor: float = 1.0, renormalize: bool = True, impl: str | None = None, out=None):
+               routed_scaling_factor: float = 1.0, renormalize: bool = True, out=None):
     """The router after its GEMM: logits z fp32 [T, E] (rows contiguous), correction_bias [E] -> (topk_ids int32
     [T, k] best first, topk_w fp32 [T, k]): sigmoid scores, selection on score + bias, optional group stage
     (num_expert_group groups ranked by the sum of their top-2 biased scores, topk_group kept; only when
     num_expert_group > topk_group), top-k, weights = the unbiased scores of the chosen, renormalized (sum + 1e-20)
-    and times routed_scaling_factor. impl "triton" (default on CUDA and under TRITON_INTERPRET=1): one
-    `_route_kernel` program per token; "torch": the reference (`reference.route_logits`; the default on a CPU).
-    out: optional (ids, weights) to write (contiguous, shapes and dtypes as returned). ValueError for another impl,
-    top_k above the experts competing, or groups that do not divide E into groups of >= 2."""
-    impl = impl or ("triton" if z.device.type == "cuda" or _INTERPRET else "torch")
-    if impl not in ("triton", "torch"):
-        raise ValueError(f"route: impl={impl!r} must be 'triton' or 'torch'")
+    and times routed_scaling_factor. On CUDA and under TRITON_INTERPRET=1 one `_route_kernel` program per token;
+    on a CPU otherwise the reference (`reference.route_logits`). out: optional (ids, weights) to write (contiguous,
+    shapes and dtypes as returned). ValueError for top_k above the experts competing, or groups that do not divide
+    E into groups of >= 2."""
     z = z.float().contiguous()
     T, E = z.shape
     grouped = num_expert_group > 1 and num_expert_group > topk_group
@@ -772,7 +579,7 @@ def route_topk(z, correction_bias, *, top_k: int = 16, num_expert_group: int = 1
                          f"{num_expert_group} groups, {topk_group} kept)")
     ids, w = out if out is not None else (torch.empty(T, top_k, dtype=torch.int32, device=z.device),
                                           torch.empty(T, top_k, dtype=torch.float32, device=z.device))
-    if impl == "triton":
+    if z.device.type == "cuda" or _INTERPRET:
         if T:
             G = num_expert_group if grouped else 1
             _route_kernel[(T,)](z, correction_bias.float().contiguous(), ids, w, E, z.stride(0),

@@ -1,9 +1,8 @@
 """MXFP4 grouped GEMMs of `mxfp4_moe` in Gluon (Triton's explicit-layout dialect): GPU only, sm_90+ (the decode's
 mul.rn.bf16x2; the MMAs are mma.sync).
 The Triton interpreter cannot run Gluon, so the CPU runs plugins/moe/kernels.py's Triton kernels; CI compiles these
-for sm_90 offline (tests/test_moe_gluon.py). MODEL.md §7.2, §8.3. H200 (benchmarks/RESULTS.md runs 14-16): T=64
-707-729 us = 63.5-65.5% of the copy bandwidth, 1.26-1.33x the Triton kernels of the same call; T=8 424-441 us,
-1.47-1.49x.
+for sm_90 offline (tests/plugins/test_moe_gluon.py). MODEL.md §7.2, §8.3. Speed against the Triton kernels:
+bench_kernels.py --only moe on an H200.
 
 Why a second form: in the Triton kernels the compiler picks the register layouts, so the packed bytes are unpacked
 and re-packed around the decode (~3.9 SASS instructions per weight; ncu: ALU-bound). Here each thread decodes its
@@ -20,14 +19,14 @@ MXFP4 bytes straight into the registers of its mma.sync operand, 8 codes per 32-
   order (`permute_columns`: position 32i + 8t + 4m + 2r + l; moe_w13_kernel writes h in it for moe_w2_kernel), so
   a thread's B operands are 16-byte pieces of one row. The layout changes are reshapes / permutes / splits of
   registers only, asserted at compile time (`convert_layout(..., assert_trivial=True)`).
-* Swap AB: weights are the A operand (16 rows per MMA), tokens the B operand (8 per MMA: 8-token tiles when experts
-  average <= 8 pairs, 32-token tiles above 12 (H200 run 19); with 16- or 32-token tiles, a tile of <= 8 pairs runs
-  as an 8-token one and, with 32, one of <= 16 pairs as a 16-token one: `SPLIT_M`). Weight words
-  and the activation tile stream through a cp.async ring in shared memory (the
-  tile is copied once per CTA and read by every warp; `sub` 128-column steps per copy: 256 columns = 128 bytes of
-  each weight row is the default). A program's first copies are in flight while it scans its E8M0 bytes for the
-  fold decision (one round trip), and the next token tile's while it stores the current one; 128 registers per
-  thread with 8/16-token tiles (4 programs per SM, no spills), 168 with 32-token tiles (3 per SM).
+* Swap AB: weights are the A operand (16 rows per MMA), tokens the B operand (8 per MMA: 8-, 16- or 32-token tiles
+  by the experts' mean pairs, `_token_tile`; with 16- or 32-token tiles, a tile of <= 8 pairs runs as an 8-token
+  one and, with 32, one of <= 16 pairs as a 16-token one: `SPLIT_M`). Weight words and the activation tile stream
+  through a cp.async ring in shared memory (the tile is copied once per CTA and read by every warp; `sub`
+  128-column steps per copy: 256 columns = 128 bytes of each weight row where the widths allow). A program's first
+  copies are in flight while it scans its E8M0 bytes for the fold decision (one round trip), and the next token
+  tile's while it stores the current one; 128 registers per thread with 8/16-token tiles (4 programs per SM, no
+  spills), 168 with 32-token tiles (3 per SM).
 """
 from __future__ import annotations
 
@@ -39,10 +38,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 BLOCK_K = 128      # K columns per step (4 threads x 32)
-# `resolve_tiles`' default split_m: a 16-token tile of <= 8 pairs computes as an 8-token tile (H200 run 16: T=64 4-6%
-# faster in the same call), a 32-token tile of <= 8 / <= 16 pairs as an 8- / 16-token one; tests switch it off to
-# cover partial tiles computed at full width
-SPLIT_M = True
+BLOCK_N = 128      # weight rows per program (4 warps x 32 rows: no spills under the register caps below)
+NUM_WARPS = 4
+STAGES = 2         # cp.async ring slots
 # cp.async global -> shared: `async_load` from Triton 3.7 on (3.9 keeps the old name only to raise), before that
 # `async_copy_global_to_shared` (Triton 3.6, the H200 image)
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
@@ -148,19 +146,12 @@ def _scale_load(sp, rows, g0, stride_s, NGS: gl.constexpr, LS: gl.constexpr):
 
 @gluon.jit
 def _scale_part(sb, j: gl.constexpr, BN: gl.constexpr, SUB: gl.constexpr):
-    """Groups 4j .. 4j+3 [BN, 4] of the slot's E8M0 bytes sb [BN, 4 SUB] (register selection only)."""
+    """Groups 4j .. 4j+3 [BN, 4] of the slot's E8M0 bytes sb [BN, 4 SUB] (SUB 1 or 2; register selection only)."""
     if SUB == 1:
         part = sb
-    elif SUB == 2:
+    else:
         p0, p1 = sb.reshape([BN, 2, 4]).permute([0, 2, 1]).split()
         part = p0 if j == 0 else p1
-    else:
-        e, o = sb.reshape([BN, 2, 2, 4]).permute([0, 3, 1, 2]).split()
-        if j % 2 == 0:
-            p0, p1 = e.split()
-        else:
-            p0, p1 = o.split()
-        part = p0 if j < 2 else p1
     return part
 
 
@@ -226,8 +217,7 @@ def _fill(wbuf, xbuf, wptr, a_ptr, arows, stride_a, nslots, STAGES: gl.constexpr
     """Start a token tile: the activation pointers aptr [BM, 128 SUB] of rows arows (SliceLayout(1, LXC)) of A
     (bf16 [*, K], `permute_columns` order; padding rows read a real row of A — token 0 for x, the expert's last
     pair for h —: L2 hits) and the ring's first
-    STAGES - 1 copies (past the last copy: repeats of it, L2 hits). Returns aptr. (H200 run 16: copying only the
-    real rows, the rest zero-filled without a read, gained nothing at T=64 and was 4-8% slower at T=8.)"""
+    STAGES - 1 copies (past the last copy: repeats of it, L2 hits). Returns aptr."""
     kk = gl.arange(0, 128 * SUB, layout=gl.SliceLayout(0, LXC))
     aptr = a_ptr + arows[:, None] * stride_a + kk[None, :]
     for s in gl.static_range(STAGES - 1):
@@ -485,7 +475,7 @@ def _lxl(block_m: int, nb: int):
 @functools.lru_cache(maxsize=None)
 def layouts(block_n: int, num_warps: int, block_m: int = 16, sub: int = 1) -> dict:
     """The kernels' constexpr arguments for BN = block_n weight rows, `num_warps` (4 or 8) warps, block_m (8, 16, 32)
-    tokens and `sub` (1, 2, 4) 128-column steps per copy (g = lane // 4, t = lane % 4). MMA: the mma.sync
+    tokens and `sub` (1, 2) 128-column steps per copy (g = lane // 4, t = lane % 4). MMA: the mma.sync
     accumulator [BN, BM], warps stacked along the weight rows: warp w, rows 16w + g and 16w + 8 + g (+ 16 num_warps
     j), tokens 2t, 2t + 1 (+ 8, 16, 24). LW: weight words [BN, 32] int16 with the same rows, 16 bytes of a row per
     thread (words 4t .. 4t+3). LS: a copy's scales [BN, 4 sub] (rows as LW, groups 4j + t). LWC / LXC: the cp.async
@@ -493,13 +483,13 @@ def layouts(block_n: int, num_warps: int, block_m: int = 16, sub: int = 1) -> di
     copy). LXL: a step's activations read into registers: rows g (and g + 8, ..), positions 32i + 8t + e, every warp
     the same; LXL8 / LXL16: the same for 8 / 16 rows (the split paths of a 16- or 32-token tile). ValueError for
     other warps / tokens / sub, or block_n not a multiple of 16 num_warps."""
-    if num_warps not in (4, 8) or block_m not in (8, 16, 32) or sub not in (1, 2, 4):
-        raise ValueError(f"mxfp4_moe(impl='gluon'): num_warps={num_warps} must be 4 or 8, block_m={block_m} 8, 16 "
-                         f"or 32 and sub={sub} 1, 2 or 4")
+    if num_warps not in (4, 8) or block_m not in (8, 16, 32) or sub not in (1, 2):
+        raise ValueError(f"kernels_gluon.layouts: num_warps={num_warps} must be 4 or 8, block_m={block_m} 8, 16 "
+                         f"or 32 and sub={sub} 1 or 2")
     nb = num_warps.bit_length() - 1
     rows = 16 * num_warps
     if block_n % rows:
-        raise ValueError(f"mxfp4_moe(impl='gluon'): block_n={block_n} must be a multiple of 16 x num_warps = {rows}")
+        raise ValueError(f"kernels_gluon.layouts: block_n={block_n} must be a multiple of 16 x num_warps = {rows}")
     reps = [[rows << j, 0] for j in range((block_n // rows).bit_length() - 1)]
     lw = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]] + reps,
                                     lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
@@ -532,89 +522,56 @@ def permute_columns(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.T
     return out
 
 
-def check_shapes(latent: int, inter: int, block_n13: int, block_n2: int, block_k: int = BLOCK_K) -> None:
+def check_shapes(latent: int, inter: int) -> None:
     """The Gluon GEMMs load whole tiles without masks: ValueError unless latent (Rl) and inter (I) are multiples of
-    block_k (the K columns per copy: 128, 256 or 512), I of block_n13 / 2 (gate rows per program) and Rl of block_n2."""
-    if block_k not in (128, 256, 512):
-        raise ValueError(f"mxfp4_moe(impl='gluon'): block_k={block_k} must be 128, 256 or 512")
-    if latent % block_k or inter % block_k or inter % (block_n13 // 2) or latent % block_n2:
-        raise ValueError(f"mxfp4_moe(impl='gluon'): latent width {latent} and expert width {inter} must be multiples "
-                         f"of block_k = {block_k}, the expert width of block_n13 / 2 = {block_n13 // 2} and the latent "
-                         f"width of block_n2 = {block_n2}; use impl='legacy' for these shapes")
+    BLOCK_K = BLOCK_N = 128 (K columns per copy, gate rows per program / 2, Rl rows per program)."""
+    if latent % BLOCK_K or inter % BLOCK_K:
+        raise ValueError(f"mxfp4_moe (Gluon kernels): latent width {latent} and expert width {inter} must be "
+                         f"multiples of {BLOCK_K}; mxfp4_moe runs the legacy Triton kernels for these shapes")
 
 
-SMEM_LIMIT = 232448   # shared memory one CTA may use on sm_90 (227 KB)
+def _token_tile(pairs_per_expert: int) -> int:
+    """Tokens per tile for experts with `pairs_per_expert` (token, choice) pairs on average: 8 up to 8, 16 up to 12,
+    else 32 (the fastest of the three at each, on an H200)."""
+    return 8 if pairs_per_expert <= 8 else 16 if pairs_per_expert <= 12 else 32
 
 
-def ring_bytes(block_n: int, block_m: int, stages: int, sub: int) -> int:
-    """Shared memory of `_ring`: stages x sub 128-column steps of block_n weight rows (64 bytes each) and block_m
-    activation rows (256 bytes each); the kernels add <= 2 KB for the scale scan."""
-    return stages * sub * (block_n * 64 + block_m * 256)
-
-
-def resolve_tiles(latent: int, inter: int, *, block_n13: int | None = None, block_n2: int | None = None,
-                  block_k: int | None = None, block_m: int | None = None, num_warps: int = 4,
-                  stages: int | None = None, maxnreg: int | None = None, pairs_per_expert: int = 16,
-                  split_m: bool | None = None) -> dict:
-    """The Gluon GEMMs' tiles with the defaults filled in and checked, for latent width Rl and expert width I:
-    block_n13 / block_n2 weight rows per program (default 128), block_k K columns per copy (default 256 where both
-    widths allow, else 128), block_m tokens per tile (default from the mean pairs per expert `pairs_per_expert`:
-    8 up to 8, 16 up to 12, else 32 — H200 run 19: at 16 pairs per expert 32-token tiles were 1.12x faster, at 9
-    1.3x slower), stages ring slots (default 2; 2, 4 or 8), maxnreg the kernels' register cap per thread (default
-    where the tiles fit — at most 32 rows per warp and 256 columns per copy —: 128 with 8/16-token tiles (4 programs
-    per SM instead of 3, H200 run 15), 168 with 32-token tiles on 4 warps (3 programs per SM; 128 spills 88 bytes,
-    run 19; on 8 warps 168 spills 8); else 255 = no cap in effect; offline sm_90: 256 rows on 4 warps or 512
-    columns spill 72-552 bytes under 128), split_m (default SPLIT_M; only with 16- or 32-token tiles, False
-    otherwise: a tile of <= 8 pairs — an expert's last, or its only one — runs the 8-token MMAs and activation
-    reads, and with 32-token tiles one of <= 16 pairs the 16-token ones). Returns the keyword arguments of
-    `grouped_gemms`' tiles. ValueError (naming the argument) for anything the kernels cannot take, including a ring
-    above sm_90's shared memory (`ring_bytes`)."""
-    t = dict(block_n13=block_n13 or 128, block_n2=block_n2 or 128,
-             block_k=block_k or (256 if latent % 256 == 0 and inter % 256 == 0 else 128),
-             block_m=block_m or (8 if pairs_per_expert <= 8 else 16 if pairs_per_expert <= 12 else 32),
-             num_warps=num_warps, stages=2 if stages is None else stages, maxnreg=maxnreg, split_m=None)
-    t["split_m"] = (SPLIT_M if split_m is None else bool(split_m)) and t["block_m"] >= 16
-    if maxnreg is None:
-        fits = max(t["block_n13"], t["block_n2"]) <= 32 * num_warps and t["block_k"] <= 256
-        t["maxnreg"] = (128 if t["block_m"] <= 16 else 168 if num_warps == 4 else 255) if fits else 255
-    check_shapes(latent, inter, t["block_n13"], t["block_n2"], t["block_k"])
-    if t["stages"] not in (2, 4, 8):
-        raise ValueError(f"mxfp4_moe(impl='gluon'): num_stages={t['stages']} must be 2, 4 or 8")
-    if not 64 <= t["maxnreg"] <= 255:
-        raise ValueError(f"mxfp4_moe(impl='gluon'): maxnreg={t['maxnreg']} must be 64 .. 255 registers per thread")
-    ring = ring_bytes(max(t["block_n13"], t["block_n2"]), t["block_m"], t["stages"], t["block_k"] // BLOCK_K)
-    if ring + 2048 > SMEM_LIMIT:
-        raise ValueError(f"mxfp4_moe(impl='gluon'): a ring of {t['stages']} slots of {t['block_k']} columns for "
-                         f"{max(t['block_n13'], t['block_n2'])} rows and {t['block_m']} tokens needs {ring} bytes of "
-                         f"shared memory (+ 2 KB), above sm_90's {SMEM_LIMIT}: use fewer num_stages, a smaller block_k "
-                         "or block_m")
-    for bn in (t["block_n13"], t["block_n2"]):
-        layouts(bn, num_warps, t["block_m"], t["block_k"] // BLOCK_K)
-    return t
+def resolve_tiles(latent: int, inter: int, pairs_per_expert: int = 16) -> dict:
+    """The Gluon GEMMs' tiles for latent width Rl and expert width I: block_k K columns per copy (256 where both
+    widths allow, else 128), block_m tokens per tile (`_token_tile`), maxnreg the register cap per thread (128 with
+    8/16-token tiles: 4 programs per SM without spills; 168 with 32-token tiles, which spill under 128: 3 per SM) and
+    split_m (16- and 32-token tiles: a tile of <= 8 pairs runs the 8-token MMAs and activation reads, and with
+    32-token tiles one of <= 16 pairs the 16-token ones). ValueError (`check_shapes`) for widths the kernels cannot
+    take."""
+    check_shapes(latent, inter)
+    block_m = _token_tile(pairs_per_expert)
+    return dict(block_k=256 if latent % 256 == 0 and inter % 256 == 0 else 128, block_m=block_m,
+                maxnreg=128 if block_m <= 16 else 168, split_m=block_m >= 16)
 
 
 def grouped_gemms(x, tok, order, wts, offs, w13_packed, w13_scale, w2_packed, w2_scale, h, ypair, xperm, *,
-                  situ_beta: float, situ_linear_beta: float, **tiles) -> None:
+                  situ_beta: float, situ_linear_beta: float, pairs_per_expert: int) -> None:
     """The two grouped GEMMs of `kernels.mxfp4_moe` (same sort buffers tok / order / offs int32 and pair outputs):
     x [T, Rl] (bf16/fp32) is copied into xperm (bf16 [T, Rl], `permute_columns`), then h [pairs, I] bf16 (permuted
     columns) and ypair [pairs, Rl] fp32 = w_pair · h · W2ᵀ. Weights: MXFP4 as in `kernels.mxfp4_moe` (uint8,
-    contiguous rows). tiles: `resolve_tiles`' arguments (ValueError for what the kernels cannot take)."""
+    contiguous rows). Tiles: `resolve_tiles` for the mean (token, choice) pairs per expert `pairs_per_expert`
+    (ValueError for widths the kernels cannot take)."""
     T, RL = x.shape
     E, I2, _ = w13_packed.shape
     I = I2 // 2
-    t = resolve_tiles(RL, I, **tiles)
-    bn13, bn2, bm, nw, st, sub = (t["block_n13"], t["block_n2"], t["block_m"], t["num_warps"], t["stages"],
-                                  t["block_k"] // BLOCK_K)
-    opts = dict(num_warps=nw, maxnreg=t["maxnreg"], SPLIT_M=t["split_m"])
+    t = resolve_tiles(RL, I, pairs_per_expert)
+    bm, sub = t["block_m"], t["block_k"] // BLOCK_K
+    opts = dict(num_warps=NUM_WARPS, maxnreg=t["maxnreg"], SPLIT_M=t["split_m"])
     permute_columns(x, out=xperm)
     w13 = w13_packed.view(torch.int16)
     w2 = w2_packed.view(torch.int16)
-    moe_w13_kernel[(I // (bn13 // 2), E)](
+    lay = layouts(BLOCK_N, NUM_WARPS, bm, sub)
+    moe_w13_kernel[(I // (BLOCK_N // 2), E)](
         xperm, tok, offs, w13, w13_scale, h,
         xperm.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), h.stride(0),
-        I, RL, float(situ_beta), float(situ_linear_beta), BM=bm, BN=bn13, STAGES=st, NG=RL // 32,
-        **layouts(bn13, nw, bm, sub), **opts)
-    moe_w2_kernel[(RL // bn2, E)](
+        I, RL, float(situ_beta), float(situ_linear_beta), BM=bm, BN=BLOCK_N, STAGES=STAGES, NG=RL // 32,
+        **lay, **opts)
+    moe_w2_kernel[(RL // BLOCK_N, E)](
         h, order, wts, offs, w2, w2_scale, ypair,
         h.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), ypair.stride(0),
-        I, RL, BM=bm, BN=bn2, STAGES=st, NG=I // 32, **layouts(bn2, nw, bm, sub), **opts)
+        I, RL, BM=bm, BN=BLOCK_N, STAGES=STAGES, NG=I // 32, **lay, **opts)

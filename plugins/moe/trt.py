@@ -30,7 +30,7 @@ MXFP4_MOE = OpSpec(
     (AttrSpec("expert_offset", "int", 0, minimum=0), AttrSpec("situ_beta", "float", 4.0),
      AttrSpec("situ_linear_beta", "float", 25.0), AttrSpec("num_experts", "int", 0, minimum=0)),
     lambda a: [Like(0)],
-    "plugins.moe.kernels:mxfp4_moe",
+    "k3deploy.plugins.moe.kernels:mxfp4_moe",
     workspace=_workspace,
 )
 

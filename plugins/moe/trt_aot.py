@@ -25,7 +25,7 @@ Use: ``engines.build`` / ``build_engines.py --aot`` (full TensorRT >= 10.9): ``r
 These four ops have no JIT (``@trtp.impl``) form: only the rewrite creates them.
 
 Pure helpers (tested on a CPU machine): signatures, constexprs, launch parameters, :func:`compile_ptx`, the rewrite;
-the entry kernels run under the Triton interpreter against ``mxfp4_moe`` (tests/test_graph_safe.py).
+the entry kernels run under the Triton interpreter against ``mxfp4_moe`` (tests/plugins/test_graph_safe.py).
 """
 # no `from __future__ import annotations`: tensorrt.plugin reads the QDP functions' annotations as objects
 

@@ -1,4 +1,4 @@
-"""The main job (issue 5): `python export/build_engines.py` end to end on k3-tiny, the K3 dry-run plan,
+"""The main job: `python export/build_engines.py` end to end on k3-tiny, the K3 dry-run plan,
 idempotent reruns, and every error path with one clear message."""
 from __future__ import annotations
 
@@ -41,12 +41,16 @@ def test_k3_dry_run_matches_seed_table_and_model_md(tmp_path):
                 "MLA q_latent (decode)      [B,12,576]", "MLA latent (replicated)    [T,576]",
                 "MoE experts per rank       112", "MoE dispatch               [T*16,3584]"):
         assert row in out, row
-    assert "205,056,582,464 B" in out and "DOES NOT FIT 8 x 141 GB" in out and "16 GPUs" in out
+    # 205,056,582,464 B of text weights per rank + the replicated vision tower and projector (VISION.md §9)
+    assert "vision tower + projector (replicated)         894,717,952 B" in out
+    assert "205,951,300,416 B" in out and "DOES NOT FIT 8 x 141 GB" in out and "16 GPUs" in out
+    assert "-- vision tower (27 blocks, D 1024, 12 heads x 128" in out and "mlp_hidden   [67588,4096]" in out
     assert "27,648 B" in out                       # latent per token per rank (§9)
     assert "29,440,401,408 B" in out              # one request at 1M context, whole model (§9)
     assert "53.6 MiB" in out                       # KDA slice per request at TP=8 (§9)
     p = make_plan(load_config("k3"), 8, 8)
     assert (p.weights.replicated, p.weights.sharded, p.weights.experts) == (11_498_150_400, 12_751_423_808, 180_807_008_256)
+    assert p.weights.vision == 894_717_952 and p.weights.total == 205_056_582_464 + 894_717_952
     assert p.smallest[0] == 16 and not p.fits
     assert make_plan(load_config("k3"), 1, 1).kda_bytes_per_request == 434_110_464 + 15_261_696
 
@@ -71,6 +75,21 @@ def test_default_run_end_to_end_tp1(tiny_build_tp1):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["onnx"] == "onnx" and (out / "triton" / "k3" / "config.pbtxt").is_file()
     check_engines(out)
+
+
+def test_default_log_is_each_steps_summary(tiny_build_tp1):
+    """Without -v the log holds each step's start and one-line summary (plus progress bars and the plan); no
+    Polygraphy notes ("[W] ... Some values are 0", the 'colored' module notice) and none of the stages' own
+    per-graph / per-engine lines, which -v shows."""
+    import re
+    out, r = tiny_build_tp1
+    assert r.returncode == 0, r.stdout + r.stderr
+    for i, step in enumerate(be.STEPS, 1):
+        assert re.search(rf"^\[{i}/{len(be.STEPS)}\] {step:<10} done in [0-9.]+ s: \S", r.stderr, re.M), (step, r.stderr)
+    log = r.stdout + r.stderr
+    assert "Some values are 0" not in log and "'colored' module" not in log, log
+    assert not re.search(r"^\[[WE]\]", log, re.M), log
+    assert ": PASS" not in log and ".plan in " not in log, log      # verify's per-graph and engines' per-plan lines
 
 
 def check_engines(out: Path) -> None:

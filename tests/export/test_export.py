@@ -17,6 +17,8 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from polygraphy.backend.base import BaseRunner
+from polygraphy.common import TensorMetadata
 
 from k3deploy.export.onnx_export import export_model
 from k3deploy.export.verify import CLI_ATOL, CLI_RTOL, OrtModel, merge_pool, split_pool, verify
@@ -205,3 +207,43 @@ def test_tp2_segments_equal_tp1(ckpt, export_dir, tmp_path):
     t1._stage(lambda r: ("head", "any", None, r), h1)
     t2._stage(lambda r: ("head", "any", None, r), h2)
     np.testing.assert_allclose(h2[0]["logits"], h1[0]["logits"], atol=2e-4, rtol=1e-3)
+
+
+class _FixedRunner(BaseRunner):
+    """A Polygraphy runner returning fixed outputs."""
+
+    def __init__(self, name, outputs):
+        super().__init__(name=name)
+        self.outputs = outputs
+
+    def activate_impl(self):
+        pass
+
+    def get_input_metadata_impl(self):
+        return TensorMetadata().add("x", np.float32, [2])
+
+    def infer_impl(self, feed_dict):
+        self.inference_time = 0.0
+        return dict(self.outputs)
+
+    def deactivate_impl(self):
+        pass
+
+
+def test_compare_quiet_by_default_fails_an_output_not_compared(capsys, caplog):
+    """verify.compare: Polygraphy's "Some values are 0" note and its 'colored' notice print only when the module
+    logs at DEBUG (-v); an output that one runner lacks is not silently skipped: the result fails and names it."""
+    import logging
+
+    from k3deploy.export.verify import compare
+    z = np.array([0.0, 1.0], dtype=np.float32)      # an exact zero, as every pool holds
+    feeds = [{"x": z}]
+    ok = compare([_FixedRunner("ref", {"a": z}), _FixedRunner("onnxrt", {"a": z})], feeds, ["a"])
+    assert ok["passed"] and "not_compared" not in ok
+    quiet = capsys.readouterr()
+    assert "Some values are 0" not in quiet.out + quiet.err and "colored" not in quiet.out + quiet.err
+    with caplog.at_level(logging.DEBUG, logger="k3deploy.export.verify"):
+        compare([_FixedRunner("ref", {"a": z}), _FixedRunner("onnxrt", {"a": z})], feeds, ["a"])
+    assert "Some values are 0" in capsys.readouterr().out
+    bad = compare([_FixedRunner("ref", {"a": z, "b": z}), _FixedRunner("onnxrt", {"a": z})], feeds, ["a", "b"])
+    assert not bad["passed"] and bad["not_compared"] == ["b"] and bad["outputs"]["a"]["passed"]

@@ -218,7 +218,7 @@ def test_synthetic_cli_bad_preset_and_no_space(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10 * 2**30, 9 * 2**30, 2**30))
     assert main(["--preset", "k3", "--out", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
-    assert "needs 1452.83 GiB" in err and "1.00 GiB free" in err and not (tmp_path / "b").exists()
+    assert "needs 1453.66 GiB" in err and "1.00 GiB free" in err and not (tmp_path / "b").exists()
 
 
 # ---- corruptions: one clear error naming tensor and file each ----------------------------------------
@@ -315,3 +315,23 @@ def test_write_synthetic_streams_same_values(tmp_path, tensors):
     ck = Checkpoint(tmp_path / "s")
     for name in (QPROJ, EXPERT, ALOG, PREFIX + "lm_head.weight"):
         assert torch.equal(bits(ck.get(name)), bits(tensors[name]))
+
+
+def test_synthetic_weights_drawn_in_memory_equal_the_checkpoint(tiny_ckpt, tiny_cfg, tiny_model):
+    """The in-memory / on-device generator path (K3Model.from_synthetic) reuses model.synthetic: on the CPU it
+    reproduces the written checkpoint bit for bit; an EP rank draws only its own experts."""
+    from k3deploy.model.reference import K3Model, SequenceState, forward
+    from k3deploy.model.synthetic import synthetic_layer_weights, synthetic_model_weights
+    ck = Checkpoint(tiny_ckpt)
+    for l in (0, 1, 4):
+        a, b = ck.layer_weights(l), synthetic_layer_weights(tiny_cfg, l, seed=0)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    a, b = ck.model_weights(), synthetic_model_weights(tiny_cfg, seed=0)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    part = synthetic_layer_weights(tiny_cfg, 1, seed=0, experts=range(4, 8))
+    assert {int(k.split(".")[2]) for k in part if ".experts." in k} == {4, 5, 6, 7}
+    m = K3Model.from_synthetic(tiny_cfg, seed=0)
+    p = [5, 6, 7, 8]
+    with torch.no_grad():
+        logits = [forward(model, p, SequenceState(tiny_cfg, 64))[0] for model in (m, tiny_model)]
+    assert torch.equal(*logits)

@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from k3deploy.model.config import K3_CONFIG_PATH, ConfigError, load_config, parse_config, preset_json
 
@@ -24,7 +25,23 @@ def test_presets_parse():
     assert (sl.num_hidden_layers, sl.num_experts, sl.attn_res_block_size) == (5, 64, 2)
     assert sl.kda_layers == (0, 1, 2) and sl.mla_layers == (3, 4)
     assert sl.hidden_size == k3.hidden_size and sl.routed_expert_hidden_size == k3.routed_expert_hidden_size
-    for name in ("k3", "k3-tiny", "k3-slice"):
+    rk = load_config("k3-tp8-rank")                                         # one TP=8 rank's shapes at tp=1
+    assert (rk.num_hidden_layers, rk.kda_layers, rk.mla_layers) == (93, k3.kda_layers, k3.mla_layers)
+    assert (rk.kda_num_heads, rk.num_attention_heads, rk.vocab_size) == (12, 12, k3.vocab_size // 8)
+    assert (rk.intermediate_size, rk.moe_intermediate_size, rk.shared_intermediate_size) == (4224, 384, 768)
+    assert rk.num_experts == 448 and rk.experts_mxfp4 and rk.routed_expert_hidden_size == 3584
+    from k3deploy.model.sharding import shard_layer
+    from k3deploy.model.weights import layer_tensors
+    for l in (0, 3, 4):                       # dense KDA, MLA + MoE, KDA + MoE: every tensor the rank's shard shape
+        full = {s.name.split(f"layers.{l}.")[1]: torch.empty(s.shape, dtype=torch.uint8, device="meta")
+                for s in layer_tensors(k3, l) if s.expert is None or s.expert < 2}
+        mine = {s.name.split(f"layers.{l}.")[1]: s.shape for s in layer_tensors(rk, l) if s.expert is None or s.expert < 2}
+        sharded = {n: tuple(t.shape) for n, t in shard_layer(k3, l, full, 0, 8).items()}
+        # A_log is stored padded to max(heads, head_dim); the router scores the preset's 448 experts, not 896
+        other = ("self_attn.A_log", "block_sparse_moe.gate.weight", "block_sparse_moe.gate.e_score_correction_bias")
+        assert {n: v for n, v in sharded.items() if n not in other} == {n: v for n, v in mine.items() if n not in other}
+        assert len(mine) == len(sharded)
+    for name in ("k3", "k3-tiny", "k3-slice", "k3-tp8-rank"):
         c = load_config(name)
         assert parse_config(c.to_json()).config_hash() == c.config_hash()
 

@@ -24,6 +24,8 @@ def test_k3_counts_match_release():
     assert r["checkpoint_bytes"] == 1_446_456_066_048 + 113_509_540_864
     assert r["vision_bytes"] == 894_717_952
     assert r["checkpoint_bytes_with_vision"] == 1_560_860_324_864   # the release's metadata.total_size
+    assert (r["vision_tower_params"], r["projector_params"], r["vision_params"]) == (401_214_464, 46_144_512, 447_358_976)
+    assert r["total_params_with_vision"] == 2_779_484_478_208 + 447_358_976
 
 
 def test_presets_without_vision():

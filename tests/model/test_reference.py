@@ -266,7 +266,7 @@ def _walk_linears(obj, seen=None) -> list:
         return [obj]
     if isinstance(obj, (list, tuple)):
         return [x for v in obj for x in _walk_linears(v, seen)]
-    if type(obj).__module__.startswith("model."):
+    if type(obj).__module__.startswith("k3deploy.model."):
         return [x for v in vars(obj).values() for x in _walk_linears(v, seen)]
     return []
 
@@ -296,8 +296,8 @@ def test_bf16_dense_weights_close_to_fp32_and_decode_reproduces_prefill(tiny_ckp
 
 
 def test_bf16_dense_error_is_rounding_where_routing_agrees(tiny_ckpt, tiny_model, tiny_cfg, monkeypatch):
-    """Where bf16 dense weights move logits far from fp32 (bench_decode's compare: 0.25-0.27 median on the synthetic
-    models, benchmarks/RESULTS.md run 18) it is MoE routing: a position whose routed experts differ in some layer
+    """Where bf16 dense weights move logits far from fp32 (0.25-0.27 median on the synthetic models: bench_decode.py
+    --dense-dtype bfloat16 --check) it is MoE routing: a position whose routed experts differ in some layer
     carries a large error; up to the first such position the logits stay within bf16 rounding of fp32's."""
     from k3deploy.model.reference import LatentMoE
     seen = []

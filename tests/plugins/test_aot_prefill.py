@@ -1,4 +1,4 @@
-"""Ahead-of-time KdaPrefill and MlaPrefill (issue 6): the ``--aot`` rewrites into chains of single-launch ops
+"""Ahead-of-time KdaPrefill and MlaPrefill: the ``--aot`` rewrites into chains of single-launch ops
 (plugins/kda/trt_aot_prefill.py, plugins/mla/trt_aot_prefill.py, table and glue in plugins/aot_ops.py).
 
 CPU (TRITON_INTERPRET=1, tiny shapes): an ONNX model with one KdaPrefill / MlaPrefill node is rewritten and its nodes
@@ -32,7 +32,6 @@ from kernel_checks import (DriverKernel, FakeDesc, Sym, compile_in_subprocess,  
                            fake_tensorrt_plugin, nan_equal, relerr)
 
 DEV = "cuda" if HAS_CUDA else "cpu"
-gpu_only = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 needs_kda_chain = pytest.mark.skipif(not kda_pre.ENTRY, reason="needs Triton and fla-core 0.6.0 (the KdaPrefill "
                                                                  "chain compiles fla-core's stage kernels in)")
 KDA_NAMES = ("qkv", "f", "b", "g", "conv_w", "A_log", "dt_bias", "o_norm_w", "state", "conv", "cu_seqlens", "slots")
@@ -119,7 +118,7 @@ def test_kda_prefill_aot_chain_matches_reference(lens):
     _kda_chain_vs_reference(lens, 2, 32, slots, torch.float32, aot_ops.run_op, 2e-2 if HAS_CUDA else 1e-4)
 
 
-@gpu_only
+@pytest.mark.gpu
 @needs_kda_chain
 @pytest.mark.parametrize("H", [4, 12])
 def test_kda_prefill_aot_chain_gpu_k3_heads(H):
@@ -177,7 +176,7 @@ def test_mla_prefill_aot_attention_refuses_a_straddling_block_size():
     assert torch.isnan(env["out__mla_ol"]).all()
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("H", [12, 96])
 def test_mla_prefill_aot_chain_gpu_k3_heads(H):
     _mla_chain_vs_reference([37, 1, 90], [70, 0, 130], H=H, R=512, DR=64, Dn=128, Dv=128, BS=64, dt=torch.bfloat16,
@@ -360,7 +359,7 @@ def _driver_run(op, ins, attrs, fill=None, **kw):
     return outs
 
 
-@gpu_only
+@pytest.mark.gpu
 @needs_kda_chain
 def test_kda_prefill_aot_ptx_through_the_driver():
     """The nine KdaPrefill PTX modules launched in sequence through the CUDA driver (TensorRT's AOT convention; above
@@ -368,7 +367,7 @@ def test_kda_prefill_aot_ptx_through_the_driver():
     _kda_chain_vs_reference([100, 3, 190], 4, 128, [6, 2, 4], torch.bfloat16, _driver_run, 3e-2)
 
 
-@gpu_only
+@pytest.mark.gpu
 def test_mla_prefill_aot_ptx_through_the_driver():
     """The four MlaPrefill PTX modules through the CUDA driver equal the reference at 16 heads, R 512, Dr 64, BS 64."""
     _mla_chain_vs_reference([37, 1, 90], [70, 0, 130], H=16, R=512, DR=64, Dn=128, Dv=128, BS=64, dt=torch.bfloat16,

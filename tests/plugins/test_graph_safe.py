@@ -1,4 +1,4 @@
-"""CUDA-graph safety of the kernels the TensorRT plugins enqueue (issue 6): caller workspaces, the graph-safe MLA
+"""CUDA-graph safety of the kernels the TensorRT plugins enqueue: caller workspaces, the graph-safe MLA
 prefill, the OpSpec workspace rules, and the ahead-of-time KdaDecode and MlaDecode forms.
 
 CPU (TRITON_INTERPRET=1, tiny shapes): the absorbed varlen MLA prefill kernel equals plugins/mla/reference.py; every
@@ -44,7 +44,6 @@ from kernel_checks import (DriverKernel, FakeDesc, Guarded, Sym, compile_in_subp
 
 REPO = Path(__file__).resolve().parents[2]
 DEV = "cuda" if HAS_CUDA else "cpu"
-gpu_only = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 
 
 # --------------------------------------------------------------------------------------------------- op cases
@@ -69,7 +68,7 @@ def _bt(g, N, MB, NB):
     return (torch.randperm(NB - 1, generator=g)[:N * MB].view(N, MB) + 1).int()   # non-contiguous blocks
 
 
-def mla_decode_case(B=4, H=16, R=64, DR=16, BS=4, MB=6, dt=torch.float32, **kw):
+def mla_decode_case(B=4, H=16, R=64, DR=16, BS=4, MB=6, dt=torch.float32):
     NB = B * MB + 3
     scale = 192 ** -0.5
 
@@ -81,12 +80,10 @@ def mla_decode_case(B=4, H=16, R=64, DR=16, BS=4, MB=6, dt=torch.float32, **kw):
 
     def call(x, ws, out):
         o, c = mla_k.mla_decode(x["q_abs"], x["latent"], x["cache"], x["block_tables"], x["context_lens"],
-                                num_heads=H, kv_lora_rank=R, scale=scale, out=out, workspace=ws, **kw)
+                                num_heads=H, kv_lora_rank=R, scale=scale, out=out, workspace=ws)
         return o, c
 
-    nbytes = mla_k.mla_decode_workspace_bytes(B, H, R, MB, BS, num_splits=kw.get("num_splits"),
-                                              block_n=kw.get("block_n"))
-    return Case("mla_decode", make, call, nbytes, (B, H, R), dt)
+    return Case("mla_decode", make, call, mla_k.mla_decode_workspace_bytes(B, H, R, MB, BS), (B, H, R), dt)
 
 
 def _split(g, T, N):
@@ -94,7 +91,7 @@ def _split(g, T, N):
     return torch.tensor([0] + sorted(cuts.tolist()) + [T], dtype=torch.int32)
 
 
-def mla_prefill_case(T=13, N=3, H=2, R=32, DR=16, Dn=16, Dv=16, BS=4, MB=8, dt=torch.float32, **kw):
+def mla_prefill_case(T=13, N=3, H=2, R=32, DR=16, Dn=16, Dv=16, BS=4, MB=8, dt=torch.float32):
     NB = N * MB + 3
     scale = (Dn + DR) ** -0.5
 
@@ -111,12 +108,12 @@ def mla_prefill_case(T=13, N=3, H=2, R=32, DR=16, Dn=16, Dv=16, BS=4, MB=8, dt=t
     def call(x, ws, out):
         return mla_k.mla_prefill(x["q"], x["latent"], x["kv_b"], x["cache"], x["block_tables"], x["cu_seqlens"],
                                  x["context_lens"], num_heads=H, qk_nope_head_dim=Dn, v_head_dim=Dv, kv_lora_rank=R,
-                                 scale=scale, out=out, graph_safe=True, workspace=ws, **kw)
+                                 scale=scale, out=out, graph_safe=True, workspace=ws)
 
     return Case("mla_prefill", make, call, mla_k.mla_prefill_workspace_bytes(T, H, R, DR, dtype=dt), (T, H * Dv), dt)
 
 
-def moe_case(E=6, RL=64, I=64, T=5, k=3, off=2, bk=32, bn=32, impl=None):
+def moe_case(E=6, RL=64, I=64, T=5, k=3, off=2):
     def make(seed):
         g = torch.Generator().manual_seed(seed)
         return dict(x=torch.randn(T, RL, generator=g).to(torch.bfloat16),
@@ -128,8 +125,7 @@ def moe_case(E=6, RL=64, I=64, T=5, k=3, off=2, bk=32, bn=32, impl=None):
                     w2_scale=torch.randint(118, 124, (E, RL, I // 32), dtype=torch.uint8, generator=g))
 
     def call(x, ws, out):
-        return (moe_k.mxfp4_moe(*x.values(), expert_offset=off, block_k=bk, block_n13=bn, block_n2=bn, out=out,
-                                workspace=ws, impl=impl),)
+        return (moe_k.mxfp4_moe(*x.values(), expert_offset=off, out=out, workspace=ws),)
 
     return Case("mxfp4_moe", make, call, moe_k.mxfp4_moe_workspace_bytes(T, k, E, I, RL), (T, RL), torch.float32)
 
@@ -153,7 +149,7 @@ def kda_prefill_case(T=19, N=3, H=2, K=16, act=torch.float32):
     slots = [5, 1, 3][:N]
 
     def call(x, ws, out):
-        return kda_k.kda_prefill(*x.values(), num_heads=H, head_dim=K, out=out, graph_safe=True, workspace=ws)
+        return kda_k.kda_prefill(*x.values(), num_heads=H, head_dim=K, out=out, workspace=ws)
 
     return Case("kda_prefill", _kda_make(T, H, K, 7, act, slots, cu=N), call,
                 kda_k.kda_prefill_workspace_bytes(T, N, H, K, act_dtype=act), (T, H * K), act,
@@ -161,25 +157,31 @@ def kda_prefill_case(T=19, N=3, H=2, K=16, act=torch.float32):
 
 
 def kda_decode_case(B=4, H=2, K=16, act=torch.float32, block_v=None):
+    """The public entry with its V tile (K = 128: split), or with the V tile `block_v` forced (small K: the split
+    kernel at a head width the interpreter runs fast)."""
     slots = [5, 2, 7, 3][:B]
-    bv = block_v or K // 4
 
     def call(x, ws, out):
-        return kda_k.kda_decode(*x.values(), num_heads=H, head_dim=K, out=out, block_v=bv, workspace=ws)
+        if block_v is None:
+            return kda_k.kda_decode(*x.values(), num_heads=H, head_dim=K, out=out, workspace=ws)
+        return kda_k._decode(*x.values(), num_heads=H, head_dim=K, lower_bound=-5.0, norm_eps=1e-5, out=out,
+                             workspace=ws, block_v=block_v)
 
-    return Case("kda_decode", _kda_make(B, H, K, 9, act, slots), call,
-                kda_k.kda_decode_workspace_bytes(B, H, K, bv), (B, H * K), act)
+    nbytes = (kda_k.kda_decode_workspace_bytes(B, H, K) if block_v is None else
+              wsm.plan_bytes(kda_k._decode_scratch(B, H, K, block_v)))
+    return Case("kda_decode", _kda_make(B, H, K, 9, act, slots), call, nbytes, (B, H * K), act)
 
 
-CPU_CASES = [mla_decode_case(), mla_decode_case(num_splits=3, block_n=16), mla_prefill_case(),
-             mla_prefill_case(T=21, N=2, H=3), moe_case(), kda_prefill_case(), kda_decode_case()]
+# mla_decode at BS=16, MB=32: a 512-token table, split in 2 by the default (`_launch_cfg`) on the CPU and the H200
+CPU_CASES = [mla_decode_case(), mla_decode_case(BS=16, MB=32), mla_prefill_case(),
+             mla_prefill_case(T=21, N=2, H=3), moe_case(), kda_prefill_case(), kda_decode_case(block_v=4)]
 GPU_CASES = [mla_decode_case(B=4, H=16, R=512, DR=64, BS=64, MB=8, dt=torch.bfloat16),
              mla_prefill_case(T=37, N=3, H=8, R=512, DR=64, Dn=128, Dv=128, BS=64, MB=4, dt=torch.bfloat16),
-             moe_case(E=8, RL=512, I=256, T=9, k=4, bk=128, bn=64),
-             moe_case(E=8, RL=512, I=512, T=9, k=4, bk=None, bn=None, impl="gluon"),   # Gluon's default tiles
+             moe_case(E=8, RL=512, I=256, T=9, k=4),           # 36 pairs: the Triton kernels
+             moe_case(E=8, RL=512, I=512, T=16, k=4),          # 64 pairs, 8 per expert: the Gluon kernels (sm_90)
              kda_prefill_case(T=75, N=3, H=2, K=64, act=torch.bfloat16),
              kda_prefill_case(T=75, N=1, H=2, K=64, act=torch.bfloat16),   # one sequence: chunk_kda's dense path
-             kda_decode_case(B=4, H=4, K=128, act=torch.bfloat16, block_v=32)]
+             kda_decode_case(B=4, H=4, K=128, act=torch.bfloat16)]
 
 
 def _clone(x):
@@ -230,34 +232,60 @@ def test_workspace_same_result_and_stays_inside(case):
             assert relerr(o, r) < 1e-3, case.name
 
 
-@pytest.mark.parametrize("H,block_n", [(16, None), (96, 64)])
-def test_mla_decode_workspace_bytes_bounds_every_smaller_batch(H, block_n):
+@pytest.mark.parametrize("H,cap", [(16, None), (96, (9, 0))])
+def test_mla_decode_workspace_bytes_bounds_every_smaller_batch(H, cap, monkeypatch):
     """The bound covers every smaller batch and block table, for the 16 x 32 tiles (8 programs per SM, >= 256 tokens
-    a split) and the 64 x 64 ones (2 per SM, >= 512 tokens: `_split_policy`)."""
+    a split) and sm_90's 64 x 64 ones at 96 heads (2 per SM, >= 512 tokens: `_split_policy`), on the CPU's 8 SMs."""
+    monkeypatch.setattr(mla_k, "_device_cap", lambda device: cap)
     R, BS = 512, 64
+    BH, BN = mla_k._decode_tiles(cap, H, BS)[:2]
+    assert (BH, BN) == ((16, 32) if cap is None else (64, 64))
     for MB in (1, 7, 512):
         for batch in (1, 5, 64, 200):
-            bound = mla_k.mla_decode_workspace_bytes(batch, H, R, MB, BS, device="cpu", block_n=block_n)
+            bound = mla_k.mla_decode_workspace_bytes(batch, H, R, MB, BS, device="cpu")
             for b in range(1, batch + 1):
                 for mb in {1, max(1, MB // 2), MB}:
-                    BN = mla_k._decode_tiles(None, H, BS, block_n=block_n)[1]
-                    _, _, nsplit, _ = mla_k._launch_cfg(b, H, mb * BS, torch.device("cpu"), BN)
+                    _, _, nsplit, _ = mla_k._launch_cfg(b, H, mb * BS, torch.device("cpu"), BN, BH)
                     need = wsm.plan_bytes([((b * H * nsplit, R), torch.float32), ((b * H * nsplit,), torch.float32)])
                     assert need <= bound, (batch, b, MB, mb)
 
 
 def test_mla_decode_small_workspace_reduces_splits():
-    BS = 16 if HAS_CUDA else 4
-    case = mla_decode_case(BS=BS, num_splits=3, block_n=16)
+    """A workspace with room for one split's partials only (sized for another GPU): one split, the same result."""
+    case = mla_decode_case(BS=16, MB=32)
+    BH, BN = mla_k._decode_tiles(mla_k._device_cap(DEV), 16, 16)[:2]
+    assert mla_k._launch_cfg(4, 16, 512, torch.device(DEV), BN, BH)[2] > 1      # the default splits this table
     x0 = case.fresh(seed=4)
     ref = case.call(_clone(x0), None, case.new_out())
-    one = mla_k.mla_decode_workspace_bytes(4, 16, 64, 6, BS, num_splits=1, block_n=16)
+    one = wsm.plan_bytes([((4 * 16, 64), torch.float32), ((4 * 16,), torch.float32)])
     got = case.call(_clone(x0), torch.zeros(one, dtype=torch.uint8, device=DEV), case.new_out())
     assert relerr(got[0], ref[0]) < (2e-3 if HAS_CUDA else 1e-5) and nan_equal(got[1], ref[1])
 
 
 # ------------------------------------------------------------------------------------------ graph-safe MLA prefill
-def _mla_prefill_vs_reference(lens, ctxl, H, R, DR, Dn, Dv, BS, dt, tol, tol_sdpa=None, **kw):
+@pytest.fixture
+def prefill_parts(monkeypatch):
+    """force(n): the prefill attention cuts each row tile's keys into n parts (`_prefill_splits` replaced), and the
+    workspace bound follows (its cache cleared now and at the end)."""
+    def force(n):
+        monkeypatch.setattr(mla_k, "_prefill_splits", lambda tiles, sms, capacity: n)
+        mla_k._prefill_partials.cache_clear()
+    yield force
+    mla_k._prefill_partials.cache_clear()
+
+
+@pytest.fixture
+def other_gpus_prefill_tiles(monkeypatch):
+    """The attention tiles of GPUs other than sm_90 (32 x 32, mma.sync) on this one (`_prefill_attn_tiles`)."""
+    real = mla_k._prefill_attn_tiles
+    monkeypatch.setattr(mla_k, "_prefill_attn_tiles", lambda cap_major, itemsize, block_size: real(
+        8 if cap_major is not None else None, itemsize, block_size))
+    mla_k._prefill_partials.cache_clear()
+    yield
+    mla_k._prefill_partials.cache_clear()
+
+
+def _mla_prefill_vs_reference(lens, ctxl, H, R, DR, Dn, Dv, BS, dt, tol, tol_sdpa=None):
     N, T = len(lens), sum(lens)
     MB = max((c + n + BS - 1) // BS for c, n in zip(ctxl, lens)) + 1
     g = torch.Generator().manual_seed(7)
@@ -277,11 +305,11 @@ def _mla_prefill_vs_reference(lens, ctxl, H, R, DR, Dn, Dv, BS, dt, tol, tol_sdp
     G = Guarded()              # poisoned margins around every tensor of the graph-safe (Triton) path and its scratch
     c = G(cache.to(DEV))
     # workspace and out start as NaN (0xFF bytes): a row never written shows as NaN, not as a small error
-    ws = G(torch.full((mla_k.mla_prefill_workspace_bytes(T, H, R, DR, dtype=dt, num_splits=kw.get("num_splits")),),
-                      0xFF, dtype=torch.uint8, device=DEV))
+    ws = G(torch.full((mla_k.mla_prefill_workspace_bytes(T, H, R, DR, dtype=dt),), 0xFF, dtype=torch.uint8,
+                      device=DEV))
     o, c2 = mla_k.mla_prefill(*(G(a.to(DEV)) for a in (q, lat, kv_b)), c, *(G(a.to(DEV)) for a in (bt, cu, ctx)),
                               graph_safe=True, workspace=ws, out=G(torch.full((T, H * Dv), float("nan"), dtype=dt,
-                                                                               device=DEV)), **attrs, **kw)
+                                                                               device=DEV)), **attrs)
     G.check()
     assert not torch.isnan(o).any()
     assert c2.data_ptr() == c.data_ptr()
@@ -299,8 +327,7 @@ def test_mla_prefill_graph_safe_matches_reference(lens, ctxl):
     sequence at BM=16), random (non-contiguous) block tables, NaN outside the written/cached rows."""
     # GPU: fp32 tl.dot runs TF32 (~1e-3) and the SDPA path computes in bf16; the interpreter is exact fp32
     _mla_prefill_vs_reference(lens, ctxl, H=3, R=32, DR=16, Dn=16, Dv=16, BS=16 if HAS_CUDA else 4,
-                              dt=torch.float32, tol=2e-3 if HAS_CUDA else 1e-5, tol_sdpa=2e-2 if HAS_CUDA else None,
-                              **({} if HAS_CUDA else dict(block_m=16)))
+                              dt=torch.float32, tol=2e-3 if HAS_CUDA else 1e-5, tol_sdpa=2e-2 if HAS_CUDA else None)
 
 
 def _spy_split_grids(monkeypatch) -> list:
@@ -317,14 +344,15 @@ def _spy_split_grids(monkeypatch) -> list:
 
 @pytest.mark.parametrize("num_splits", [2, 3, 7])
 @pytest.mark.parametrize("lens,ctxl", [([3, 7, 1], [0, 21, 9]), ([13, 2], [30, 0]), ([9, 1, 9, 1], [3, 0, 41, 2])])
-def test_mla_prefill_split_keys_matches_reference(lens, ctxl, num_splits, monkeypatch):
-    """Each row tile's keys split into parts (one program each, merged by log-sum-exp): parts past a tile's keys
-    empty (short sequences, 7 parts), rows that see no key of a part (the causal limit inside the tile's range),
-    several sequences with and without a cached prefix; poisoned margins and a NaN-filled workspace as above."""
+def test_mla_prefill_split_keys_matches_reference(lens, ctxl, num_splits, monkeypatch, prefill_parts):
+    """Each row tile's keys split into parts (one program each, merged by log-sum-exp; the count forced): parts past
+    a tile's keys empty (short sequences, 7 parts), rows that see no key of a part (the causal limit inside the
+    tile's range), several sequences with and without a cached prefix; poisoned margins and a NaN-filled workspace
+    sized by `mla_prefill_workspace_bytes` as above."""
+    prefill_parts(num_splits)
     grids = _spy_split_grids(monkeypatch)
     _mla_prefill_vs_reference(lens, ctxl, H=3, R=32, DR=16, Dn=16, Dv=16, BS=16 if HAS_CUDA else 4,
-                              dt=torch.float32, tol=2e-3 if HAS_CUDA else 1e-5, tol_sdpa=2e-2 if HAS_CUDA else None,
-                              num_splits=num_splits, **({} if HAS_CUDA else dict(block_m=16)))
+                              dt=torch.float32, tol=2e-3 if HAS_CUDA else 1e-5, tol_sdpa=2e-2 if HAS_CUDA else None)
     assert [g[1] for g in grids] == [num_splits]
 
 
@@ -338,7 +366,6 @@ def test_mla_prefill_splits_rule():
     assert rule(49, 132, 2048) == 2 and rule(49, 132, 1023) == 1           # >= PREFILL_MIN_SPLIT_KEYS keys a part
     assert rule(66, 132, 1 << 20) == 2                                        # 132 programs = one full wave
     assert rule(1, 132, 1 << 20) == mla_k.PREFILL_MAX_SPLITS
-    assert rule(500, 132, 1 << 20, num_splits=5) == 5 and rule(3, 132, 64, num_splits=0) == 1
 
 
 @pytest.mark.parametrize("H", [12, 96])
@@ -350,7 +377,7 @@ def test_mla_prefill_workspace_bytes_bounds_every_split(H):
     R, DR = 512, 64
     for T in (1, 11, 64, 256, 700):
         bound = mla_k.mla_prefill_workspace_bytes(T, H, R, DR, device="cpu")
-        items = mla_k._prefill_partials(T, H, R, 64, 132, None)
+        items = mla_k._prefill_partials(T, H, R, 64, 132)
         h200_rows = items[0][0][0] if items else 0
         for t in range(1, T + 1):
             for sms, bm in ((mla_k.num_sms("cpu"), mla_k._prefill_attn_tiles(None, 2, 64)[0]), (132, 64)):
@@ -366,12 +393,11 @@ def test_mla_prefill_workspace_bytes_bounds_every_split(H):
                         assert need <= bound, (T, t, n)
 
 
-def test_mla_prefill_small_workspace_reduces_splits(monkeypatch):
-    """A workspace without room for all the partials runs fewer parts (as many as fit: 2 of 4 asked, or 1 for a
-    workspace sized for one part), same result."""
+def test_mla_prefill_small_workspace_reduces_splits(monkeypatch, prefill_parts):
+    """A workspace without room for all the partials (sized for another GPU) runs fewer parts: as many as fit, 2 of
+    4, or 1 for a workspace sized for one part; same result."""
     lens, ctxl = [5, 2], [27, 0]
     BS = 16 if HAS_CUDA else 4
-    kw = {} if HAS_CUDA else dict(block_m=16)
     g = torch.Generator().manual_seed(3)
     H, R, DR, Dn, Dv = 2, 32, 16, 16, 16
     T, N = sum(lens), len(lens)
@@ -384,45 +410,52 @@ def test_mla_prefill_small_workspace_reduces_splits(monkeypatch):
     attrs = dict(num_heads=H, qk_nope_head_dim=Dn, v_head_dim=Dv, kv_lora_rank=R, scale=(Dn + DR) ** -0.5)
     args = [a.to(DEV) for a in (q, lat, kv_b)]
     meta = [a.to(DEV) for a in (bt, cu, ctx)]
-    ref = mla_k.mla_prefill(*args, cache.to(DEV), *meta, graph_safe=True, num_splits=1, **attrs, **kw)[0]
+    prefill_parts(1)
+    ref = mla_k.mla_prefill(*args, cache.to(DEV), *meta, graph_safe=True, **attrs)[0]
     grids = _spy_split_grids(monkeypatch)
+    sizes = {}
+    for n in (1, 2, 4):
+        prefill_parts(n)
+        sizes[n] = mla_k.mla_prefill_workspace_bytes(T, H, R, DR, dtype=torch.float32, device=DEV)
+    assert sizes[1] < sizes[2] < sizes[4]
     for fits, launched in ((1, []), (2, [2])):
         grids.clear()
-        size = mla_k.mla_prefill_workspace_bytes(T, H, R, DR, dtype=torch.float32, num_splits=fits, device=DEV)
-        assert size < mla_k.mla_prefill_workspace_bytes(T, H, R, DR, dtype=torch.float32, num_splits=4, device=DEV)
-        got = mla_k.mla_prefill(*args, cache.to(DEV), *meta, graph_safe=True, num_splits=4,
-                                workspace=torch.zeros(size, dtype=torch.uint8, device=DEV), **attrs, **kw)[0]
+        got = mla_k.mla_prefill(*args, cache.to(DEV), *meta, graph_safe=True,
+                                workspace=torch.zeros(sizes[fits], dtype=torch.uint8, device=DEV), **attrs)[0]
         assert [g[1] for g in grids] == launched
         assert relerr(got, ref) < (2e-3 if HAS_CUDA else 1e-5)
 
 
-@gpu_only
-@pytest.mark.parametrize("tiles", [None, (32, 32)])
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", ["default", "other GPUs"])
 @pytest.mark.parametrize("H", [12, 24, 48, 96])
-def test_mla_prefill_graph_safe_gpu_production_heads(H, tiles):
-    """K3's dims at each heads-per-rank value; tiles None = the default attention tiles (sm_90: 64 rows x 64 keys on
-    wgmma), (32, 32) = the other GPUs' default (mma.sync)."""
+def test_mla_prefill_graph_safe_gpu_production_heads(H, tiles, request):
+    """K3's dims at each heads-per-rank value; the default attention tiles (sm_90: 64 rows x 64 keys on wgmma) and
+    the other GPUs' (32 x 32, mma.sync)."""
+    if tiles == "other GPUs":
+        request.getfixturevalue("other_gpus_prefill_tiles")
     _mla_prefill_vs_reference([37, 1, 90], [70, 0, 130], H=H, R=512, DR=64, Dn=128, Dv=128, BS=64,
-                              dt=torch.bfloat16, tol=2e-2, tol_sdpa=3e-2,
-                              **(dict(block_m=tiles[0], block_n=tiles[1]) if tiles else {}))
+                              dt=torch.bfloat16, tol=2e-2, tol_sdpa=3e-2)
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_splits", [None, 8])
-def test_mla_prefill_graph_safe_gpu_long_context_split(num_splits, monkeypatch):
+def test_mla_prefill_graph_safe_gpu_long_context_split(num_splits, monkeypatch, prefill_parts):
     """A 256-token chunk after 4100 cached tokens at 12 heads (K3 at TP=8, the runtime's chunk size): 49 row tiles,
     so the default splits each tile's keys (2 parts on 132 SMs: `_prefill_splits`), and 8 parts forced."""
-    grids = _spy_split_grids(monkeypatch)
-    _mla_prefill_vs_reference([256], [4100], H=12, R=512, DR=64, Dn=128, Dv=128, BS=64, dt=torch.bfloat16,
-                              tol=2e-2, tol_sdpa=3e-2, num_splits=num_splits)
     bm = mla_k._prefill_attn_tiles(torch.cuda.get_device_capability()[0], 2, 64)[0]
     capacity = (-(-4356 // 64) + 1) * 64                   # the block-table width x block size of the helper
     want = num_splits or mla_k._prefill_splits(-(-256 * 12 // bm), mla_k.num_sms("cuda"), capacity)
+    if num_splits:
+        prefill_parts(num_splits)
+    grids = _spy_split_grids(monkeypatch)
+    _mla_prefill_vs_reference([256], [4100], H=12, R=512, DR=64, Dn=128, Dv=128, BS=64, dt=torch.bfloat16,
+                              tol=2e-2, tol_sdpa=3e-2)
     assert want > 1 or mla_k.num_sms("cuda") < 64          # an H200 (132 SMs) splits this chunk by default
     assert [g[1] for g in grids] == ([want] if want > 1 else [])
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("H", [12, 96])
 def test_mla_prefill_graph_safe_gpu_fp32_cache(H):
     """The runtime's fp32 latent pools at K3's dims: the default tiles for 4-byte elements (sm_90: 64 x 16) fit the
@@ -488,28 +521,6 @@ def test_mla_kernels_name_a_latent_width_that_is_not_a_power_of_2(R, DR, what):
                           num_heads=1, qk_nope_head_dim=4, v_head_dim=4, kv_lora_rank=R, scale=0.5, graph_safe=True)
 
 
-def test_mla_prefill_rejects_zero_parts_and_warns_when_parts_are_cut(caplog):
-    """num_splits < 1 is one ValueError; an asked-for part count the workspace cannot hold runs fewer parts and says
-    so in a warning naming the sizing helper."""
-    BS = 16 if HAS_CUDA else 4
-    H, R, DR, Dn, Dv, T = 2, 32, 16, 16, 16, 3
-    g = torch.Generator().manual_seed(5)
-    cache = torch.randn(8, BS, R + DR, generator=g).to(DEV)
-    bt = torch.tensor([[1, 2, 3, 4, 5, 6]], dtype=torch.int32).to(DEV)
-    cu, ctx = torch.tensor([0, T], dtype=torch.int32).to(DEV), torch.tensor([17], dtype=torch.int32).to(DEV)
-    q, lat = torch.randn(T, H, Dn + DR, generator=g).to(DEV), torch.randn(T, R + DR, generator=g).to(DEV)
-    kv_b = (torch.randn(H * (Dn + Dv), R, generator=g) * R ** -0.5).to(DEV)
-    attrs = dict(num_heads=H, qk_nope_head_dim=Dn, v_head_dim=Dv, kv_lora_rank=R, scale=(Dn + DR) ** -0.5,
-                 graph_safe=True, **({} if HAS_CUDA else dict(block_m=16)))
-    with pytest.raises(ValueError, match="num_splits = 0: give 1 or more parts"):
-        mla_k.mla_prefill(q, lat, kv_b, cache, bt, cu, ctx, num_splits=0, **attrs)
-    small = mla_k.mla_prefill_workspace_bytes(T, H, R, DR, dtype=torch.float32, num_splits=1, device=DEV)
-    with caplog.at_level("WARNING", logger="k3deploy.plugins.mla.kernels"):
-        mla_k.mla_prefill(q, lat, kv_b, cache, bt, cu, ctx, num_splits=3,
-                          workspace=torch.zeros(small, dtype=torch.uint8, device=DEV), **attrs)
-    assert "num_splits=3 reduced to" in caplog.text and "mla_prefill_workspace_bytes" in caplog.text
-
-
 def test_mla_prefill_default_path_and_tiles():
     """Which path graph_safe=None takes, and the attention tiles per GPU generation and cache element size."""
     assert mla_k._graph_safe_default(True, False, False, 64) and mla_k._graph_safe_default(True, False, False, 16)
@@ -524,7 +535,7 @@ def test_mla_prefill_default_path_and_tiles():
     assert tiles(9, 2, 64) == (64, 64, 8) and tiles(9, 4, 64) == (64, 16, 8)
     assert tiles(9, 2, 32) == (64, 32, 8) and tiles(9, 2, 16) == (64, 16, 8)     # BN divides the block size
     assert tiles(8, 2, 64) == (32, 32, 8) and tiles(8, 4, 64) == (16, 16, 4) and tiles(12, 2, 64) == (32, 32, 8)
-    assert tiles(None, 4, 4) == (16, 4, 4) and tiles(9, 2, 64, block_m=32, block_n=32, num_warps=4) == (32, 32, 4)
+    assert tiles(None, 4, 4) == (16, 4, 4)
 
 
 @pytest.mark.parametrize("cap,H,BS,itemsize,limit", [
@@ -625,8 +636,8 @@ def test_workspace_rules_symbolic_and_concrete():
         workspace_size(MLA_DECODE, MLA_D_ATTRS, cases[3][2], dims={"B": 8, "NB": 4})
     with pytest.raises(ValueError, match="expected 5 inputs"):
         workspace_size(MLA_DECODE, MLA_D_ATTRS, cases[3][2][:4], dims=DIMS)
-    assert dict(KDA_PREFILL.kernel_options) == {"graph_safe": True} and dict(MLA_PREFILL.kernel_options) == \
-        {"graph_safe": True} and not MLA_DECODE.kernel_options
+    assert dict(MLA_PREFILL.kernel_options) == {"graph_safe": True}
+    assert not KDA_PREFILL.kernel_options and not KDA_DECODE.kernel_options and not MLA_DECODE.kernel_options
 
 
 def test_run_kernel_passes_workspace_and_options(monkeypatch):
@@ -937,7 +948,7 @@ def test_register_tensorrt_plugins_aot_falls_back_without_qdp():
 
 
 # --------------------------------------------------------------------------------------------- GPU: CUDA graphs
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
 def test_cuda_graph_capture_and_replay(case):
     """Warm up eagerly (compiles, autotunes), capture one call with a preallocated workspace and output, then
@@ -974,7 +985,7 @@ def test_cuda_graph_capture_and_replay(case):
                 assert relerr(r, e) < 1e-3, case.name
 
 
-@gpu_only
+@pytest.mark.gpu
 def test_kda_decode_aot_ptx_through_the_driver():
     """The AOT PTX loaded with cuModuleLoadData and launched with TensorRT's convention (inputs, T, outputs; grid
     (T, H); block 32*warps) equals the reference; the single launch is captured in a CUDA graph too."""
@@ -1011,7 +1022,7 @@ def test_kda_decode_aot_ptx_through_the_driver():
     kern.unload()
 
 
-@gpu_only
+@pytest.mark.gpu
 def test_mla_decode_aot_ptx_through_the_driver():
     """The MlaDecode AOT PTX loaded with cuModuleLoadData and launched with TensorRT's convention (5 inputs, MB, BS,
     2 outputs; grid (groups, 1, B)) writes the new latents and equals the reference (96 heads: six 16-head programs
@@ -1228,7 +1239,7 @@ def test_moe_aot_qdp_glue_with_stand_in_tensorrt_plugin(monkeypatch):
                                              f32(25.0), (h,), 0)
 
 
-@gpu_only
+@pytest.mark.gpu
 def test_moe_aot_ptx_through_the_driver():
     """The four MoE AOT kernels' PTX (this GPU's target, bf16, inline-PTX dequant) launched through the CUDA driver
     in sequence with TensorRT's convention equal plugins/moe/reference.py at K3-like widths (Rl 512, I 256, 16 local

@@ -77,7 +77,8 @@ class RecordingExecutor:
             assert torch.equal(self.logits[(rid, pos)], row), (rid, pos)
         self.logits[(rid, pos)] = row
 
-    def forward(self, ids, batch, pools, logits_index):
+    def forward(self, ids, batch, pools, logits_index, image_rows=None):
+        assert image_rows is None, "text only"
         cache = self.sched.cache
         owner = {cache.slot(r): r for r in self.sched.requests if r in cache}
         cu = batch.cu_seqlens.tolist()
@@ -123,7 +124,7 @@ class Run:
             assert error is None, error
             if tok is not None:
                 self.tokens[rid].append(tok)
-        return self.sched.add(rid, prompt, SamplingParams(max_tokens=n, ignore_eos=True), on_token, keys)
+        return self.sched.add(rid, prompt, SamplingParams(max_tokens=n, ignore_eos=True), on_token, content_keys=keys)
 
 
 def shared_contents(cache: HybridCache) -> dict:
@@ -577,3 +578,40 @@ def test_build_plan_with_prefix_caching(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(preset_json("k3-tiny")))      # a config-only checkpoint
     assert main(["plan", "--checkpoint", str(tmp_path), "--enable-prefix-caching"]) == 0
     assert "snapshot pool           16 x KDA total" in capsys.readouterr().out
+
+
+def test_images_key_the_cache_by_content(tiny_vl_ckpt):
+    """k3-tiny-vl with two images: the second turn resumes after the first reply without running the tower, with
+    caching off's tokens; the same token ids with other pixels resume only before the first image."""
+    import numpy as np
+    from PIL import Image
+
+    from k3deploy.runtime.api import LLM
+    from k3deploy.runtime.vision import process_image
+    PAD, BEGIN, CONTENT, END = 789, 786, 787, 788
+    prompt = [5, 6, BEGIN, 7, 8, CONTENT, PAD, END] + list(range(20, 40)) + [BEGIN, 10, CONTENT, PAD, END, 11, 12]
+
+    def pictures(llm, seed):
+        rng = np.random.default_rng(seed)
+        return [process_image(Image.fromarray(rng.integers(0, 256, (16, 30, 3), dtype=np.uint8)), llm.processor),
+                process_image(Image.fromarray(rng.integers(0, 256, (44, 60, 3), dtype=np.uint8)), llm.processor)]
+    kw = dict(max_batch=2, max_num_tokens=64, max_context=128)
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    outs = {}
+    for caching in (False, True):
+        llm = LLM(tiny_vl_ckpt, **kw, **(dict(enable_prefix_caching=True, snapshot_interval=16) if caching else {}))
+        ids, imgs = llm.prepare_images(prompt, pictures(llm, 0))
+        first = llm.generate([ids], sp, images=[imgs])[0]
+        turn = ids + first.token_ids + [50, 51]
+        calls = []
+        enc = llm.executor.encode_images
+        llm.executor.encode_images = lambda px, g: calls.append(len(g)) or enc(px, g)
+        second = llm.generate([turn], sp, images=[imgs])[0]
+        _, other = llm.prepare_images(prompt, pictures(llm, 1))
+        third = llm.generate([turn], sp, images=[other])[0]
+        outs[caching] = (first.token_ids, second.token_ids, third.token_ids)
+        if caching:
+            pad0 = ids.index(PAD)
+            assert second.num_cached_tokens == len(ids) + len(first.token_ids) - 1, (second.num_cached_tokens, len(ids))
+            assert sum(calls) == 2 and third.num_cached_tokens <= pad0, (calls, third.num_cached_tokens)  # `third` only
+    assert outs[True] == outs[False]

@@ -49,7 +49,8 @@ WAIT_S = 60  # deadline for any single wait on the server
 # --------------------------------------------------------------------------------------------------
 def _infer_inputs(fields: dict) -> list:
     """Build gRPC inputs from ``{name: np.ndarray}``."""
-    dtypes = {np.int32: "INT32", np.float32: "FP32", np.bool_: "BOOL", np.uint64: "UINT64", np.int64: "INT64"}
+    dtypes = {np.int32: "INT32", np.float32: "FP32", np.bool_: "BOOL", np.uint64: "UINT64", np.int64: "INT64",
+              np.object_: "BYTES"}
     out = []
     for name, arr in fields.items():
         inp = grpcclient.InferInput(name, list(arr.shape), dtypes[arr.dtype.type])
@@ -64,11 +65,12 @@ class StreamResult:
         self.responses = 0
         self.final = False
         self.error: str | None = None
+        self.results: list = []
         self.num_cached_tokens: int | None = None
 
 
 def grpc_stream(url: str, model: str, fields: dict, *, cancel_after: int | None = None,
-                on_tokens=None) -> StreamResult:
+                on_tokens=None, request_id: str = "t") -> StreamResult:
     """Send one request on a gRPC stream; collect tokens until the FINAL flag or an error.
 
     With ``cancel_after`` the stream is closed with ``cancel_requests=True`` once that many tokens arrived
@@ -79,7 +81,7 @@ def grpc_stream(url: str, model: str, fields: dict, *, cancel_after: int | None 
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: q.put((result, error)))
     try:
-        client.async_stream_infer(model, _infer_inputs(fields), request_id="t", enable_empty_final_response=True)
+        client.async_stream_infer(model, _infer_inputs(fields), request_id=request_id, enable_empty_final_response=True)
         deadline = time.monotonic() + WAIT_S
         while True:
             try:
@@ -93,16 +95,18 @@ def grpc_stream(url: str, model: str, fields: dict, *, cancel_after: int | None 
             final = resp.parameters["triton_final_response"].bool_param
             cached = result.as_numpy("num_cached_tokens")
             if cached is not None:
-                assert final and cached.shape == (1,), "num_cached_tokens comes with the final response, shape [1]"
-                res.num_cached_tokens = int(cached[0])
-            out = result.as_numpy("output_ids")
-            if out is not None:
-                assert out.ndim == 2 and out.shape[0] == 1, out.shape
-                seq = result.as_numpy("sequence_length")
-                if seq is not None:
-                    assert list(seq) == [out.shape[1]]
-                res.tokens += [int(x) for x in out[0]]
+                assert final and cached.size == 1, "num_cached_tokens comes with the final response, one value"
+                res.num_cached_tokens = int(cached.reshape(-1)[0])
+            if resp.outputs:
+                out = result.as_numpy("output_ids")
+                if out is not None:             # (the text model answers text_output)
+                    assert out.shape[0] == 1 and (out.ndim == 2 or (out.ndim == 3 and out.shape[1] == 1)), out.shape
+                    seq = result.as_numpy("sequence_length")
+                    if seq is not None:
+                        assert seq.reshape(-1).tolist() == [out.shape[-1]]
+                    res.tokens += [int(x) for x in out.reshape(-1)]
                 res.responses += 1
+                res.results.append(result)
             if final:
                 res.final = True
                 break
@@ -383,15 +387,18 @@ def test_repository_writer_config_validates(tmp_path):
     cfg = model_config_pb2.ModelConfig()
     text_format.Parse(cfg_path.read_text(), cfg)
     assert cfg.name == "k3" and cfg.backend == "python" and cfg.model_transaction_policy.decoupled
+    assert cfg.max_batch_size > 0                                          # TensorRT-LLM's contract
     ins = {i.name: i for i in cfg.input}
     assert ins["input_ids"].data_type == model_config_pb2.TYPE_INT32 and list(ins["input_ids"].dims) == [-1]
-    assert not ins["input_ids"].optional and not ins["request_output_len"].optional
+    assert ins["input_ids"].allow_ragged_batch and not ins["request_output_len"].optional
+    assert list(ins["request_output_len"].reshape.shape) == [] and ins["request_output_len"].HasField("reshape")
     assert ins["random_seed"].data_type == model_config_pb2.TYPE_UINT64 and ins["random_seed"].optional
     assert ins["streaming"].data_type == model_config_pb2.TYPE_BOOL
-    assert {"runtime_top_k", "runtime_top_p", "top_k", "top_p", "stop_words", "end_id", "pad_id",
-            "temperature", "input_lengths"} <= set(ins)
+    assert {"runtime_top_k", "runtime_top_p", "stop_words_list", "bad_words_list", "end_id", "pad_id",
+            "temperature", "input_lengths", "return_log_probs", "stop"} <= set(ins)
     outs = {o.name: list(o.dims) for o in cfg.output}
-    assert outs == {"output_ids": [-1, -1], "sequence_length": [-1], "num_cached_tokens": [1]}
+    assert {"output_ids": [-1, -1], "sequence_length": [-1], "cum_log_probs": [-1],
+            "output_log_probs": [-1, -1], "num_cached_tokens": [1]}.items() <= outs.items()
     params = {k: v.string_value for k, v in cfg.parameters.items()}
     assert params["backend"] == "onnxruntime" and params["model_path"] == str(engines.resolve())
     assert params["project_root"] == str(ROOT) and params["vocab_size"] == "321" and params["max_batch"] == "4"
@@ -480,9 +487,23 @@ def test_broken_pbtxt_rejected(tmp_path):
 # --------------------------------------------------------------------------------------------------
 
 class K3Env:
-    def __init__(self, server: TritonServer, expected, vocab: int | None, kind: str, expected_no_eos=None):
-        self.server, self.expected, self.vocab, self.kind = server, expected, vocab, kind
-        self.expected_no_eos = expected_no_eos
+    def __init__(self, server: TritonServer, llm, vocab: int | None, kind: str):
+        self.server, self.llm, self.vocab, self.kind = server, llm, vocab, kind
+        self.tokenizer = llm.tokenizer
+
+    def expected(self, prompt, n):
+        return list(self.llm.generate([prompt], api_params(max_tokens=n))[0].token_ids)
+
+    def expected_no_eos(self, prompt, n):
+        return list(self.llm.generate([prompt], api_params(max_tokens=n, ignore_eos=True))[0].token_ids)
+
+    def logprobs(self, prompt, n):
+        return self.llm.generate([prompt], api_params(max_tokens=n, logprobs=0))[0].logprobs
+
+
+def api_params(**kw):
+    from k3deploy.runtime.api import SamplingParams
+    return SamplingParams(**kw)
 
 
 def _k3_server(repo: pathlib.Path) -> TritonServer:
@@ -507,28 +528,40 @@ def k3(request, tmp_path_factory):
         llm = api.LLM(str(out), backend="onnxruntime", max_batch=8)
         vocab = llm.cfg.vocab_size
 
-    def expected(prompt, n):
-        return list(llm.generate([prompt], api.SamplingParams(max_tokens=n))[0].token_ids)
-
-    def expected_no_eos(prompt, n):
-        return list(llm.generate([prompt], api.SamplingParams(max_tokens=n, ignore_eos=True))[0].token_ids)
     with _k3_server(repo) as srv:
-        yield K3Env(srv, expected, vocab, request.param, expected_no_eos)
+        yield K3Env(srv, llm, vocab, request.param)
+
+
+def one(v, dtype=np.int32) -> np.ndarray:
+    """A TensorRT-LLM scalar input: shape [1, 1] (batch 1)."""
+    return np.array([[v]], dtype)
 
 
 def _req(prompt, n, **extra) -> dict:
-    d = {"input_ids": np.asarray(prompt, np.int32), "request_output_len": np.array([n], np.int32)}
+    """A request shaped as TensorRT-LLM's clients shape it (inflight_batcher_llm_client.py): input_ids [1, L],
+    input_lengths / request_output_len [1, 1]."""
+    d = {"input_ids": np.asarray([prompt], np.int32), "input_lengths": one(len(prompt)),
+         "request_output_len": one(n)}
     d.update(extra)
     return d
 
 
+def words_list(words) -> np.ndarray:
+    """TensorRT-LLM's stop/bad words list [1, 2, N]: ids, end offsets padded with -1."""
+    flat = [t for w in words for t in w]
+    offs = list(np.cumsum([len(w) for w in words]))
+    return np.array([[flat, offs + [-1] * (len(flat) - len(offs))]], np.int32)
+
+
 def test_k3_grpc_streaming_matches_generate(k3):
     prompt = [11, 22, 33, 44]
-    res = grpc_stream(k3.server.grpc_url, "k3", _req(prompt, 6, streaming=np.array([True])))
+    res = grpc_stream(k3.server.grpc_url, "k3", _req(prompt, 6, streaming=one(True, np.bool_)))
     assert res.error is None and res.final
     want = k3.expected(prompt, 6)
     assert res.tokens == want
-    assert res.responses == len(want)  # one response per token
+    assert res.responses == len(want)  # one response per token, the last one FINAL
+    reason = res.results[-1].as_numpy("finish_reason")
+    assert reason.shape == (1, 1) and reason[0, 0].decode() in ("stop", "length")
 
 
 def test_k3_http_non_streaming_matches_generate(k3):
@@ -540,16 +573,39 @@ def test_k3_http_non_streaming_matches_generate(k3):
     assert np.asarray(body["sequence_length"]).reshape(-1).tolist() == [len(got)]
 
 
-def test_k3_sampling_fields_accepted(k3):
+def test_k3_tensorrt_llm_client_request(k3):
+    """Every input the tensorrt_llm model declares, shaped as its clients send them; logprobs as TensorRT-LLM
+    returns them (output_log_probs [1, 1, n], cum_log_probs [1, 1]) and equal to the runtime's."""
+    if k3.kind != "runtime":
+        pytest.skip("the build serves the same serve/model.py; its contract is checked on the runtime repository")
     prompt = [9, 8, 7]
-    extra = dict(temperature=np.array([0.0], np.float32), runtime_top_k=np.array([0], np.int32),
-                 top_p=np.array([1.0], np.float32), random_seed=np.array([123], np.uint64),
-                 input_lengths=np.array([3], np.int32), pad_id=np.array([0], np.int32))
+    extra = dict(temperature=one(0.0, np.float32), runtime_top_k=one(0), runtime_top_p=one(1.0, np.float32),
+                 random_seed=one(123, np.uint64), pad_id=one(0), beam_width=one(1), len_penalty=one(1.0, np.float32),
+                 repetition_penalty=one(1.0, np.float32), presence_penalty=one(0.0, np.float32),
+                 frequency_penalty=one(0.0, np.float32), min_length=one(1), return_log_probs=one(True, np.bool_),
+                 exclude_input_in_output=one(True, np.bool_), num_top_logprobs=one(2))
     res = grpc_stream(k3.server.grpc_url, "k3", _req(prompt, 3, **extra))
     assert res.error is None and res.tokens == k3.expected(prompt, 3)
-    bad = grpc_stream(k3.server.grpc_url, "k3", _req(prompt, 3, runtime_top_k=np.array([2], np.int32),
-                                                     top_k=np.array([5], np.int32)))
-    assert bad.error is not None and "disagree" in bad.error
+    r = res.results[-1]
+    lps, cum = r.as_numpy("output_log_probs"), r.as_numpy("cum_log_probs")
+    want = k3.logprobs(prompt, 3)
+    assert lps.shape == (1, 1, 3) and lps.reshape(-1) == pytest.approx(want, abs=1e-4)
+    assert cum.shape == (1, 1) and float(cum[0, 0]) == pytest.approx(sum(want), abs=1e-3)
+    top = r.as_numpy("top_log_prob_ids")
+    assert top.shape == (1, 1, 3, 2) and top[0, 0, :, 0].tolist() == res.tokens      # greedy: chosen = most likely
+    stream = grpc_stream(k3.server.grpc_url, "k3", _req(prompt, 3, streaming=one(True, np.bool_), **extra))
+    assert [float(x.as_numpy("output_log_probs").reshape(-1)[0]) for x in stream.results] == pytest.approx(want, abs=1e-4)
+    with_prompt = grpc_stream(k3.server.grpc_url, "k3", _req(prompt, 2, exclude_input_in_output=one(False, np.bool_),
+                                                            return_prompt_log_probs=one(True, np.bool_)))
+    assert with_prompt.tokens == prompt + k3.expected(prompt, 2)
+    plp = with_prompt.results[-1].as_numpy("prompt_log_probs")
+    assert plp.shape == (1, 3) and np.isnan(plp[0, 0]) and np.isfinite(plp[0, 1:]).all()
+    for name, v in (("beam_width", one(2)), ("repetition_penalty", one(1.3, np.float32))):
+        bad = grpc_stream(k3.server.grpc_url, "k3", _req(prompt, 3, **{name: v}))
+        assert bad.error is not None and name in bad.error
+    two = grpc_stream(k3.server.grpc_url, "k3", {"input_ids": np.array([[1, 2], [3, 4]], np.int32),
+                                                 "request_output_len": np.array([[2], [2]], np.int32)})
+    assert two.error is not None and "batch-size must be <= 1" in two.error        # one sequence per request
 
 
 def test_k3_concurrent_streams_batched(k3):
@@ -560,7 +616,7 @@ def test_k3_concurrent_streams_batched(k3):
 
     def worker(i):
         try:
-            results[i] = grpc_stream(k3.server.grpc_url, "k3", _req(prompts[i], n, streaming=np.array([True])))
+            results[i] = grpc_stream(k3.server.grpc_url, "k3", _req(prompts[i], n, streaming=one(True, np.bool_)))
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -586,8 +642,7 @@ def test_k3_cancel_frees_slot(k3):
         in_flight["slots"] = wait_metric(k3.server, "k3_kda_slots_in_use", lambda v: v >= 1)
 
     # end_id = -1: no EOS (TensorRT-LLM semantics), so the request runs until it is cancelled
-    res = grpc_stream(k3.server.grpc_url, "k3", _req([1, 2, 3], 2000, streaming=np.array([True]),
-                                                     end_id=np.array([-1], np.int32)),
+    res = grpc_stream(k3.server.grpc_url, "k3", _req([1, 2, 3], 2000, streaming=one(True, np.bool_), end_id=one(-1)),
                       cancel_after=2, on_tokens=before_cancel)
     assert len(res.tokens) >= 2 and not res.final
     assert in_flight["slots"] >= 1
@@ -599,35 +654,103 @@ def test_k3_cancel_frees_slot(k3):
     assert ok.error is None and ok.tokens == k3.expected([4, 4], 2)
 
 
-def test_k3_stop_words_and_end_id(k3):
-    """TensorRT-LLM stop_words list [2, N] (ids, end offsets) stops at the word; end_id = -1 disables EOS."""
+def test_k3_stop_request_cancels_by_id(k3):
+    """TensorRT-LLM's `stop` input: a second request with the same id and stop=true ends the first one."""
+    if k3.kind != "runtime":
+        pytest.skip("the build serves the same serve/model.py; checked on the runtime repository")
+    got: dict = {}
+    t = threading.Thread(target=lambda: got.update(r=grpc_stream(
+        k3.server.grpc_url, "k3", _req([1, 2, 3], 2000, streaming=one(True, np.bool_), end_id=one(-1)),
+        request_id="long-1")))
+    t.start()
+    assert wait_metric(k3.server, "k3_kda_slots_in_use", lambda v: v >= 1) >= 1
+    stop = grpc_stream(k3.server.grpc_url, "k3", {"stop": one(True, np.bool_), "request_output_len": one(1)},
+                       request_id="long-1")
+    assert stop.error is None and stop.final and not stop.tokens
+    t.join(WAIT_S)
+    assert got["r"].final and got["r"].error is None and len(got["r"].tokens) < 2000
+    assert wait_metric(k3.server, "k3_kda_slots_in_use", lambda v: v == 0) == 0
+
+
+def test_k3_stop_and_bad_words_and_end_id(k3):
+    """TensorRT-LLM stop_words_list / bad_words_list [1, 2, N] (ids, end offsets); end_id = -1 disables EOS."""
     prompt = [9, 8, 7]
-    no_end = np.array([-1], np.int32)
+    no_end = one(-1)
     want = k3.expected_no_eos(prompt, 6)
-    stop = want[2]
-    first = want.index(stop)
-    sw = np.array([[stop, 17], [1, 2]], np.int32)             # two single-token words
-    res = grpc_stream(k3.server.grpc_url, "k3", _req(prompt, 6, streaming=np.array([True]), stop_words=sw,
-                                                     end_id=no_end))
-    assert res.error is None and res.tokens == want[: first + 1]
-    bad = grpc_stream(k3.server.grpc_url, "k3", _req(prompt, 6, stop_words=np.array([[5, 6], [2, -1]], np.int32)))
-    assert bad.error is not None and "stop_words" in str(bad.error)
+    res = grpc_stream(k3.server.grpc_url, "k3", _req(prompt, 6, streaming=one(True, np.bool_),
+                                                     stop_words_list=words_list([[want[2]], [17]]), end_id=no_end))
+    assert res.error is None and res.tokens == want[: want.index(want[2]) + 1]
+    pair = want[3:5]                                             # a two-token stop word
+    res = grpc_stream(k3.server.grpc_url, "k3", _req(prompt, 6, stop_words_list=words_list([pair]), end_id=no_end))
+    end = next(i for i in range(2, 7) if want[i - 2:i] == pair)
+    assert res.error is None and res.tokens == want[:end]
+    res = grpc_stream(k3.server.grpc_url, "k3", _req(prompt, 1, bad_words_list=words_list([[want[0]]]), end_id=no_end))
+    assert res.error is None and res.tokens != want[:1]
+    bad = grpc_stream(k3.server.grpc_url, "k3", _req(prompt, 6, stop_words_list=np.array([[[5, 6], [3, -1]]], np.int32)))
+    assert bad.error is not None and "stop_words_list" in str(bad.error)
     res = grpc_stream(k3.server.grpc_url, "k3", _req(prompt, 6, end_id=no_end))
     assert res.error is None and res.tokens == want
+
+
+def test_k3_text_model_speaks_ensemble_names(k3):
+    """The text model as TensorRT-LLM's ensemble clients call it: text_input / max_tokens / stream / stop_words ->
+    text_output (the decoded generated ids)."""
+    if k3.tokenizer is None:
+        pytest.skip("no tokenizer in this deployment")
+    tok = k3.tokenizer
+    text = "the lazy fox"
+    prompt = tok.encode(text)
+    want = k3.expected_no_eos(prompt, 6)
+    fields = {"text_input": np.array([[text.encode()]], np.object_), "max_tokens": one(6), "end_id": one(-1)}
+    res = grpc_stream(k3.server.grpc_url, "k3_text", fields, on_tokens=None)
+    assert res.error is None, res.error
+    out = res.results[-1].as_numpy("text_output")
+    assert out.shape == (1, 1) and out[0, 0].decode() == tok.decode(want, skip_special=True)
+    streamed = _text_stream(k3, dict(fields, stream=one(True, np.bool_)))
+    assert "".join(streamed) == tok.decode(want, skip_special=True)
+    echo = _text_stream(k3, dict(fields, exclude_input_in_output=one(False, np.bool_)))
+    assert "".join(echo) == text + tok.decode(want, skip_special=True)
+    stop_text = tok.decode(want[2:3], skip_special=True)
+    if stop_text and not tok.is_special(want[2]) and tok.encode(stop_text) == want[2:3]:
+        stopped = _text_stream(k3, dict(fields, stop_words=np.array([[stop_text.encode()]], np.object_)))
+        assert "".join(stopped) == tok.decode(want[: want.index(want[2]) + 1], skip_special=True)
+    bad = grpc_stream(k3.server.grpc_url, "k3_text", {"text_input": np.array([[b"x"]], np.object_),
+                                                      "max_tokens": one(0)})
+    assert bad.error is not None and "max_tokens" in bad.error
+
+
+def _text_stream(k3, fields) -> list[str]:
+    q: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(k3.server.grpc_url)
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    out = []
+    try:
+        client.async_stream_infer("k3_text", _infer_inputs(fields), request_id="text",
+                                  enable_empty_final_response=True)
+        while True:
+            result, error = q.get(timeout=WAIT_S)
+            assert error is None, error
+            t = result.as_numpy("text_output")
+            if t is not None:
+                out.append(t.reshape(-1)[0].decode())
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return out
+    finally:
+        client.stop_stream()
+        client.close()
 
 
 def _bad_cases(vocab):
     oob = vocab if vocab else 2 ** 31 - 1
     return [
-        ("missing input_ids", {"request_output_len": np.array([4], np.int32)}, "input_ids"),
-        ("empty input_ids", _req([], 4), "input_ids"),
+        ("missing input_ids", {"request_output_len": one(4)}, "input_ids"),
+        ("empty input_ids", {"input_ids": np.zeros((1, 0), np.int32), "request_output_len": one(4)}, "input_ids"),
         ("id out of range", _req([1, oob], 4), "input_ids"),
         ("negative id", _req([-3], 4), "input_ids"),
         ("request_output_len 0", _req([1, 2], 0), "request_output_len"),
-        ("missing request_output_len", {"input_ids": np.array([1, 2], np.int32)}, "request_output_len"),
-        ("wrong dtype", {"input_ids": np.array([1.0, 2.0], np.float32),
-                         "request_output_len": np.array([4], np.int32)}, "input_ids"),
-        ("top_p out of range", _req([1], 2, runtime_top_p=np.array([1.5], np.float32)), "top_p"),
+        ("wrong dtype", {"input_ids": np.array([[1.0, 2.0]], np.float32), "request_output_len": one(4)}, "input_ids"),
+        ("top_p out of range", _req([1], 2, runtime_top_p=one(1.5, np.float32)), "top_p"),
+        ("input_lengths too long", _req([1], 2, input_lengths=one(5)), "input_lengths"),
     ]
 
 
@@ -638,6 +761,10 @@ def test_k3_bad_inputs_get_error_and_server_keeps_serving(k3):
         assert needle in res.error, f"{label}: {res.error}"
         assert not res.tokens, label
         assert k3.server.is_ready(), label
+    # Triton itself refuses the shapes of a model without a batch dimension
+    res = grpc_stream(k3.server.grpc_url, "k3", {"input_ids": np.array([1, 2], np.int32),
+                                                 "request_output_len": np.array([3], np.int32)})
+    assert res.error is not None and "input_ids" in res.error
     ok = grpc_stream(k3.server.grpc_url, "k3", _req([7, 7, 7], 3))
     assert ok.error is None and ok.tokens == k3.expected([7, 7, 7], 3)
     assert "k3: watcher error" not in k3.server.log_text()
@@ -648,13 +775,13 @@ def test_k3_num_cached_tokens_with_the_final_response(k3):
     response (the runtime variant's repository enables prefix caching; the build's does not: 0), streaming or not,
     with the tokens of a run without caching; the hit shows in the metrics."""
     first = list(range(40, 70))
-    res = grpc_stream(k3.server.grpc_url, "k3", _req(first, 4, end_id=np.array([-1], np.int32)))
+    res = grpc_stream(k3.server.grpc_url, "k3", _req(first, 4, end_id=one(-1)))
     assert res.error is None and res.num_cached_tokens == 0
     second = first + res.tokens + [9, 8]
     want = k3.expected_no_eos(second, 3)
     for streaming in (True, False):
-        r2 = grpc_stream(k3.server.grpc_url, "k3", _req(second, 3, streaming=np.array([streaming]),
-                                                       end_id=np.array([-1], np.int32)))
+        r2 = grpc_stream(k3.server.grpc_url, "k3", _req(second, 3, streaming=one(streaming, np.bool_),
+                                                       end_id=one(-1)))
         assert r2.error is None and r2.tokens == want
         assert r2.num_cached_tokens == (len(first) + 3 if k3.kind == "runtime" else 0), streaming
     if k3.kind == "runtime":
