@@ -19,9 +19,9 @@ tokens; `--num-snapshots`, default 2 x max batch), after an untimed warm-up (Tri
    leaves snapshots every `--snapshot-interval` tokens), then the others arrive together. TTFT median / p90 and
    max of the others, wall time and generated tokens/s of the whole scenario;
 3. snapshot cost: a cold `--cold-len`-token prompt (nothing to reuse) prefilled with caching off and on, `--repeats`
-   times each alternately: the median extra prefill time with caching on (chunks cut at the snapshot positions,
-   the KDA copies into the snapshot pool, the hash chain) as a share of the off time (target < 3 %), and the time
-   of the snapshot copies alone (synchronized around each, in a separate run).
+   times each alternately: the median extra prefill time with caching on (the chunk cut at its last snapshot
+   position: one more step, the KDA copies into the snapshot pool, the hash chain) as a share of the off time
+   (target < 3 %), and the time of the snapshot copies alone (synchronized around each, in a separate run).
 
 Output: one JSON line per scenario on stdout (and appended to `--out`): the run's settings, {"scenario":
 "conversation", "turns": [...], "ttft_ratio_first_turn_at_8k": ...}, {"scenario": "shared", "off": {...}, "on": {...}},
@@ -83,7 +83,9 @@ def parse_args(argv=None):
     s.add_argument("--users", type=int, default=32, help="users of the shared scenario (default %(default)s)")
     s.add_argument("--system-len", type=int, default=4096, help="shared system prompt tokens (default %(default)s)")
     s.add_argument("--question-len", type=int, default=128, help="each user's own tokens (default %(default)s)")
-    s.add_argument("--cold-len", type=int, default=8192, help="snapshot cost: prompt tokens (default %(default)s)")
+    s.add_argument("--cold-len", type=int, default=6000,
+                   help="snapshot cost: prompt tokens (default %(default)s: one chunk of --max-num-tokens 8192 cut once, "
+                        "at 5120)")
     s.add_argument("--repeats", type=int, default=3, help="snapshot cost: runs per mode (default %(default)s)")
     o = ap.add_argument_group("output")
     o.add_argument("--out", type=Path, default=None, help="append JSON lines here")
@@ -175,11 +177,13 @@ class Bench:
 
 
 def warmup(b: Bench) -> None:
-    """Compile and autotune outside the timed runs: a prefill, decode steps and a restored second turn."""
+    """Compile and autotune outside the timed runs: a long prefill, decode steps, a restored second turn, and the
+    shared scenario's batch of users (decode at that batch size, restores into many slots)."""
     sched = b.scheduler(True)
     p = b.tokens(min(b.a.cold_len, 2 * b.a.max_num_tokens, b.max_context - 8))
     r = b.run(sched, {"w": p}, 4)
     b.run(sched, {"w2": p + r["w"]["tokens"] + b.tokens(3)}, 4)
+    b.run(sched, {f"w{i + 3}": p[: 2 * b.a.block_size] + b.tokens(3) for i in range(b.max_batch)}, 4)
     b.close(sched)
 
 
