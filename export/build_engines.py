@@ -3,7 +3,8 @@
 
     python export/build_engines.py [--checkpoint DIR] [--out DIR] [--tp N] [--ep M]
         [--backend tensorrt|tensorrt-rtx|onnxruntime] [--target-cc sm86 ...] [--max-batch B]
-        [--max-num-tokens T] [--max-context L] [--check-finite full|sampled] [--aot] [--dry-run] [--force]
+        [--max-num-tokens T] [--max-context L] [--check-finite full|sampled] [--aot] [--enable-prefix-caching]
+        [--dry-run] [--force]
 
 Steps (each with progress and a one-line summary; skipped on a rerun whose inputs hash the same, redone with
 --force): checkpoint (load + validate, every float tensor finite: --check-finite) -> plan -> export (shard per TP/EP rank, ONNX per layer) -> verify
@@ -291,7 +292,7 @@ def build(args) -> int:
         if vision_max < 4:
             raise BuildError(f"--vision-max-patches {vision_max}: an image takes at least 4 patches (2x2); pass >= 4")
     plan = make_plan(cfg, args.tp, ep, max_batch=args.max_batch, max_context=max_context, block_size=args.block_size,
-                     vision_patches=vision_max)
+                     vision_patches=vision_max, prefix_caching=args.enable_prefix_caching)
     from k3deploy.engines.build import parse_target_cc
     try:   # the spelling (sm86 / 86 / 8.6) is checked here, support by the installed RTX below
         targets = parse_target_cc(args.target_cc)
@@ -339,7 +340,8 @@ def build(args) -> int:
         print(plan.report())
         return f"{plan.weights.total:,} B of weights per rank, {len(plan.cfg.kda_layers)} KDA + {len(plan.cfg.mla_layers)} MLA layers", None
 
-    pipe.run(2, "plan", [fp, args.tp, ep, args.max_batch, max_context], [out / "plan.txt"], step_plan)
+    pipe.run(2, "plan", [fp, args.tp, ep, args.max_batch, max_context, args.enable_prefix_caching], [out / "plan.txt"],
+             step_plan)
 
     from k3deploy.export.onnx_export import code_hash, export_model
     onnx_dir = out / "onnx"
@@ -411,15 +413,17 @@ def build(args) -> int:
                     "engine_flavor": backend if engines and engines.get("built") else None,
                     "backend": serve_backend, "tp": args.tp, "ep": ep, "config_hash": cfg.config_hash(),
                     "max_batch": args.max_batch, "max_num_tokens": args.max_num_tokens, "max_context": max_context,
-                    "block_size": args.block_size, "verify_report": "verify/report.json", "triton_repository": "triton",
+                    "block_size": args.block_size, "enable_prefix_caching": args.enable_prefix_caching,
+                    "verify_report": "verify/report.json", "triton_repository": "triton",
                     "vision": vision_manifest(cfg, vprofiles, processor) if vprofiles else None}
         write_json_atomic(manifest, out / "manifest.json")
         cfg_path = write_repository(out, out / "triton", serve_backend, max_batch=args.max_batch,
-                                    max_num_tokens=args.max_num_tokens, max_context=max_context, overwrite=True)
+                                    max_num_tokens=args.max_num_tokens, max_context=max_context, overwrite=True,
+                                    enable_prefix_caching=args.enable_prefix_caching)
         return f"manifest.json + Triton repository {cfg_path.parent.parent} (backend {serve_backend})", None
 
     pipe.run(6, "repository", exp_inputs + [backend, serve_backend, args.max_batch, args.max_num_tokens, max_context,
-                                         args.block_size, vprofiles],
+                                         args.block_size, vprofiles, args.enable_prefix_caching],
              [out / "manifest.json", out / "triton"], step_repository)
 
     def step_smoke():
@@ -483,6 +487,11 @@ def parse_args(argv=None, prog=None):
                          "engines, no Python at runtime; Mxfp4Moe, KdaPrefill and MlaPrefill as chains of "
                          "single-launch ops; AOT MlaDecode does not split the context, so it is slower at long "
                          "contexts; the KdaPrefill chain needs fla-core 0.6.0)")
+    ap.add_argument("--enable-prefix-caching", action="store_true",
+                    help="serve with prefix caching: the Triton repository runs LLM(enable_prefix_caching=True), which "
+                         "reuses the KDA state and latent blocks of prefixes earlier requests computed (multi-turn "
+                         "chats, shared system prompts); the plan budgets its snapshot pool. Engines are unchanged "
+                         "(docs/PREFIX_CACHING.md)")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the plan only; allocates no weights; checks the --target-cc spelling but not the "
                          "backend (except with --aot) or which targets it supports (plan on a machine without "

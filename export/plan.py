@@ -175,7 +175,8 @@ class DeploymentPlan:
         lines.append("-- per-rank shapes")
         lines += [f"  {k:<26} {v}" for k, v in rank_shapes(c, self.tp, self.ep)]
         lines.append("-- decode state per request")
-        lines.append(f"  KDA state + conv per rank   {self.kda_bytes_per_request:,} B ({self.kda_bytes_per_request / MiB:.1f} MiB)")
+        lines.append(f"  KDA state + conv per rank   {self.kda_bytes_per_request:,} B ({self.kda_bytes_per_request / MiB:.1f} MiB)"
+                     " = one prefix-cache snapshot")
         lines.append(f"  latent per token per rank   {self.latent_bytes_per_token:,} B")
         lines.append(f"  one request at 1M context   {self.request_bytes_1m:,} B ({self.request_bytes_1m / GiB:.2f} GiB) per rank; "
                      f"whole model (TP=1) {self.request_bytes_1m_tp1:,} B ({self.request_bytes_1m_tp1 / GiB:.2f} GiB)")
@@ -194,11 +195,15 @@ class DeploymentPlan:
 
 def make_plan(cfg: K3Config, tp: int = 1, ep: int = 1, *, gpu_bytes: int = H200_BYTES, max_batch: int = 8,
               max_context: int | None = None, block_size: int = 64, act_dtype: torch.dtype = torch.bfloat16,
-              activation_reserve: float = 0.1, vision_patches: int | None = None) -> DeploymentPlan:
+              activation_reserve: float = 0.1, vision_patches: int | None = None,
+              prefix_caching: bool = False) -> DeploymentPlan:
     """Plan a deployment of cfg on tp ranks of gpu_bytes each. The cache budget per rank is what the weights
     (the vision tower's included) leave after `activation_reserve` of the GPU. vision_patches: patches of the
-    largest vision call (default: the release processor's bound, 67,588). Raises ValueError (naming tp/ep) when
-    they cannot shard cfg."""
+    largest vision call (default: the release processor's bound, 67,588). prefix_caching adds the runtime's
+    default snapshot pool (runtime.prefix_cache.default_num_snapshots rows, one request's KDA bytes each) to the
+    cache plan. Raises ValueError (naming tp/ep) when they cannot shard cfg."""
+    from k3deploy.runtime.prefix_cache import default_num_snapshots
+    snapshots = default_num_snapshots(max_batch) if prefix_caching else 0
     weights = weight_bytes_per_rank(cfg, tp, ep)
     max_context = max_context or cfg.max_position_embeddings
     budget = int(gpu_bytes * (1 - activation_reserve)) - weights.total
@@ -207,7 +212,7 @@ def make_plan(cfg: K3Config, tp: int = 1, ep: int = 1, *, gpu_bytes: int = H200_
     ctx = plan_memory(cfg, tp, ep, None, 1, max_context, block_size, act_dtype)
     memory, err = None, None
     try:
-        memory = plan_memory(cfg, tp, ep, budget, max_batch, max_context, block_size, act_dtype)
+        memory = plan_memory(cfg, tp, ep, budget, max_batch, max_context, block_size, act_dtype, snapshots)
     except ValueError as e:
         err = f"no cache plan: {e}" if budget > 0 else f"no cache plan: the weights leave no memory ({budget / GB:.1f} GB)"
     max_b = max(0, budget // ctx.bytes_per_request) if budget > 0 else 0

@@ -7,6 +7,7 @@
     eng = llm.start()                                       # AsyncEngine, one scheduler thread (idempotent)
     eng.submit(request_id, prompt_ids, params, on_token)    # on_token(token_id | None, finished, error)
     eng.cancel(request_id); eng.metrics(); eng.shutdown()
+    llm = LLM(path, enable_prefix_caching=True)             # reuse cached prefixes (docs/PREFIX_CACHING.md)
 
 Images (models with a vision tower, VISION.md; docs/VISION.md): a request takes `images=[ProcessedImage, ...]` with
 its prompt ids pre-expanded (each image's `<|media_pad|>` repeated image.num_tokens times, in image order)::
@@ -55,7 +56,8 @@ class RequestOutput:
     """request_id; prompt_ids; token_ids generated (a stop/eos token that ended the request is included);
     finish_reason "length" | "stop" | "cancelled" | "error"; error: message when finish_reason == "error".
     With SamplingParams.logprobs: logprobs[i] (natural log) and top_logprobs[i] ([(id, logprob)], most likely first)
-    of token_ids[i]; with prompt_logprobs: prompt_logprobs / prompt_top_logprobs per prompt token (None first)."""
+    of token_ids[i]; with prompt_logprobs: prompt_logprobs / prompt_top_logprobs per prompt token (None first).
+    num_cached_tokens: prompt tokens served from the prefix cache instead of prefilled (0 when it is off)."""
 
     request_id: str
     prompt_ids: list[int]
@@ -66,6 +68,7 @@ class RequestOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list | None = None
+    num_cached_tokens: int = 0
 
 
 def _first_key(d: dict, *keys):
@@ -168,14 +171,17 @@ class AsyncEngine:
         return None
 
     def submit(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams | None = None,
-               on_token: Callable[[int | None, bool, str | None], None] | None = None, images=None):
-        """Queue a request; returns its scheduler Request (read-only for callers). images: its ProcessedImages with
-        prompt_ids pre-expanded (module docstring). Raises ValueError naming the field for a bad request,
-        RuntimeError after shutdown."""
+               on_token: Callable[[int | None, bool, str | None], None] | None = None, images=None, *,
+               content_keys=None):
+        """Queue a request; returns its scheduler Request (read-only for callers; `num_cached_tokens` is set when
+        it is admitted). images: its ProcessedImages with prompt_ids pre-expanded (module docstring; their content
+        hashes key the prefix cache). content_keys: more (start, end, digest) spans for the prefix cache
+        (Scheduler.add). Raises ValueError naming the field for a bad request, RuntimeError after shutdown."""
         with self._turn():
             if self._stop:
                 raise RuntimeError("engine is shut down")
-            return self._sched.add(request_id, prompt_ids, params or SamplingParams(), on_token, images)
+            return self._sched.add(request_id, prompt_ids, params or SamplingParams(), on_token, images,
+                                   content_keys=content_keys)
 
     def cancel(self, request_id: str) -> bool:
         """Free the request's slot and blocks now (after the step in progress); on_token(None, True, None)
@@ -185,9 +191,14 @@ class AsyncEngine:
 
     def metrics(self) -> dict:
         """{"kda_slots_in_use", "latent_blocks_in_use", "tokens_generated", "preemptions", "steps",
-        "max_requests_per_step"}."""
+        "max_requests_per_step"} and, with prefix caching, the prefix-cache metrics (HybridCache.prefix_metrics)."""
         with self._turn():
             return self._sched.metrics()
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prefix (after the step in progress); returns how many snapshots were dropped."""
+        with self._turn():
+            return self._sched.reset_prefix_cache()
 
     def shutdown(self) -> None:
         """Stop the thread; requests still in flight finish as "cancelled". Idempotent."""
@@ -237,7 +248,10 @@ class LLM:
     max_batch: requests running at once (KDA slots = max_batch + 1; default 8, tensorrt: the engines');
     max_num_tokens: tokens per scheduler step (default 256, tensorrt: the engines');
     max_context: tokens per request (default: the config's max_position_embeddings; tensorrt: what the engines'
-    block tables hold). block_size / num_blocks / memory_budget size the latent pool (default:
+    block tables hold). enable_prefix_caching: reuse the KDA state and latent blocks of prefixes earlier requests
+    computed (docs/PREFIX_CACHING.md; every backend): snapshot_interval tokens (a multiple of block_size; default
+    1024 rounded up to one) between periodic KDA snapshots, num_snapshots rows in the snapshot pool (default
+    2 x max_batch; each one request's KDA state + conv history, budgeted apart from the slots and blocks). block_size / num_blocks / memory_budget size the latent pool (default:
     enough for max_batch requests at max_context; memory_budget in bytes goes through `plan_memory`); block_size
     (tokens per latent block) defaults to the executor's `preferred_block_size()`: 64 on CUDA with the torch /
     kernels ops (the MLA kernels' key tiles stay inside one block), the engines' profile value for tensorrt, 16
@@ -257,7 +271,8 @@ class LLM:
                  memory_budget: int | None = None, decode_pad_multiple: int | None = None,
                  tp: int | None = None, ep: int = 1, device: "str | torch.device | None" = None,
                  ops: str | None = None, profile_comm: bool = False, cuda_graphs: bool = False,
-                 dense_dtype: str | None = None):
+                 dense_dtype: str | None = None, enable_prefix_caching: bool = False,
+                 snapshot_interval: int | None = None, num_snapshots: int | None = None):
         from k3deploy.runtime.distributed import parse_device
         for name, v in (("max_batch", max_batch), ("max_num_tokens", max_num_tokens), ("max_context", max_context),
                         ("num_blocks", num_blocks), ("memory_budget", memory_budget),
@@ -295,15 +310,16 @@ class LLM:
         if block_size is None:
             block_size = self.executor.preferred_block_size()
         self.executor.check_block_size(block_size)
+        snapshots = self._snapshot_rows(enable_prefix_caching, snapshot_interval, num_snapshots, max_batch)
         device = self.device = self.executor.device
         if memory_budget is not None:
             plan = plan_memory(cfg, self.executor.tp, 1, memory_budget, max_batch, max_context, block_size,
-                               self.executor.act_dtype)
+                               self.executor.act_dtype, snapshots)
             self.plan = plan
             log.info("memory plan:\n%s", plan.table())
             self.executor.check_cache(plan.num_slots, plan.num_blocks, math.ceil(max_context / block_size),
                                       max_batch, max_num_tokens)
-            cache = HybridCache.from_plan(cfg, plan, device)
+            cache = HybridCache.from_plan(cfg, plan, device, snapshot_interval)
         else:
             # engines fix the pools: their slots and blocks, whatever this LLM's (smaller) max_batch / max_context
             slots = (self.executor.default_max_batch() or max_batch) + 1
@@ -312,7 +328,10 @@ class LLM:
             self.executor.check_cache(slots, num_blocks, math.ceil(max_context / block_size), max_batch,
                                       max_num_tokens)
             cache = HybridCache(cfg, slots, num_blocks, block_size, self.executor.tp, self.executor.act_dtype,
-                                device, max_context)
+                                device, max_context, snapshots, snapshot_interval)
+        if cache.prefix_caching:
+            log.info("prefix caching on: %d snapshots of %.1f MiB (KDA state + conv history), every %d tokens",
+                     snapshots, cache.snapshots.bytes_per_row / 2**20, cache.snapshot_interval)
         self.cache = cache
         self.scheduler = Scheduler(self.executor, cache, max_batch, max_num_tokens, cfg.eos_token_id,
                                    decode_pad_multiple)
@@ -324,6 +343,28 @@ class LLM:
         self._ids = itertools.count()
         self._tokenizer = None
         self._processor = None
+
+    @staticmethod
+    def _snapshot_rows(enable: bool, interval, rows, max_batch: int) -> int:
+        """Snapshot pool rows for enable_prefix_caching / num_snapshots (0 = off). ValueError naming the argument
+        for snapshot_interval / num_snapshots without enable_prefix_caching or a num_snapshots < 1."""
+        if not isinstance(enable, bool):
+            raise ValueError(f"enable_prefix_caching = {enable!r}: pass True or False")
+        if not enable:
+            for name, v in (("snapshot_interval", interval), ("num_snapshots", rows)):
+                if v is not None:
+                    raise ValueError(f"{name} = {v!r}: only used with enable_prefix_caching=True")
+            return 0
+        if rows is None:
+            from k3deploy.runtime.prefix_cache import default_num_snapshots
+            return default_num_snapshots(max_batch)
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise ValueError(f"num_snapshots = {rows!r}: give a positive int (snapshot pool rows) or omit it")
+        return rows
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prefix; returns how many snapshots were dropped (0 when prefix caching is off)."""
+        return self._engine.reset_prefix_cache() if self._engine else self.scheduler.reset_prefix_cache()
 
     def _enable_graphs(self, capture: bool = True):
         """Capture the decode graphs for this LLM's scheduler and cache: batch buckets up to max_batch rounded up to
@@ -466,6 +507,7 @@ class LLM:
                     out.finish_reason, out.error = r.finish_reason, error
                     out.logprobs, out.top_logprobs = r.logprobs, r.top_logprobs
                     out.prompt_logprobs, out.prompt_top_logprobs = r.prompt_logprobs, r.prompt_top_logprobs
+                    out.num_cached_tokens = r.num_cached_tokens
                     done.release()
             with self._engine._turn() if self._engine is not None else contextlib.nullcontext():
                 reqs.append(self._submit(out.request_id, pr, p, on_token, im))   # before its first callback can run

@@ -8,8 +8,14 @@ Pools are allocated from `model.reference.state_spec`, one set per layer of one 
 * MLA layer: `cache [NB, BS, 576] act` (NB blocks of BS tokens, replicated over TP). **Block 0 is the padding
   sentinel**; a request owns a block table (list of block ids >= 1) that grows as its tokens arrive.
 
-`HybridCache` does the bookkeeping (never leaks: every id handed out is in exactly one of the free lists or one
-request's allocation). `plan_memory` derives slot/block counts from a memory budget and formats the plan.
+`HybridCache` does the bookkeeping (never leaks: every slot is free or one request's; every block is free or
+held, with reference counts, by requests and prefix-cache snapshots). `plan_memory` derives slot/block/snapshot
+counts from a memory budget and formats the plan.
+
+Prefix caching (`num_snapshots > 0`, runtime/prefix_cache.py, docs/PREFIX_CACHING.md): a snapshot pool of KDA rows
+and an index of published prefixes. Full latent blocks are then shared read-only between requests and snapshots;
+a block a request will still write into is never shared (a restored partial block is copied first). Blocks held
+only by snapshots count as available: taking one evicts the least recently used snapshots.
 """
 from __future__ import annotations
 
@@ -23,6 +29,8 @@ import torch
 from k3deploy.model.config import K3Config
 from k3deploy.model.reference import allocate_pools, state_spec
 from k3deploy.model.sharding import check_parallel
+from k3deploy.runtime.prefix_cache import (PrefixChain, PrefixIndex, Snapshot, SnapshotPool, TokenSlice,
+                                           copy_tensors, default_snapshot_interval, inside_span)
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +56,8 @@ class MemoryPlan:
     latent_bytes_per_token: over the MLA layers (replicated over TP). block_bytes = block_size x that.
     num_slots includes sentinel slot 0 (= max_batch + 1); num_blocks includes sentinel block 0.
     bytes_per_request: KDA + the latent blocks of one request at max_context.
+    num_snapshots: prefix-cache snapshot rows (0 = prefix caching off), each kda_bytes_per_request; their pool
+    (snapshot_pool_bytes) is budgeted apart from the slots and blocks.
     """
 
     tp: int
@@ -69,6 +79,8 @@ class MemoryPlan:
     num_blocks: int
     slot_pool_bytes: int
     block_pool_bytes: int
+    num_snapshots: int = 0
+    snapshot_pool_bytes: int = 0
 
     @property
     def kda_bytes_per_request(self) -> int:
@@ -76,7 +88,7 @@ class MemoryPlan:
 
     @property
     def total_bytes(self) -> int:
-        return self.slot_pool_bytes + self.block_pool_bytes
+        return self.slot_pool_bytes + self.block_pool_bytes + self.snapshot_pool_bytes
 
     @property
     def token_capacity(self) -> int:
@@ -106,6 +118,8 @@ class MemoryPlan:
             ("full-context requests", str(self.full_context_requests)),
             ("slot pools", b(self.slot_pool_bytes)),
             ("block pools", b(self.block_pool_bytes)),
+            ("snapshot pool", f"{self.num_snapshots} x KDA total = {b(self.snapshot_pool_bytes)}"
+             + ("" if self.num_snapshots else " (prefix caching off)")),
             ("total", b(self.total_bytes)),
             ("budget", b(self.budget_bytes)),
         ]
@@ -119,20 +133,24 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 def plan_memory(cfg: K3Config, tp: int = 1, ep: int = 1, budget_bytes: int | None = None, max_batch: int = 8,
                 max_context: int | None = None, block_size: int = 64,
-                act_dtype: torch.dtype = torch.bfloat16) -> MemoryPlan:
+                act_dtype: torch.dtype = torch.bfloat16, num_snapshots: int = 0) -> MemoryPlan:
     """Plan the decode-state pools of one rank.
 
     budget_bytes: device memory available for the pools on one rank (after weights and activations); None =
-    exactly enough for `max_batch` requests at `max_context`. Slots = max_batch + 1; blocks = 1 + as many as fit
-    in the budget after the slot pools, capped at what max_batch full-context requests can use.
-    Raises ValueError naming the argument when tp/ep cannot shard cfg, a size is < 1, or the budget cannot hold
-    the slot pools plus one request at max_context.
+    exactly enough for `max_batch` requests at `max_context`. Slots = max_batch + 1; num_snapshots: prefix-cache
+    snapshot rows of KDA state + conv history (one request's KDA bytes each; 0 = prefix caching off), budgeted
+    before the blocks; blocks = 1 + as many as fit in the budget after the slot and snapshot pools, capped at what
+    max_batch full-context requests can use (cached prefixes live in blocks no running request needs).
+    Raises ValueError naming the argument when tp/ep cannot shard cfg, a size is < 1 (num_snapshots < 0), or the
+    budget cannot hold the slot and snapshot pools plus one request at max_context.
     """
     check_parallel(cfg, tp, ep)
     max_context = max_context or cfg.max_position_embeddings
     for name, v in (("max_batch", max_batch), ("max_context", max_context), ("block_size", block_size)):
         if v < 1:
             raise ValueError(f"{name} = {v}: must be >= 1")
+    if num_snapshots < 0:
+        raise ValueError(f"num_snapshots = {num_snapshots}: must be >= 0 (0 = prefix caching off)")
     spec = state_spec(cfg, tp, act_dtype)
     kda = [l for l in spec if "state" in spec[l]]
     mla = [l for l in spec if "cache" in spec[l]]
@@ -142,22 +160,26 @@ def plan_memory(cfg: K3Config, tp: int = 1, ep: int = 1, budget_bytes: int | Non
     block_bytes = per_token * block_size
     bpr = math.ceil(max_context / block_size)
     slot_pool = (max_batch + 1) * (kda_state + kda_conv)
+    snap_pool = num_snapshots * (kda_state + kda_conv)
     want_blocks = max_batch * bpr
     if budget_bytes is None:
-        budget_bytes = slot_pool + (want_blocks + 1) * block_bytes
-    usable = (budget_bytes - slot_pool) // block_bytes - 1 if block_bytes else want_blocks
+        budget_bytes = slot_pool + snap_pool + (want_blocks + 1) * block_bytes
+    usable = (budget_bytes - slot_pool - snap_pool) // block_bytes - 1 if block_bytes else want_blocks
     if usable < bpr:
-        need = slot_pool + (bpr + 1) * block_bytes
+        need = slot_pool + snap_pool + (bpr + 1) * block_bytes
+        snaps = f" and the snapshot pool ({snap_pool:,} B for {num_snapshots} snapshots)" if num_snapshots else ""
         raise ValueError(f"budget_bytes = {budget_bytes:,}: too small; the slot pools ({slot_pool:,} B for max_batch "
-                         f"{max_batch}) plus one request at max_context {max_context:,} need {need:,} B on each rank; "
-                         "raise the budget or lower max_batch / max_context")
+                         f"{max_batch}){snaps} plus one request at max_context {max_context:,} need {need:,} B on each "
+                         "rank; raise the budget or lower max_batch / max_context"
+                         + (" / num_snapshots" if num_snapshots else ""))
     nblocks = 1 + min(usable, want_blocks)
     return MemoryPlan(tp=tp, ep=ep, act_dtype=act_dtype, block_size=block_size, max_batch=max_batch,
                       max_context=max_context, budget_bytes=budget_bytes, kda_layers=len(kda), mla_layers=len(mla),
                       kda_state_bytes=kda_state, kda_conv_bytes=kda_conv, latent_bytes_per_token=per_token,
                       block_bytes=block_bytes, blocks_per_request=bpr,
                       bytes_per_request=kda_state + kda_conv + bpr * block_bytes, num_slots=max_batch + 1,
-                      num_blocks=nblocks, slot_pool_bytes=slot_pool, block_pool_bytes=nblocks * block_bytes)
+                      num_blocks=nblocks, slot_pool_bytes=slot_pool, block_pool_bytes=nblocks * block_bytes,
+                      num_snapshots=num_snapshots, snapshot_pool_bytes=snap_pool)
 
 
 # ---- the cache -------------------------------------------------------------------------------------------
@@ -167,6 +189,7 @@ class _Alloc:
     slot: int
     blocks: list[int]
     num_tokens: int = 0          # tokens whose latents are (or are being) written
+    last_snapshot: int = 0       # prefix-cache snapshot position it was restored from or last published
     # `blocks` as int32 (first len(blocks) entries; capacity doubles): block_tables copies rows of it instead of
     # converting a Python list per step, which costs O(context) host time at long contexts
     table: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))
@@ -182,19 +205,32 @@ class _Alloc:
 
 
 class HybridCache:
-    """KDA slot pools + paged MLA latent pools of one rank, with per-request allocations.
+    """KDA slot pools + paged MLA latent pools of one rank, with per-request allocations, and (num_snapshots > 0)
+    the prefix cache: a snapshot pool of KDA rows and an index of published prefixes.
 
     `pools[layer]` = {"state", "conv"} (KDA) or {"cache"} (MLA), shaped as in the module docstring. The
-    reference ops return new pool tensors: `set_pools` writes them back. Slots and blocks are handed out lowest
-    id first (deterministic). Raises CacheFull when a slot/blocks are not free (nothing changes then),
-    KeyError for an unknown request id, ValueError for a duplicate one.
+    reference ops return new pool tensors: `set_pools` writes them back; every copy the cache makes (restore,
+    snapshot) is in place, so CUDA-graph addresses stay valid. Slots, blocks and snapshot rows are handed out
+    lowest id first (deterministic). Raises CacheFull when a slot/blocks are not free (nothing changes then),
+    KeyError for an unknown request id, ValueError for a duplicate one, or (constructor) for sizes < 2 or a
+    snapshot_interval that is not a positive multiple of block_size.
+
+    Prefix caching: `lookup` finds the deepest published snapshot of a request's tokens, `allocate(rid, snapshot)`
+    restores it into the new slot (copy-on-restore; full blocks shared, a partial block copied), `publish` adds the
+    request's current position (block aligned while it runs, any position when it finishes); snapshot_interval
+    (tokens, default runtime.prefix_cache.default_snapshot_interval) is where periodic snapshots go
+    (`chunk_end` cuts prefill chunks there). Blocks held only by snapshots are `available`: taking one evicts snapshots, least recently
+    used first; `reset_prefix_cache` evicts them all.
     """
 
     def __init__(self, cfg: K3Config, num_slots: int, num_blocks: int, block_size: int, tp: int = 1,
-                 act_dtype: torch.dtype = torch.float32, device="cpu", max_context: int | None = None):
+                 act_dtype: torch.dtype = torch.float32, device="cpu", max_context: int | None = None,
+                 num_snapshots: int = 0, snapshot_interval: int | None = None):
         if num_slots < 2 or num_blocks < 2 or block_size < 1:
             raise ValueError(f"num_slots = {num_slots}, num_blocks = {num_blocks}, block_size = {block_size}: "
                              "need >= 2 slots and blocks (0 is the sentinel) and block_size >= 1")
+        if num_snapshots < 0:
+            raise ValueError(f"num_snapshots = {num_snapshots}: must be >= 0 (0 = prefix caching off)")
         self.cfg, self.tp, self.act_dtype = cfg, tp, act_dtype
         self.num_slots, self.num_blocks, self.block_size = num_slots, num_blocks, block_size
         self.max_context = min(max_context or cfg.max_position_embeddings, (num_blocks - 1) * block_size)
@@ -204,19 +240,45 @@ class HybridCache:
         self._free_slots = list(range(1, num_slots))
         self._free_blocks = list(range(1, num_blocks))     # a min-heap (heapq): the lowest free ids go first
         self._allocs: dict[str, _Alloc] = {}
+        self._holders = [0] * num_blocks                   # requests whose block table holds the block
+        self._cached = [0] * num_blocks                    # snapshots holding it
+        self._reclaimable = 0                              # blocks held by snapshots only
+        self.snapshots: SnapshotPool | None = None
+        self.index: PrefixIndex | None = None
+        self.snapshot_interval: int | None = None
+        self.prefix_stats = dict.fromkeys(("queries", "query_tokens", "hits", "hit_tokens", "snapshots_taken",
+                                           "evictions"), 0)
+        if num_snapshots:
+            interval = snapshot_interval or default_snapshot_interval(block_size)
+            if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1 or interval % block_size:
+                raise ValueError(f"snapshot_interval = {snapshot_interval!r}: must be a positive multiple of the "
+                                 f"latent block size {block_size} (tokens between KDA snapshots)")
+            self.snapshot_interval = interval
+            self.snapshots = SnapshotPool(self.pools, self.kda_layers, num_snapshots)
+            self.index = PrefixIndex(block_size)
+            self._free_rows = list(range(num_snapshots))
+            self._chains: dict[str, PrefixChain] = {}
+            self._valid = [0] * num_blocks                 # tokens of a snapshot-held block that snapshots cover
+            self._cached_tokens = 0
 
     @classmethod
-    def from_plan(cls, cfg: K3Config, plan: MemoryPlan, device="cpu") -> "HybridCache":
+    def from_plan(cls, cfg: K3Config, plan: MemoryPlan, device="cpu", snapshot_interval: int | None = None
+                  ) -> "HybridCache":
         return cls(cfg, plan.num_slots, plan.num_blocks, plan.block_size, plan.tp, plan.act_dtype, device,
-                   plan.max_context)
+                   plan.max_context, plan.num_snapshots, snapshot_interval)
 
     # -- counts --
+    @property
+    def prefix_caching(self) -> bool:
+        return self.index is not None
+
     @property
     def slots_in_use(self) -> int:
         return self.num_slots - 1 - len(self._free_slots)
 
     @property
     def blocks_in_use(self) -> int:
+        """Blocks held by requests or snapshots (not free)."""
         return self.num_blocks - 1 - len(self._free_blocks)
 
     @property
@@ -226,6 +288,11 @@ class HybridCache:
     @property
     def free_blocks(self) -> int:
         return len(self._free_blocks)
+
+    @property
+    def available_blocks(self) -> int:
+        """Free blocks plus those only snapshots hold (evicting every snapshot frees exactly these)."""
+        return len(self._free_blocks) + self._reclaimable
 
     def free_slot_ids(self) -> list[int]:
         return sorted(self._free_slots)
@@ -249,51 +316,217 @@ class HybridCache:
         return max(0, math.ceil((a.num_tokens + n) / self.block_size) - len(a.blocks))
 
     def can_append(self, rid: str, n: int) -> bool:
-        return self.blocks_needed(rid, n) <= len(self._free_blocks)
+        return self.blocks_needed(rid, n) <= self.available_blocks
 
     def room(self, rid: str | None) -> int:
-        """Tokens that can still be appended to `rid` (or to a new request when None) with the free blocks."""
+        """Tokens that can still be appended to `rid` (or to a new request when None) with the available blocks."""
         if rid is None:
-            return len(self._free_blocks) * self.block_size
+            return self.available_blocks * self.block_size
         a = self._allocs[rid]
-        return (len(a.blocks) + len(self._free_blocks)) * self.block_size - a.num_tokens
+        return (len(a.blocks) + self.available_blocks) * self.block_size - a.num_tokens
 
     # -- allocation --
-    def allocate(self, rid: str) -> int:
-        """Give `rid` the lowest free slot, zeroed in every KDA layer, and an empty block table; returns the slot."""
+    def allocate(self, rid: str, snapshot: Snapshot | None = None) -> int:
+        """Give `rid` the lowest free slot and returns it: zeroed in every KDA layer with an empty block table, or,
+        with a `snapshot` from `lookup`, restored from it (its KDA rows copied into the slot, its full blocks shared,
+        its partial block copied into a new block; `num_tokens(rid)` = snapshot.length)."""
         if rid in self._allocs:
             raise ValueError(f"request_id {rid!r}: already holds a slot")
         if not self._free_slots:
             raise CacheFull(f"no free KDA slot ({self.num_slots - 1} in use)")
         self._free_slots.sort()
         slot = self._free_slots.pop(0)
-        for l in self.kda_layers:
-            self.pools[l]["state"][slot].zero_()
-            self.pools[l]["conv"][slot].zero_()
-        self._allocs[rid] = _Alloc(slot, [])
+        a = self._allocs[rid] = _Alloc(slot, [])
+        if snapshot is None:
+            for l in self.kda_layers:
+                self.pools[l]["state"][slot].zero_()
+                self.pools[l]["conv"][slot].zero_()
+        else:
+            self._restore(a, snapshot)
         return slot
 
     def append(self, rid: str, n: int) -> int:
         """Reserve room for `n` more tokens of `rid` (growing its block table); returns the context length before
-        them (= where they are written). All or nothing: raises CacheFull when the blocks are not free."""
+        them (= where they are written). All or nothing: raises CacheFull when the blocks are not available."""
         a = self._allocs[rid]
         need = self.blocks_needed(rid, n)
-        if need > len(self._free_blocks):
-            raise CacheFull(f"request {rid!r}: needs {need} more latent blocks, {len(self._free_blocks)} free")
+        if need > self.available_blocks:
+            raise CacheFull(f"request {rid!r}: needs {need} more latent blocks, {self.available_blocks} available")
         if need:
-            a.add_blocks([heapq.heappop(self._free_blocks) for _ in range(need)])   # O(need log F), no sort
+            a.add_blocks([self._take_block() for _ in range(need)])
         start = a.num_tokens
         a.num_tokens += n
         return start
 
     def free(self, rid: str) -> None:
-        """Return the slot and blocks of `rid` (no-op for an unknown id)."""
+        """Return the slot and blocks of `rid` (no-op for an unknown id); blocks shared with snapshots stay cached."""
+        if self.index is not None:
+            self._chains.pop(rid, None)
         a = self._allocs.pop(rid, None)
         if a is None:
             return
         self._free_slots.append(a.slot)
         for blk in a.blocks:
+            self._hold(blk, -1)
+
+    def _hold(self, blk: int, delta: int, snapshot: bool = False) -> None:
+        """Add `delta` holders of `blk` (a request's table, or a snapshot); a block nobody holds is free."""
+        h, c = self._holders[blk], self._cached[blk]
+        was = h == 0 and c > 0
+        if snapshot:
+            c += delta
+            self._cached[blk] = c
+        else:
+            h += delta
+            self._holders[blk] = h
+        if h < 0 or c < 0:
+            raise AssertionError(f"block {blk} released more often than held")
+        self._reclaimable += (h == 0 and c > 0) - was
+        if h == 0 and c == 0:
             heapq.heappush(self._free_blocks, blk)
+
+    def _take_block(self) -> int:
+        """The lowest free block for one request, evicting least recently used snapshots until one is free."""
+        while not self._free_blocks:
+            if not self._evict_lru():
+                raise CacheFull("no free latent block")
+        blk = heapq.heappop(self._free_blocks)
+        self._holders[blk] = 1
+        return blk
+
+    # -- prefix cache --
+    def _chain(self, rid: str, keys=()) -> PrefixChain:
+        if rid not in self._chains:
+            self._chains[rid] = PrefixChain(self.block_size, keys)
+        return self._chains[rid]
+
+    def lookup(self, rid: str, tokens: TokenSlice, num_tokens: int, keys=()) -> Snapshot | None:
+        """The deepest published snapshot of a prefix of `rid`'s tokens (`tokens(start, stop)` gives them, num_tokens
+        in all, `keys` its content keys) that leaves at least one token to compute and that `allocate` can restore
+        now (a partial block needs an available block besides the snapshot's own); None without prefix caching or
+        a match. The match becomes the most recently used snapshot."""
+        if self.index is None:
+            return None
+        chain = self._chain(rid, keys)                 # kept for the request's own snapshots (`publish`)
+        snap = self.index.match(chain, tokens, num_tokens - 1) if len(self.index) else None
+        if snap is not None and snap.length % self.block_size:
+            pinned = sum(1 for b in snap.blocks if self._holders[b] == 0)   # no longer available once restored
+            if self.available_blocks - pinned < 1:
+                return None
+        return snap
+
+    def _restore(self, a: _Alloc, snap: Snapshot) -> None:
+        k, r = divmod(snap.length, self.block_size)
+        self.snapshots.load(self.pools, snap.row, a.slot)
+        ids = list(snap.blocks[:k])
+        for b in ids:
+            self._hold(b, +1)
+        if r:                                         # copy-on-write: the request appends to its own copy
+            src = snap.blocks[k]
+            self._hold(src, +1)                       # alive while a block is found (may evict `snap` itself)
+            dst = self._take_block()
+            _copy_rows([self.pools[l]["cache"] for l in self.mla_layers], src, dst, r)
+            self._hold(src, -1)
+            ids.append(dst)
+        a.add_blocks(ids)
+        a.num_tokens = a.last_snapshot = snap.length
+
+    def publish(self, rid: str, tokens: TokenSlice, final: bool = False, keys=()) -> bool:
+        """Snapshot `rid` at its current length (its written tokens, `tokens(start, stop)` gives them): copy its KDA
+        slot into a snapshot row (evicting the least recently used snapshot when none is free) and hold its latent
+        blocks. Call only after the step that wrote those tokens completed. A running request publishes block-
+        aligned lengths only (it still appends to its partial block); `final` (the request is finishing and will
+        not write again) allows any length. Returns False (nothing done) without prefix caching, for a length
+        inside a content span, or when the same prefix is already published (then it becomes the most recent).
+        keys: the request's content keys (as given to `lookup`, which already recorded them)."""
+        if self.index is None:
+            return False
+        a = self._allocs[rid]
+        length, chain = a.num_tokens, self._chain(rid, keys)
+        k, r = divmod(length, self.block_size)
+        if length == 0 or (r and not final) or inside_span(length, chain.keys):
+            return False
+        key, base = chain.key(length, tokens)
+        a.last_snapshot = length
+        if key in self.index:
+            self.index.touch(key)
+            return False
+        if not self._free_rows and not self._evict_lru():
+            return False
+        self._free_rows.sort()
+        row = self._free_rows.pop(0)
+        self.snapshots.save(self.pools, a.slot, row)
+        blocks = tuple(a.blocks[: k + (1 if r else 0)])
+        for i, b in enumerate(blocks):
+            if not self._cached[b]:
+                self._valid[b] = r if i == k else self.block_size
+                self._cached_tokens += self._valid[b]
+            self._hold(b, +1, snapshot=True)
+        self.index.add(Snapshot(key, base, length, row, blocks))
+        self.prefix_stats["snapshots_taken"] += 1
+        return True
+
+    def _evict_lru(self, count: bool = True) -> bool:
+        """Drop the least recently used snapshot (its row and its holds on blocks); False when there is none."""
+        snap = self.index.lru() if self.index is not None else None
+        if snap is None:
+            return False
+        self.index.remove(snap.key)
+        self._free_rows.append(snap.row)
+        for b in snap.blocks:
+            if self._cached[b] == 1:
+                self._cached_tokens -= self._valid[b]
+            self._hold(b, -1, snapshot=True)
+        self.prefix_stats["evictions"] += count
+        return True
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every snapshot (their rows and blocks go back to the free lists); returns how many."""
+        n = 0
+        while self._evict_lru(count=False):
+            n += 1
+        return n
+
+    def chunk_end(self, rid: str, n: int, keys=()) -> int:
+        """Tokens of `rid`'s next prefill chunk when `n` are asked (it starts at num_tokens(rid)): with prefix
+        caching, cut at the last periodic snapshot position (a multiple of snapshot_interval outside every content
+        span) strictly inside it, so that the step ends there and the state can be snapshotted after it — unless
+        the chunk already ends on one, or `rid` holds a snapshot position less than snapshot_interval tokens before
+        it (restored from or published: one more would cost a step for little). At most one cut per chunk: a chunk
+        crossing several positions is snapshotted at the last."""
+        if self.index is None:
+            return n
+        a, step = self._allocs[rid], self.snapshot_interval
+        start, end = a.num_tokens, a.num_tokens + n
+        if end % step == 0 and not inside_span(end, keys):
+            return n
+        cut = (end - 1) // step * step
+        while cut > start and inside_span(cut, keys):
+            cut -= step
+        return n if cut <= start or cut - a.last_snapshot < step else cut - start
+
+    def record_admission(self, num_tokens: int, cached: int) -> None:
+        """Count one admitted request of `num_tokens` tokens of which `cached` came from the prefix cache."""
+        st = self.prefix_stats
+        st["queries"] += 1
+        st["query_tokens"] += num_tokens
+        st["hits"] += cached > 0
+        st["hit_tokens"] += cached
+
+    def prefix_metrics(self) -> dict:
+        """Prefix-cache gauges and counters ({} when it is off): prefix_cache_hit_rate (cached / looked-up tokens
+        of admitted requests), prefix_cache_hit_tokens, prefix_cache_query_tokens, prefix_cache_tokens (tokens
+        whose latents snapshots hold now), snapshots_in_use, snapshot_pool_bytes (rows in use x bytes per row),
+        latent_blocks_cached (blocks only snapshots hold), snapshots_taken, snapshot_evictions."""
+        if self.index is None:
+            return {}
+        st = self.prefix_stats
+        return {"prefix_cache_hit_rate": st["hit_tokens"] / st["query_tokens"] if st["query_tokens"] else 0.0,
+                "prefix_cache_hit_tokens": st["hit_tokens"], "prefix_cache_query_tokens": st["query_tokens"],
+                "prefix_cache_tokens": self._cached_tokens, "snapshots_in_use": len(self.index),
+                "snapshot_pool_bytes": len(self.index) * self.snapshots.bytes_per_row,
+                "latent_blocks_cached": self._reclaimable, "snapshots_taken": st["snapshots_taken"],
+                "snapshot_evictions": st["evictions"]}
 
     # -- views --
     def slot(self, rid: str) -> int:
@@ -326,8 +559,52 @@ class HybridCache:
                 self.pools[l][name] = t
 
     def check_consistent(self) -> None:
-        """Assert the no-leak invariant: every slot/block >= 1 is free or owned by exactly one request."""
+        """Assert the bookkeeping invariants (between steps): every slot >= 1 is free or owned by exactly one
+        request; every block >= 1 is free or held, and its hold counts equal the request tables and snapshots that
+        list it; no request lists a block twice; a block a request will still write into (from its partial block
+        on) is held by that request alone; a snapshot's partial block by that snapshot alone; snapshot rows are free
+        or used by exactly one snapshot."""
         slots = list(self._free_slots) + [a.slot for a in self._allocs.values()]
-        blocks = list(self._free_blocks) + [b for a in self._allocs.values() for b in a.blocks]
-        if sorted(slots) != list(range(1, self.num_slots)) or sorted(blocks) != list(range(1, self.num_blocks)):
-            raise AssertionError("cache bookkeeping broken: slots/blocks leaked or doubly owned")
+        if sorted(slots) != list(range(1, self.num_slots)):
+            raise AssertionError("cache bookkeeping broken: slots leaked or doubly owned")
+        holders, cached = [0] * self.num_blocks, [0] * self.num_blocks
+        B = self.block_size
+        for rid, a in self._allocs.items():
+            if len(set(a.blocks)) != len(a.blocks) or a.num_tokens > len(a.blocks) * B:
+                raise AssertionError(f"request {rid}: block table {a.blocks} repeats a block or is too short")
+            for b in a.blocks:
+                holders[b] += 1
+        snaps = list(self.index.entries.values()) if self.index is not None else []
+        for s in snaps:
+            if len(s.blocks) != math.ceil(s.length / B):
+                raise AssertionError(f"snapshot at {s.length}: {len(s.blocks)} blocks")
+            for b in s.blocks:
+                cached[b] += 1
+        free = list(self._free_blocks)
+        if len(set(free)) != len(free) or any(holders[b] or cached[b] for b in free) or 0 in free:
+            raise AssertionError("cache bookkeeping broken: a free block is held, listed twice, or the sentinel")
+        held = {b for b in range(1, self.num_blocks) if holders[b] or cached[b]}
+        if held | set(free) != set(range(1, self.num_blocks)):
+            raise AssertionError("cache bookkeeping broken: blocks leaked (neither free nor held)")
+        if holders != self._holders or cached != self._cached:
+            raise AssertionError("cache bookkeeping broken: block hold counts differ from the tables and snapshots")
+        if self._reclaimable != sum(1 for b in range(self.num_blocks) if not holders[b] and cached[b]):
+            raise AssertionError("cache bookkeeping broken: reclaimable block count")
+        for rid, a in self._allocs.items():
+            for b in a.blocks[a.num_tokens // B:]:
+                if holders[b] != 1 or cached[b]:
+                    raise AssertionError(f"request {rid}: block {b} it will write into is shared")
+        for s in snaps:
+            if s.length % B and (holders[s.blocks[-1]] or cached[s.blocks[-1]] != 1):
+                raise AssertionError(f"snapshot at {s.length}: its partial block {s.blocks[-1]} is shared")
+        if self.index is not None:
+            rows = list(self._free_rows) + [s.row for s in snaps]
+            if sorted(rows) != list(range(self.snapshots.rows)):
+                raise AssertionError("cache bookkeeping broken: snapshot rows leaked or doubly used")
+            if self._cached_tokens != sum(self._valid[b] for b in range(self.num_blocks) if cached[b]):
+                raise AssertionError("cache bookkeeping broken: cached token count")
+
+
+def _copy_rows(caches: list[torch.Tensor], src: int, dst: int, rows: int) -> None:
+    """cache[dst, :rows] <- cache[src, :rows] for every latent pool, in place."""
+    copy_tensors([c[dst, :rows] for c in caches], [c[src, :rows] for c in caches])

@@ -658,6 +658,9 @@ class TensorRTExecutor(GraphExecutor):
                 t = torch.empty(shape, dtype=self._TORCH[spec["dtype"]], device=self.device)
             ctx.set_tensor_address(name, t.data_ptr())
             outs[name] = t
+        # the cache's in-place copies (prefix-cache restores and snapshots) and the input copies above run on the
+        # current stream: the engine's stream must see them
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         if not ctx.execute_async_v3(self.stream.cuda_stream):
             raise RuntimeError(f"TensorRT execution of {g['id']} failed")
         self.stream.synchronize()

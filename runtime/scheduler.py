@@ -33,6 +33,14 @@ step launched meanwhile, whose output is dropped. Any other step (prefill chunks
 the step in flight first and runs synchronously, as does a step whose launch fails. `step()` returns the requests
 it launched; their tokens arrive with the next step (`run_until_done` books the last one).
 
+With prefix caching (`HybridCache(num_snapshots > 0)`, docs/PREFIX_CACHING.md) admission first restores the
+deepest published snapshot of the request's tokens (`_admit`), prefill chunks end at the periodic snapshot
+positions (`_align_chunk`), and after a completed step the requests standing at one are snapshotted
+(`_publish_snapshots`), as is every request that finishes normally (`_cache_finished`), at the end of its prompt +
+reply, where the next turn of a conversation resumes. An image's rows are keyed by its content hash (its span of
+pad positions is a content key); a restored prefix that holds an image never runs the tower for it. Requests
+asking for prompt logprobs compute their whole prompt (no lookup).
+
 Events go to each request's `on_token(token_id | None, finished, error)` callback. When the params ask for
 them, a token's logprob (and top alternatives) is on the Request (`logprobs[-1]`, `top_logprobs[-1]`) before its
 callback fires, and a prefill chunk fills `prompt_logprobs` for the prompt tokens it predicts (logits of every
@@ -49,6 +57,7 @@ import torch
 
 from k3deploy.model.reference import Batch
 from k3deploy.runtime.cache import HybridCache
+from k3deploy.runtime.prefix_cache import check_content_keys
 from k3deploy.runtime.sampling import (NON_FINITE, SamplingParams, ban, make_generator, sample, sample_batch,
                                        token_logprobs, validate_prompt)
 
@@ -62,7 +71,10 @@ class Request:
     """One request's scheduling state. all_ids = prompt + output; num_computed = leading tokens of all_ids in
     the cache; prefill_end = len(all_ids) when it was (re)admitted (tokens before it go through prefill).
     With params.logprobs: logprobs[i] / top_logprobs[i] ([(id, logprob)]) of output token i. With
-    params.prompt_logprobs: prompt_logprobs[i] / prompt_top_logprobs[i] of prompt token i (None for i = 0)."""
+    params.prompt_logprobs: prompt_logprobs[i] / prompt_top_logprobs[i] of prompt token i (None for i = 0).
+    content_keys: (start, end, digest) spans folded into its prefix-cache keys (runtime/prefix_cache.py; its
+    images' spans with their content hashes first); num_cached_tokens: prompt tokens restored from the prefix
+    cache at its first admission."""
 
     request_id: str
     prompt_ids: list[int]
@@ -84,6 +96,9 @@ class Request:
     pad_positions: list[int] = dataclasses.field(default_factory=list)   # prompt positions of the image rows
     image_ends: list[int] = dataclasses.field(default_factory=list)      # image k owns pad_positions[ends[k-1]:ends[k]]
     image_rows: dict = dataclasses.field(default_factory=dict)           # k -> cached features [N_k, d]
+    content_keys: tuple = ()
+    num_cached_tokens: int = 0
+    admissions: int = 0
 
     def image_span(self, k: int) -> tuple[int, int]:
         """Indices into pad_positions of image k's rows."""
@@ -95,6 +110,11 @@ class Request:
         if lo >= hi:
             return []
         return list(range(bisect.bisect_right(self.image_ends, lo), bisect.bisect_right(self.image_ends, hi - 1) + 1))
+
+    def image_keys(self) -> list[tuple[int, int, str]]:
+        """(first, last + 1, content hash) of each image's pad positions: its prefix-cache content keys."""
+        return [(self.pad_positions[a], self.pad_positions[b - 1] + 1, im.content_hash)
+                for im, (a, b) in ((im, self.image_span(k)) for k, im in enumerate(self.images))]
 
     @property
     def all_ids(self) -> list[int]:
@@ -189,11 +209,13 @@ class Scheduler:
         return ids
 
     def add(self, request_id: str, prompt_ids, params: SamplingParams, on_token: OnToken | None = None,
-            images=None) -> Request:
+            images=None, content_keys=None) -> Request:
         """Validate (`check`) and queue a request. images: its runtime.vision.ProcessedImage list, the prompt
-        pre-expanded (each image's `<|media_pad|>` repeated image.num_tokens times, runtime.vision.prepare_images).
-        Raises ValueError naming the field (prompt_ids, request_id, images, max_tokens or another SamplingParams
-        field); nothing is queued then."""
+        pre-expanded (each image's `<|media_pad|>` repeated image.num_tokens times, runtime.vision.prepare_images);
+        their content hashes key the prefix cache over their pad positions. content_keys: more (start, end, digest)
+        spans of the prompt whose tokens stand for content hashed to digest, folded into the prefix-cache keys
+        (runtime.prefix_cache.check_content_keys). Raises ValueError naming the field (prompt_ids, request_id,
+        images, content_keys, max_tokens or another SamplingParams field); nothing is queued then."""
         ids = self.check(prompt_ids, params)
         imgs: list = []
         if images is not None:
@@ -213,6 +235,8 @@ class Scheduler:
             req.images, req.pad_positions = imgs, [i for i, t in enumerate(ids) if t == pad]
             for im in imgs:
                 req.image_ends.append((req.image_ends[-1] if req.image_ends else 0) + im.num_tokens)
+        images_keys = req.image_keys() if self.cache.prefix_caching else []     # hashing pixels only when used
+        req.content_keys = check_content_keys(images_keys + list(content_keys or ()), len(ids))
         self._arrivals += 1
         self.requests[request_id] = req
         self.waiting.append(req)
@@ -238,8 +262,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def metrics(self) -> dict:
+        """Slots and blocks in use (blocks: held by requests or cached prefixes), the step counters and, with
+        prefix caching, `HybridCache.prefix_metrics`."""
         return {"kda_slots_in_use": self.cache.slots_in_use, "latent_blocks_in_use": self.cache.blocks_in_use,
-                **self.stats}
+                **self.stats, **self.cache.prefix_metrics()}
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prefix (requests in flight keep their own state); returns how many snapshots."""
+        return self.cache.reset_prefix_cache()
 
     # ---- internals ------------------------------------------------------------------------------------
     def _notify(self, req: Request, token: int | None, finished: bool, error: str | None) -> None:
@@ -251,6 +281,8 @@ class Scheduler:
             log.exception("on_token callback of request %s raised", req.request_id)
 
     def _finish(self, req: Request, reason: str, error: str | None, notify_token: int | None) -> None:
+        if reason in ("stop", "length"):
+            self._cache_finished(req)
         self.cache.free(req.request_id)
         if req in self.running:
             self.running.remove(req)
@@ -271,6 +303,54 @@ class Scheduler:
         self.waiting.sort(key=lambda r: r.arrival)
         self.stats["preemptions"] += 1
 
+    def _cache_finished(self, req: Request) -> None:
+        """Snapshot a request that finished normally at its last computed token (prompt + reply but the last
+        sampled token): where the next turn of the conversation resumes. Cancelled or failed requests are not, nor
+        is one with a row in the overlapped step in flight (its state already holds one more token)."""
+        if self._inflight is not None and req in self._inflight.rows:
+            return
+        if self.cache.prefix_caching and req.status == "running" and req.request_id in self.cache:
+            self.cache.publish(req.request_id, req.token_slice, final=True, keys=req.content_keys)
+
+    def _publish_snapshots(self, group: list[tuple[Request, int]]) -> None:
+        """After a step completed: snapshot every running request of `group` that stands at a periodic snapshot
+        position (its chunk was cut there by `_align_chunk`)."""
+        if not self.cache.prefix_caching:
+            return
+        for req, _ in group:
+            if req.status == "running" and req.num_computed % self.cache.snapshot_interval == 0:
+                self.cache.publish(req.request_id, req.token_slice, keys=req.content_keys)
+
+    def _align_chunk(self, req: Request, n: int) -> int:
+        """The request's next prefill chunk of at most n tokens, cut at a periodic snapshot position (prefix caching,
+        `HybridCache.chunk_end`) so that a step ends exactly there."""
+        return self.cache.chunk_end(req.request_id, n, req.content_keys)
+
+    def _admit(self, req: Request, budget: int) -> int:
+        """Give the first waiting request `req` a slot, restoring its deepest cached prefix (prefix caching; not for
+        requests that want prompt logprobs), and reserve its first chunk of at most `budget` tokens; returns the chunk's tokens, or 0 when it does not fit
+        (nothing stays allocated then)."""
+        rid = req.request_id
+        snap = None
+        if req.prompt_logprobs is None:                # prompt logprobs need every prompt position computed
+            snap = self.cache.lookup(rid, req.token_slice, req.num_tokens, req.content_keys)
+        self.cache.allocate(rid, snap)
+        cached = snap.length if snap is not None else 0
+        n = self._align_chunk(req, min(req.num_tokens - cached, budget, self.cache.room(rid)))
+        if n <= 0:
+            self.cache.free(rid)
+            return 0
+        self.waiting.pop(0)
+        req.status, req.num_computed, req.prefill_end = "running", cached, req.num_tokens
+        if not req.admissions:
+            req.num_cached_tokens = min(cached, len(req.prompt_ids))
+        req.admissions += 1
+        if self.cache.prefix_caching:
+            self.cache.record_admission(req.num_tokens, cached)
+        self.running.append(req)
+        self.cache.append(rid, n)
+        return n
+
     def _plan(self, budget: int) -> list[tuple[Request, int]]:
         """Choose (request, tokens) for this step and reserve their cache room."""
         plan: list[tuple[Request, int]] = []
@@ -283,7 +363,7 @@ class Scheduler:
                 i += 1                                 # its token in flight ends it (length): no next row
                 continue
             rid = req.request_id
-            n = 1 if req.is_decode else min(req.num_tokens - req.num_computed, budget)
+            n = 1 if req.is_decode else self._align_chunk(req, min(req.num_tokens - req.num_computed, budget))
             while not self.cache.can_append(rid, n):
                 room = self.cache.room(rid)
                 if not req.is_decode and room > 0:
@@ -303,14 +383,11 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.max_batch and self.cache.free_slots
                and self.waiting[0].request_id not in preempted):
             req = self.waiting[0]
-            n = min(req.num_tokens, budget, self.cache.room(None))
+            if min(req.num_tokens, budget, self.cache.room(None)) <= 0:
+                break
+            n = self._admit(req, budget)
             if n <= 0:
                 break
-            self.waiting.pop(0)
-            self.cache.allocate(req.request_id)
-            req.status, req.num_computed, req.prefill_end = "running", 0, req.num_tokens
-            self.running.append(req)
-            self.cache.append(req.request_id, n)
             plan.append((req, n))
             budget -= n
         return plan
@@ -464,6 +541,7 @@ class Scheduler:
                 log.exception("finishing request %s failed", req.request_id)
                 if req.status != "finished":
                     self._finish(req, "error", f"{type(e).__name__}: {e}", notify_token=None)
+        self._publish_snapshots(group)
 
     def _sample(self, group: list[tuple[Request, int]], rows: list[int], last: list[int], logits
                 ) -> tuple[dict[int, int | str], dict[int, tuple]]:

@@ -22,7 +22,8 @@ Outputs (batch 1, beam 1): ``output_ids [1, 1, n]``, ``sequence_length [1, 1]``;
 ``num_top_logprobs`` ``top_log_prob_ids`` / ``top_log_probs [1, 1, n, k]``; with ``return_prompt_log_probs``
 ``prompt_log_probs [1, L]`` (NaN for the first token) and, with ``num_top_logprobs``,
 ``prompt_top_log_prob_ids`` / ``prompt_top_log_probs [1, L, k]`` (in the first response); ``finish_reason [1, 1]``
-("stop" | "length") in the last response.
+("stop" | "length") and ``num_cached_tokens [1, 1]`` (prompt tokens served from the runtime's prefix cache, 0 when it
+is off; docs/PREFIX_CACHING.md) in the last response.
 
 * ``streaming=true``: one response per token; the last token's response carries the FINAL flag (a cancelled
   request ends with an empty FINAL response);
@@ -40,12 +41,14 @@ KDA slot and latent blocks; the FINAL flag is still sent. Bad requests and runti
 nothing raised here escapes ``execute`` or the callbacks.
 
 Custom metrics (``pb_utils.MetricFamily``, label ``model``): gauges ``k3_kda_slots_in_use``,
-``k3_latent_blocks_in_use``, ``k3_max_requests_per_step``, ``k3_active_requests``; counters
-``k3_tokens_generated``, ``k3_preemptions``, ``k3_steps``. Updated by the watcher thread, which the token
+``k3_latent_blocks_in_use``, ``k3_max_requests_per_step``, ``k3_active_requests`` and, with prefix caching,
+``k3_prefix_cache_hit_rate``, ``k3_prefix_cache_tokens``, ``k3_snapshot_pool_bytes``, ``k3_latent_blocks_cached``;
+counters ``k3_tokens_generated``, ``k3_preemptions``, ``k3_steps``, ``k3_prefix_cache_hit_tokens``. Updated by the watcher thread, which the token
 callback wakes after every token.
 
 Config parameters (string values): ``project_root`` (prepended to ``sys.path``), ``model_path``,
-``backend``, ``max_batch``, ``max_num_tokens``, ``max_context``, ``vocab_size`` (optional).
+``backend``, ``max_batch``, ``max_num_tokens``, ``max_context``, ``vocab_size`` (optional),
+``enable_prefix_caching`` ("true": ``LLM(enable_prefix_caching=True)``).
 """
 
 from __future__ import annotations
@@ -286,6 +289,8 @@ def _tokens_response(st: "_Stream", tokens: list[int], first: int, final_reason:
                                 (1, len(lp), st.top_logprobs))
     if final_reason is not None:
         out.append(pb_utils.Tensor("finish_reason", np.asarray([[final_reason.encode()]], dtype=np.object_)))
+        out.append(pb_utils.Tensor("num_cached_tokens", np.asarray([[getattr(req, "num_cached_tokens", 0) or 0]],
+                                                                   dtype=np.int32)))
     return pb_utils.InferenceResponse(output_tensors=out)
 
 
@@ -362,6 +367,8 @@ class TritonPythonModel:
                 kwargs[key] = params[key]
         if params.get("cuda_graphs", "").lower() == "true":
             kwargs["cuda_graphs"] = True
+        if params.get("enable_prefix_caching", "").lower() == "true":
+            kwargs["enable_prefix_caching"] = True
         _log("info", f"k3: loading {model_path} with {kwargs}")
         self.llm = LLM(model_path, **kwargs)
         self.engine = self.llm.start()
@@ -407,11 +414,16 @@ class TritonPythonModel:
             for key, desc in (("kda_slots_in_use", "KDA state slots held by requests"),
                               ("latent_blocks_in_use", "MLA latent-cache blocks held by requests"),
                               ("max_requests_per_step", "Most requests the scheduler ran in one step"),
-                              ("active_requests", "Requests submitted and not yet finished")):
+                              ("active_requests", "Requests submitted and not yet finished"),
+                              ("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / looked up"),
+                              ("prefix_cache_tokens", "Tokens whose latents the prefix cache holds"),
+                              ("snapshot_pool_bytes", "Bytes of KDA snapshots the prefix cache holds"),
+                              ("latent_blocks_cached", "MLA latent-cache blocks held only by the prefix cache")):
                 self._gauges[key] = family(f"k3_{key}", desc, G)
             for key, desc in (("tokens_generated", "Tokens generated"),
                               ("preemptions", "Requests preempted by the scheduler"),
-                              ("steps", "Scheduler steps")):
+                              ("steps", "Scheduler steps"),
+                              ("prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache")):
                 self._counters[key] = family(f"k3_{key}", desc, C)
         except Exception as e:  # noqa: BLE001 - metrics disabled on the server, or an old backend
             _log("warn", f"k3: custom metrics unavailable ({e}); serving without them")

@@ -16,7 +16,8 @@ for ``onnxruntime``/``tensorrt``). The backend comes from ``DIR/manifest.json`` 
 else ``--backend``, else ``torch``. The config carries parameters ``project_root`` (prepended to ``sys.path``
 in the stub so ``import runtime`` works), ``model_path``, ``backend``, ``max_batch``, ``max_num_tokens``,
 ``max_context``, when given ``device`` / ``ops`` / ``cuda_graphs`` (torch backend on a GPU: ``--device cuda
---ops kernels --cuda-graphs``) and, when
+--ops kernels --cuda-graphs``), ``enable_prefix_caching`` (``--enable-prefix-caching``: the runtime reuses cached
+prefixes, docs/PREFIX_CACHING.md; ``k3deploy build --enable-prefix-caching`` writes it too) and, when
 ``DIR/config.json`` names it, ``vocab_size`` (used to reject out-of-range ids early).
 
 Every written ``config.pbtxt`` is parsed back with the ModelConfig protobuf shipped in ``tritonclient``
@@ -80,6 +81,7 @@ OUTPUTS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
     ("prompt_top_log_prob_ids", "TYPE_INT32", (-1, -1)),
     ("prompt_top_log_probs", "TYPE_FP32", (-1, -1)),
     ("finish_reason", "TYPE_STRING", (1,)),
+    ("num_cached_tokens", "TYPE_INT32", (1,)),  # with the final response: prompt tokens served from the prefix cache
 )
 
 # The text model: TensorRT-LLM's ensemble / tensorrt_llm_bls names (serve/text_model.py).
@@ -250,7 +252,8 @@ def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backe
                      max_context: Optional[int] = None, instance_count: int = 1,
                      project_root: str | pathlib.Path = PROJECT_ROOT, overwrite: bool = False,
                      device: Optional[str] = None, ops: Optional[str] = None,
-                     cuda_graphs: bool = False, dense_dtype: Optional[str] = None) -> pathlib.Path:
+                     cuda_graphs: bool = False, dense_dtype: Optional[str] = None,
+                     enable_prefix_caching: bool = False) -> pathlib.Path:
     """Write ``out/<name>/config.pbtxt`` and ``out/<name>/1/model.py``; return the config's path. When ``engines``
     holds a tokenizer (``tiktoken.model``, found as ``runtime.api.resolve_model_dir`` finds it) the text model
     ``out/k3_text`` (serve/text_model.py, TensorRT-LLM's ensemble names) is written beside it, calling ``<name>``.
@@ -258,6 +261,7 @@ def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backe
     parameters the model passes to ``LLM(device=..., ops=...)``; omitted = the runtime's defaults (CPU).
     ``cuda_graphs`` becomes ``LLM(cuda_graphs=True)`` (decode steps replayed from CUDA graphs; CUDA, ops "kernels").
     ``dense_dtype`` ("float32" / "bfloat16") becomes ``LLM(dense_dtype=...)`` (torch backend).
+    ``enable_prefix_caching`` becomes ``LLM(enable_prefix_caching=True)`` (every backend; docs/PREFIX_CACHING.md).
 
     Raises:
         RepositoryError: ``engines`` is not a directory, the backend is unknown, a limit is < 1, ``device`` is
@@ -320,6 +324,7 @@ def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backe
         "ops": ops,
         "cuda_graphs": "true" if cuda_graphs else None,
         "dense_dtype": dense_dtype,
+        "enable_prefix_caching": "true" if enable_prefix_caching else None,
     }
     text = render_config(name, params, instance_count)
     validate_config(text, name, where=str(model_dir / "config.pbtxt"))
@@ -386,6 +391,9 @@ def main(argv: Optional[Sequence[str]] = None, prog: str | None = None) -> int:
     p.add_argument("--dense-dtype", choices=list(DENSE_DTYPES), default=None, type=dense_dtype_name,
                    help="LLM(dense_dtype=...) of the torch backend: dense weights and GEMMs, float32 (fp32) or "
                         "bfloat16 (bf16) (default float32; bfloat16 to deploy)")
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="LLM(enable_prefix_caching=True): reuse the KDA state and latent blocks of prefixes earlier "
+                        "requests computed (multi-turn chats, shared system prompts; docs/PREFIX_CACHING.md)")
     p.add_argument("--force", action="store_true", help="replace an existing OUT/<name>")
     args = p.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
@@ -393,7 +401,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: str | None = None) -> int:
         path = write_repository(args.engines, args.out, args.backend, name=args.name, max_batch=args.max_batch,
                                 max_num_tokens=args.max_num_tokens, max_context=args.max_context,
                                 instance_count=args.instances, overwrite=args.force, device=args.device,
-                                ops=args.ops, cuda_graphs=args.cuda_graphs, dense_dtype=args.dense_dtype)
+                                ops=args.ops, cuda_graphs=args.cuda_graphs, dense_dtype=args.dense_dtype,
+                                enable_prefix_caching=args.enable_prefix_caching)
     except RepositoryError as e:
         LOGGER.error("%s", e)
         return 2

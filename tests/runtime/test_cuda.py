@@ -159,17 +159,17 @@ _STABLE: dict = {}
 
 
 def stable_prompts(model: K3Model, count: int, lengths, n_tokens: int, trials, thr: float, seed: int = 7,
-                   candidates: int = 12) -> list[list[int]]:
-    """The `count` most stable of `candidates` random prompts (lengths cycled): stability = the worst rel. error of
-    the teacher-forced logits of the CPU greedy path (n_tokens) under every Emulated(rel, seed, bf16) of `trials`
-    (infinite when an argmax changes); each chosen one must stay below `thr`. Cached per arguments."""
-    key = (id(model), count, tuple(lengths), n_tokens, tuple(trials), thr, seed, candidates)
+                   candidates: int = 12, prefix: tuple = ()) -> list[list[int]]:
+    """The `count` most stable of `candidates` random prompts (lengths cycled, after `prefix`): stability = the worst
+    rel. error of the teacher-forced logits of the CPU greedy path (n_tokens) under every Emulated(rel, seed, bf16)
+    of `trials` (infinite when an argmax changes); each chosen one must stay below `thr`. Cached per arguments."""
+    key = (id(model), count, tuple(lengths), n_tokens, tuple(trials), thr, seed, candidates, tuple(prefix))
     if key in _STABLE:
         return _STABLE[key]
     g = torch.Generator().manual_seed(seed)
     scored = []
     for i in range(candidates):
-        p = torch.randint(3, model.cfg.vocab_size, (lengths[i % len(lengths)],), generator=g).tolist()
+        p = list(prefix) + torch.randint(3, model.cfg.vocab_size, (lengths[i % len(lengths)],), generator=g).tolist()
         toks = greedy_path(model, p, n_tokens)
         ref = teacher_forced(model, p, toks)
         worst = 0.0
@@ -448,6 +448,31 @@ def test_cuda_graph_decode_equals_eager_on_gpu(micro_ckpt, micro_model):
 
 
 @pytest.mark.gpu
+@cuda_only
+def test_prefix_caching_with_kernels_and_cuda_graphs_on_gpu(micro_ckpt, micro_model):
+    """LLM(enable_prefix_caching=True) with the in-place kernels and CUDA-graph decode: the second turns restore
+    the first turn's end snapshot (copies outside the graphs, into the captured pools) and give the tokens of
+    caching off and of the CPU reference; the cache stays consistent."""
+    from k3deploy.runtime.api import LLM, SamplingParams
+    p1 = stable_prompts(micro_model, 1, [40], 6, KERNEL_TRIALS, 5e-2, seed=31)[0]
+    r1 = greedy_path(micro_model, p1, 6)
+    p2 = stable_prompts(micro_model, 2, [9, 13], 4, KERNEL_TRIALS, 5e-2, seed=32, prefix=tuple(p1 + r1))
+    kw = dict(device=DEV, ops="kernels", max_batch=4, max_num_tokens=64, max_context=128, block_size=16,
+              cuda_graphs=True)
+    got = {}
+    for caching in (False, True):
+        extra = dict(enable_prefix_caching=True, snapshot_interval=32) if caching else {}
+        with LLM(micro_ckpt, **kw, **extra) as llm:
+            a = llm.generate([p1], SamplingParams(max_tokens=6, ignore_eos=True))
+            b = llm.generate(p2, SamplingParams(max_tokens=4, ignore_eos=True))
+            got[caching] = [o.token_ids for o in a + b]
+            if caching:
+                assert [o.num_cached_tokens for o in b] == [len(p1) + 5] * 2
+                assert llm.executor.graphs.replays > 0
+            llm.cache.check_consistent()
+    assert got[True] == got[False] == [r1] + [greedy_path(micro_model, p, 4) for p in p2]
+
+
 @cuda_only
 def test_bf16_dense_weights_on_gpu_graphs_equal_eager(micro_ckpt):
     """dense_dtype="bfloat16" on the GPU with the kernels: bf16 cuBLAS GEMMs for the projections, the decode step

@@ -66,6 +66,7 @@ class StreamResult:
         self.final = False
         self.error: str | None = None
         self.results: list = []
+        self.num_cached_tokens: int | None = None
 
 
 def grpc_stream(url: str, model: str, fields: dict, *, cancel_after: int | None = None,
@@ -92,6 +93,10 @@ def grpc_stream(url: str, model: str, fields: dict, *, cancel_after: int | None 
                 break
             resp = result.get_response()
             final = resp.parameters["triton_final_response"].bool_param
+            cached = result.as_numpy("num_cached_tokens")
+            if cached is not None:
+                assert final and cached.size == 1, "num_cached_tokens comes with the final response, one value"
+                res.num_cached_tokens = int(cached.reshape(-1)[0])
             if resp.outputs:
                 out = result.as_numpy("output_ids")
                 if out is not None:             # (the text model answers text_output)
@@ -398,13 +403,17 @@ def test_repository_writer_config_validates(tmp_path):
             "temperature", "input_lengths", "return_log_probs", "stop"} <= set(ins)
     outs = {o.name: list(o.dims) for o in cfg.output}
     assert {"output_ids": [-1, -1], "sequence_length": [-1], "cum_log_probs": [-1],
-            "output_log_probs": [-1, -1]}.items() <= outs.items()
+            "output_log_probs": [-1, -1], "num_cached_tokens": [1]}.items() <= outs.items()
     params = {k: v.string_value for k, v in cfg.parameters.items()}
     assert params["backend"] == "onnxruntime" and params["model_path"] == str(engines.resolve())
     assert params["project_root"] == str(ROOT) and params["vocab_size"] == "321" and params["max_batch"] == "4"
     assert (cfg_path.parent / "1" / "model.py").read_text() == (ROOT / "serve" / "model.py").read_text()
     assert repo_mod.validate_repository(tmp_path / "repo") == [cfg_path]
-    assert "cuda_graphs" not in params and "device" not in params
+    assert "cuda_graphs" not in params and "device" not in params and "enable_prefix_caching" not in params
+    assert repo_mod.main(["--engines", str(engines), "--out", str(tmp_path / "repo10"), "--backend", "onnxruntime",
+                          "--enable-prefix-caching"]) == 0
+    assert 'key: "enable_prefix_caching" value: { string_value: "true" }' in \
+        (tmp_path / "repo10" / "k3" / "config.pbtxt").read_text()
     gpu_cfg = repo_mod.write_repository(engines, tmp_path / "repo2", "torch", device="cuda", ops="kernels",
                                         cuda_graphs=True, dense_dtype="bfloat16")
     cfg = model_config_pb2.ModelConfig()
@@ -513,7 +522,7 @@ def k3(request, tmp_path_factory):
     if request.param == "runtime":
         ckpt = request.getfixturevalue("tiny_ckpt")
         repo = tmp_path_factory.mktemp("k3_runtime") / "repo"
-        repo_mod.write_repository(ckpt, repo, "torch", max_batch=8)
+        repo_mod.write_repository(ckpt, repo, "torch", max_batch=8, enable_prefix_caching=True)
         llm = api.LLM(str(ckpt), backend="torch", max_batch=8)
         vocab = repo_mod.discover_vocab_size(ckpt)
     else:
@@ -643,7 +652,9 @@ def test_k3_cancel_frees_slot(k3):
     assert len(res.tokens) >= 2 and not res.final
     assert in_flight["slots"] >= 1
     assert wait_metric(k3.server, "k3_kda_slots_in_use", lambda v: v == 0) == 0
-    assert wait_metric(k3.server, "k3_latent_blocks_in_use", lambda v: v == 0) == 0
+    # no block held by a request (the runtime variant caches prefixes: blocks only the cache holds stay in use)
+    cached = read_metric(k3.server, "k3_latent_blocks_cached") or 0
+    assert wait_metric(k3.server, "k3_latent_blocks_in_use", lambda v: v == cached) == cached
     ok = grpc_stream(k3.server.grpc_url, "k3", _req([4, 4], 2))
     assert ok.error is None and ok.tokens == k3.expected([4, 4], 2)
 
@@ -762,3 +773,23 @@ def test_k3_bad_inputs_get_error_and_server_keeps_serving(k3):
     ok = grpc_stream(k3.server.grpc_url, "k3", _req([7, 7, 7], 3))
     assert ok.error is None and ok.tokens == k3.expected([7, 7, 7], 3)
     assert "k3: watcher error" not in k3.server.log_text()
+
+
+def test_k3_num_cached_tokens_with_the_final_response(k3):
+    """The second turn of a conversation reports the prompt tokens served from the prefix cache in its final
+    response (the runtime variant's repository enables prefix caching; the build's does not: 0), streaming or not,
+    with the tokens of a run without caching; the hit shows in the metrics."""
+    first = list(range(40, 70))
+    res = grpc_stream(k3.server.grpc_url, "k3", _req(first, 4, end_id=one(-1)))
+    assert res.error is None and res.num_cached_tokens == 0
+    second = first + res.tokens + [9, 8]
+    want = k3.expected_no_eos(second, 3)
+    for streaming in (True, False):
+        r2 = grpc_stream(k3.server.grpc_url, "k3", _req(second, 3, streaming=one(streaming, np.bool_),
+                                                       end_id=one(-1)))
+        assert r2.error is None and r2.tokens == want
+        assert r2.num_cached_tokens == (len(first) + 3 if k3.kind == "runtime" else 0), streaming
+    if k3.kind == "runtime":
+        assert wait_metric(k3.server, "k3_prefix_cache_hit_tokens", lambda v: v >= 33) >= 33
+        assert 0 < wait_metric(k3.server, "k3_prefix_cache_hit_rate", lambda v: v > 0) < 1
+        assert wait_metric(k3.server, "k3_snapshot_pool_bytes", lambda v: v > 0) > 0

@@ -1,0 +1,617 @@
+"""Prefix caching (runtime/prefix_cache.py, HybridCache, Scheduler; docs/PREFIX_CACHING.md): a cache hit behaves
+like a miss.
+
+Bit-exact equality needs the same arithmetic on both sides. The CPU reference's GEMMs round a row differently
+for different row counts (below ~16 rows), and the absorbed MLA decode differs from the prefill, so a batched run
+with caching on (other chunks, restored state computed by an earlier request's decode steps) differs from one
+with caching off in the last bits. The equality tests' executor therefore runs every token alone, as a one-token prefill of
+its sequence: each token's logits are then a function of its id, its position and the state before it, and a
+hit that restores the right state (KDA recurrent state + conv history, latent blocks) gives bit-identical logits,
+while a wrong snapshot position, a stale conv history, a mis-copied partial block or an overwritten shared block
+changes them. The scheduler, the cache and the prefix index do not know the executor is serial (`RecordingExecutor`). The batched
+executor is compared too (tokens equal, logits close).
+"""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
+                                 run_state_machine_as_test)
+
+from k3deploy.model.config import load_config
+from k3deploy.model.reference import Batch
+from k3deploy.runtime.cache import HybridCache, plan_memory
+from k3deploy.runtime.executor import TorchExecutor
+from k3deploy.runtime.prefix_cache import PrefixChain, check_content_keys
+from k3deploy.runtime.sampling import SamplingParams
+from k3deploy.runtime.scheduler import Scheduler
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One intra-op thread (the reference is many small ops) and no denormals (the decaying KDA state)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    yield
+    torch.set_num_threads(threads)
+    torch.set_flush_denormal(False)
+
+
+@pytest.fixture
+def fast_dequant(monkeypatch):
+    """Memoize the MXFP4 dequantization of the reference MoE (the same values, computed once per expert matrix):
+    it is most of a one-token forward's time."""
+    from k3deploy.plugins.moe import reference as moe_ref
+    inner = moe_ref.dequant_mxfp4
+    memo: dict = {}
+
+    def dequant(packed, scale):
+        key = (packed.data_ptr(), scale.data_ptr(), tuple(packed.shape))
+        if key not in memo:
+            memo[key] = (packed, inner(packed, scale))          # keep the tensors alive: their addresses are keys
+        return memo[key][1]
+    monkeypatch.setattr(moe_ref, "dequant_mxfp4", dequant)
+
+
+class RecordingExecutor:
+    """`TorchExecutor` on the CPU reference that records the logits of every sequence's last token by (request id,
+    position) (the scheduler's cache maps slots to requests: `self.sched`, set after the scheduler is built).
+    serial: run every token alone, as a one-token prefill of its sequence, in order (see the module docstring)."""
+
+    def __init__(self, model, serial: bool = True):
+        self.inner, self.serial = TorchExecutor(model), serial
+        self.cfg, self.tp, self.act_dtype, self.device = model.cfg, 1, torch.float32, model.device
+        self.sched = None
+        self.logits: dict[tuple[str, int], torch.Tensor] = {}
+
+    def _record(self, rid: str, pos: int, row: torch.Tensor) -> None:
+        if self.serial and (rid, pos) in self.logits:      # a recompute after preemption: the same bits
+            assert torch.equal(self.logits[(rid, pos)], row), (rid, pos)
+        self.logits[(rid, pos)] = row
+
+    def forward(self, ids, batch, pools, logits_index, image_rows=None):
+        assert image_rows is None, "text only"
+        cache = self.sched.cache
+        owner = {cache.slot(r): r for r in self.sched.requests if r in cache}
+        cu = batch.cu_seqlens.tolist()
+        if not self.serial:
+            logits, pools = self.inner.forward(ids, batch, pools, logits_index)
+            for n, row in enumerate(logits):               # the scheduler asks for each sequence's last token
+                self._record(owner[int(batch.slots[n])], int(batch.context_lens[n]) + cu[n + 1] - cu[n] - 1, row)
+            return logits, pools
+        last = []
+        for n in range(len(cu) - 1):
+            rid, ctx = owner[int(batch.slots[n])], int(batch.context_lens[n])
+            for j in range(cu[n + 1] - cu[n]):
+                one = Batch(torch.tensor([0, 1], dtype=torch.int32), batch.slots[n:n + 1],
+                            batch.block_tables[n:n + 1], torch.tensor([ctx + j], dtype=torch.int32))
+                logits, pools = self.inner.forward(ids[cu[n] + j: cu[n] + j + 1], one, pools,
+                                                   torch.zeros(1, dtype=torch.long))
+                self._record(rid, ctx + j, logits[0])
+            last.append(logits[0])
+        rows = {c - 1: n for n, c in enumerate(cu[1:])}
+        return torch.stack([last[rows[int(i)]] for i in logits_index]), pools
+
+
+def make(model, *, caching: bool, serial: bool = True, max_batch=3, block_size=4, num_blocks=65, interval=8,
+         snapshots=8, max_context=96, max_num_tokens=16):
+    cache = HybridCache(model.cfg, max_batch + 1, num_blocks, block_size, max_context=max_context,
+                        num_snapshots=snapshots if caching else 0, snapshot_interval=interval if caching else None)
+    ex = RecordingExecutor(model, serial)
+    sched = Scheduler(ex, cache, max_batch, max_num_tokens, eos_token_id=-1)
+    ex.sched = sched
+    return sched
+
+
+class Run:
+    """The tokens every request of one scheduler generated."""
+
+    def __init__(self, sched):
+        self.sched, self.tokens = sched, {}
+
+    def add(self, rid, prompt, n, keys=None):
+        self.tokens[rid] = []
+
+        def on_token(tok, finished, error):
+            assert error is None, error
+            if tok is not None:
+                self.tokens[rid].append(tok)
+        return self.sched.add(rid, prompt, SamplingParams(max_tokens=n, ignore_eos=True), on_token, content_keys=keys)
+
+
+def shared_contents(cache: HybridCache) -> dict:
+    """{snapshot: (its blocks' latent rows in every MLA layer, its KDA rows)}: what no one may write while it
+    lives."""
+    out = {}
+    for snap in cache.index.entries.values():
+        lat = [cache.pools[l]["cache"][list(snap.blocks)].clone() for l in cache.mla_layers]
+        kda = [cache.snapshots.pools[l][n][snap.row].clone() for l in cache.kda_layers for n in ("state", "conv")]
+        out[snap] = (lat, kda)
+    return out
+
+
+MAX_PROMPT = 40
+TOTALS = {"hit_tokens": 0, "partial_hits": 0, "evictions": 0, "preemptions": 0, "cancels": 0}
+
+
+def machine(model):
+    """The conversation-tree state machine over `model` (caching on vs off, both with the serial RecordingExecutor)."""
+
+    class PrefixCacheMachine(RuleBasedStateMachine):
+        def __init__(self):
+            super().__init__()
+            self.on, self.off = Run(make(model, caching=True)), Run(make(model, caching=False))
+            cache, allocate = self.on.sched.cache, self.on.sched.cache.allocate
+
+            def counting_allocate(rid, snapshot=None):        # count restores that copy a partial block
+                TOTALS["partial_hits"] += snapshot is not None and snapshot.length % cache.block_size != 0
+                return allocate(rid, snapshot)
+            cache.allocate = counting_allocate
+            self.prompts: dict[str, list[int]] = {}
+            self.n = 0
+            self.shared = {}
+
+        def _submit(self, data, parent: list[int]):
+            rnd = random.Random(data.draw(st.integers(0, 2 ** 16), label="seed"))
+            fresh = [rnd.randrange(3, model.cfg.vocab_size) for _ in range(data.draw(st.integers(1, 12), label="new"))]
+            prompt = (parent + fresh)[-MAX_PROMPT:] if len(parent) < MAX_PROMPT else parent[:MAX_PROMPT - 1] + fresh[:1]
+            rid = f"r{self.n}"
+            self.n += 1
+            self.prompts[rid] = prompt
+            n = data.draw(st.integers(1, 5), label="max_tokens")
+            for run in (self.on, self.off):
+                run.add(rid, prompt, n)
+            self.step(data.draw(st.integers(1, 12), label="budget"), data.draw(st.integers(0, 6), label="steps"))
+
+        def _finished(self) -> list[str]:
+            return [r for r in self.prompts if r not in self.on.sched.requests]
+
+        @initialize(data=st.data())
+        def first(self, data):
+            self._submit(data, [])
+
+        @precondition(lambda self: len(self.on.sched.requests) < 5 and self._finished())
+        @rule(data=st.data())
+        def next_turn(self, data):
+            """The next turn of a finished conversation: its prompt + reply + new tokens."""
+            rid = data.draw(st.sampled_from(self._finished()))
+            self._submit(data, self.prompts[rid] + self.on.tokens[rid])
+
+        @precondition(lambda self: len(self.on.sched.requests) < 5)
+        @rule(data=st.data())
+        def branch(self, data):
+            """A prompt sharing a prefix of random length with an earlier prompt or reply (or nothing)."""
+            seqs = [p for p in self.prompts.values()] + [self.prompts[r] + t for r, t in self.on.tokens.items()]
+            parent = data.draw(st.sampled_from(seqs))
+            self._submit(data, parent[:data.draw(st.integers(0, len(parent)), label="cut")])
+
+        @rule(budget=st.integers(1, 12), steps=st.integers(1, 4))
+        def step(self, budget, steps):
+            for _ in range(steps):
+                for run in (self.on, self.off):
+                    run.sched.step(token_budget=budget)
+
+        @precondition(lambda self: self.on.sched.requests)
+        @rule(data=st.data())
+        def cancel(self, data):
+            if data.draw(st.integers(0, 2)):                  # rarer than the other rules
+                return
+            rid = data.draw(st.sampled_from(sorted(self.on.sched.requests)))
+            TOTALS["cancels"] += 1
+            for run in (self.on, self.off):
+                run.sched.cancel(rid)
+
+        @precondition(lambda self: self.on.sched.running)
+        @rule(data=st.data())
+        def preempt(self, data):
+            if data.draw(st.integers(0, 1)):
+                return
+            rid = data.draw(st.sampled_from(sorted(r.request_id for r in self.on.sched.running)))
+            for run in (self.on, self.off):
+                req = run.sched.requests.get(rid)
+                if req is not None and req.status == "running":
+                    run.sched._preempt(req)
+
+        @invariant()
+        def cache_invariants(self):
+            cache = self.on.sched.cache
+            cache.check_consistent()
+            self.off.sched.cache.check_consistent()
+            now = shared_contents(cache)
+            for snap, (lat, kda) in now.items():
+                if snap in self.shared:                      # the same snapshot lived through the step: unchanged
+                    old_lat, old_kda = self.shared[snap]
+                    assert all(torch.equal(a, b) for a, b in zip(lat, old_lat)), f"shared block written: {snap}"
+                    assert all(torch.equal(a, b) for a, b in zip(kda, old_kda)), f"snapshot row written: {snap}"
+            self.shared = {s: self.shared.get(s, c) for s, c in now.items()}
+
+        def teardown(self):
+            for run in (self.on, self.off):
+                run.sched.run_until_done()
+            self.cache_invariants()
+            on_l, off_l = self.on.sched.executor.logits, self.off.sched.executor.logits
+            for rid, prompt in self.prompts.items():
+                a, b = self.on.tokens[rid], self.off.tokens[rid]
+                k = min(len(a), len(b))                       # a cancel may cut the runs at different lengths
+                assert a[:k] == b[:k], f"{rid}: tokens {a} (caching on) != {b} (off)"
+                for i in range(k):                            # the logits that chose each token
+                    pos = len(prompt) - 1 + i
+                    assert torch.equal(on_l[(rid, pos)], off_l[(rid, pos)]), f"{rid}: logits at {pos} differ"
+            common = on_l.keys() & off_l.keys()
+            assert all(torch.equal(on_l[k], off_l[k]) for k in common)
+            cache = self.on.sched.cache
+            st_ = cache.prefix_stats
+            TOTALS["hit_tokens"] += st_["hit_tokens"]
+            TOTALS["evictions"] += st_["evictions"]
+            TOTALS["preemptions"] += self.on.sched.stats["preemptions"]
+            assert cache.slots_in_use == 0 and self.off.sched.cache.blocks_in_use == 0
+            cache.reset_prefix_cache()
+            assert cache.blocks_in_use == 0 and not len(cache.index) and cache.prefix_metrics()["prefix_cache_tokens"] == 0
+            cache.check_consistent()
+
+    return PrefixCacheMachine
+
+
+def test_caching_on_equals_off_bit_exact_random_conversation_trees(micro_model, fast_dequant):
+    """Random conversation trees (prompts sharing prefixes of random lengths with earlier prompts and replies),
+    random chunk budgets, preemptions and cancels: caching on gives every request the tokens and logits of caching
+    off, bit for bit; after every step the cache invariants hold and no snapshot's blocks or KDA rows changed; the
+    pools are empty once the requests ended and the cache is reset."""
+    for k in TOTALS:
+        TOTALS[k] = 0
+    run_state_machine_as_test(machine(micro_model), settings=settings(
+        max_examples=8, stateful_step_count=30, deadline=None, derandomize=True, database=None,
+        suppress_health_check=list(HealthCheck)))
+    # the examples exercised what they are for
+    assert all(TOTALS.values()), TOTALS
+
+
+# ---- keys, chain and content keys (the image hook) ------------------------------------------------------------
+
+def test_content_keys_are_validated_naming_the_field():
+    assert check_content_keys(None, 10) == ()
+    assert check_content_keys([(4, 8, "b"), (0, 2, b"a")], 10) == ((0, 2, b"a"), (4, 8, b"b"))
+    for bad, why in (([(0, 11, "x")], "0 <= start < end <= 10"), ([(3, 3, "x")], "start < end"),
+                     ([(0, 2, "")], "non-empty"), ([(0, 2)], "triple"), ([(0, 4, "a"), (3, 6, "b")], "overlap"),
+                     (5, "list of"), ([(True, 2, "x")], "token positions")):
+        with pytest.raises(ValueError, match="content_keys") as e:
+            check_content_keys(bad, 10)
+        assert why in str(e.value)
+
+
+def test_chain_digests_tokens_and_content():
+    toks = list(range(3, 40))
+    sl = lambda a, b: toks[a:b]                                  # noqa: E731
+    a, b = PrefixChain(4), PrefixChain(4)
+    assert a.base(5, sl) == b.base(5, sl) and a.key(21, sl) == b.key(21, sl)
+    assert len({a.key(n, sl)[0] for n in range(1, 30)}) == 29          # every length has its own key
+    other = toks[:6] + [999] + toks[7:]
+    c = PrefixChain(4)
+    osl = lambda x, y: other[x:y]                                # noqa: E731
+    assert c.base(1, osl) == a.base(1, sl) and all(c.base(k, osl) != a.base(k, sl) for k in range(2, 6))
+    img1, img2 = PrefixChain(4, [(9, 13, b"cat")]), PrefixChain(4, [(9, 13, b"dog")])
+    assert img1.base(2, sl) == a.base(2, sl)                     # blocks before the image are shared
+    assert img1.base(3, sl) != img2.base(3, sl) != a.base(3, sl)
+    assert img1.base(3, sl) == PrefixChain(4, [(9, 13, b"cat")]).base(3, sl)
+
+
+def test_images_share_state_only_with_the_same_content(micro_model):
+    """Content keys: a prompt whose image placeholder tokens carry another content hash misses; the same hash
+    hits; no snapshot position lies inside a span (the match stops before the image)."""
+    sched = make(micro_model, caching=True, serial=False, interval=8, max_context=64, snapshots=16)
+    rng = random.Random(5)
+    prompt = [rng.randrange(3, 1000) for _ in range(30)]
+    run = Run(sched)
+    run.add("cat", prompt, 3, [(12, 20, "cat")])
+    sched.run_until_done()
+    positions = sorted(s.length for s in sched.cache.index.entries.values())
+    assert positions == [8, 24, 32]                  # every 8 tokens and the end (32 = 30 + 3 - 1); 16 is in the image
+    turn = prompt + run.tokens["cat"] + [7, 8, 9]
+    for rid, keys, cached in (("dog", [(12, 20, "dog")], 8), ("cat2", [(12, 20, "cat")], 32), ("none", None, 8),
+                              ("inside", [(12, 20, "cat"), (30, 34, "x")], 24)):
+        req = run.add(rid, turn, 2, keys)
+        sched.run_until_done()
+        assert req.num_cached_tokens == cached, rid
+    sched.cache.check_consistent()
+
+
+# ---- the cache alone: restore, publish, eviction, accounting ------------------------------------------------
+
+def test_restore_copies_state_and_partial_block_and_evicts_lru(micro_cfg):
+    cache = HybridCache(micro_cfg, 3, 9, 4, num_snapshots=2, snapshot_interval=8)
+    toks = list(range(3, 40))
+    sl = lambda a, b: toks[a:b]                                  # noqa: E731
+    kda, mla = cache.kda_layers[0], cache.mla_layers[0]
+    cache.allocate("a")
+    cache.append("a", 8)
+    cache.pools[kda]["state"][1] = 1.5
+    assert cache.publish("a", sl)                               # block aligned while running: ok
+    cache.append("a", 2)
+    assert not cache.publish("a", sl)                           # 10 tokens: a running request keeps writing block 2
+    cache.pools[kda]["state"][1] = 2.5
+    cache.pools[mla]["cache"][cache.blocks("a")[2], :2] = 7.0
+    assert cache.publish("a", sl, final=True)                   # the end of a finished request: any length
+    blocks = cache.blocks("a")
+    cache.free("a")
+    cache.check_consistent()
+    assert cache.blocks_in_use == 3 and cache.available_blocks == 8 and cache.prefix_metrics()["prefix_cache_tokens"] == 10
+    snap = cache.lookup("b", sl, 12)
+    assert snap.length == 10
+    cache.allocate("b", snap)
+    assert cache.num_tokens("b") == 10 and cache.blocks("b")[:2] == blocks[:2] and cache.blocks("b")[2] != blocks[2]
+    assert torch.equal(cache.pools[mla]["cache"][cache.blocks("b")[2], :2], cache.pools[mla]["cache"][blocks[2], :2])
+    assert (cache.pools[kda]["state"][cache.slot("b")] == 2.5).all()
+    cache.check_consistent()
+    assert cache.lookup("c", sl, 10).length == 8                # at most num_tokens - 1 tokens are reused
+    assert cache.lookup("d", lambda a, b: [5] * (b - a), 12) is None
+    # a third snapshot evicts the least recently used one (10: the lookup of "c" used 8 after it)
+    cache.append("b", 6)
+    assert cache.publish("b", sl)
+    assert sorted(s.length for s in cache.index.entries.values()) == [8, 16]
+    assert cache.prefix_stats["evictions"] == 1
+    cache.free("b")
+    # blocks held only by snapshots are available: taking them evicts snapshots
+    cache.allocate("e")
+    cache.append("e", 32)                                       # all 8 blocks
+    assert not len(cache.index) and cache.prefix_stats["evictions"] == 3
+    cache.free("e")
+    cache.check_consistent()
+    assert cache.blocks_in_use == 0 and cache.reset_prefix_cache() == 0
+
+
+def test_snapshot_interval_and_sizes_are_validated(micro_cfg):
+    with pytest.raises(ValueError, match="snapshot_interval = 6: must be a positive multiple of the latent block size 4"):
+        HybridCache(micro_cfg, 3, 9, 4, num_snapshots=2, snapshot_interval=6)
+    with pytest.raises(ValueError, match="num_snapshots = -1"):
+        HybridCache(micro_cfg, 3, 9, 4, num_snapshots=-1)
+    assert HybridCache(micro_cfg, 3, 9, 64, num_snapshots=1).snapshot_interval == 1024
+    assert HybridCache(micro_cfg, 3, 9, 48, num_snapshots=1).snapshot_interval == 1056
+
+
+def test_memory_plan_budgets_the_snapshot_pool():
+    """K3 (MODEL.md §9): one snapshot = one request's KDA state + conv history per rank: 414.0 + 14.6 MiB at TP=1,
+    51.8 + 1.8 MiB at TP=8, computed by plan_memory from the config; the pool is budgeted before the blocks."""
+    cfg = load_config("k3")
+    for tp, state_mib, total_mib in ((1, "414.0", "428.6"), (8, "51.8", "53.6")):
+        p = plan_memory(cfg, tp, tp, None, max_batch=8, max_context=8192, block_size=64, num_snapshots=16)
+        assert f"{p.kda_state_bytes / MiB:.1f}" == state_mib
+        assert p.snapshot_pool_bytes == 16 * p.kda_bytes_per_request and f"{p.kda_bytes_per_request / MiB:.1f}" == total_mib
+        assert p.total_bytes == p.slot_pool_bytes + p.block_pool_bytes + p.snapshot_pool_bytes
+        assert "snapshot pool" in p.table() and f"{p.snapshot_pool_bytes:,} B" in p.table()
+    budget = 80 << 30
+    off = plan_memory(cfg, 8, 8, budget, max_batch=64, max_context=131_072, block_size=64)
+    on = plan_memory(cfg, 8, 8, budget, max_batch=64, max_context=131_072, block_size=64, num_snapshots=128)
+    assert on.num_slots == off.num_slots and on.total_bytes <= budget
+    assert on.total_bytes + on.block_bytes > budget                # the snapshots took exactly their bytes of blocks
+    assert off.num_blocks - on.num_blocks in (on.snapshot_pool_bytes // on.block_bytes,
+                                              math.ceil(on.snapshot_pool_bytes / on.block_bytes))
+    with pytest.raises(ValueError, match="snapshot pool"):
+        plan_memory(cfg, 1, 1, 40 << 30, max_batch=8, max_context=8192, block_size=64, num_snapshots=100)
+
+
+# ---- fixed conversations: k3-tiny bit-exact (serial), batched close ----------------------------------------
+
+def conversations(sched) -> tuple[Run, dict[str, list[int]]]:
+    """Three users sharing a 24-token system prompt (the second and third arrive once the first's prefill passed
+    16 tokens), then each user's second turn (prompt + reply + a new message), then a branch from the middle of the
+    first reply. Returns (run, prompts)."""
+    rng = random.Random(11)
+    words = lambda n: [rng.randrange(3, 1000) for _ in range(n)]           # noqa: E731
+    system = words(24)
+    run, prompts = Run(sched), {}
+    for u in range(3):
+        prompts[f"u{u}"] = system + words(3 + 4 * u)
+        run.add(f"u{u}", prompts[f"u{u}"], 4)
+        while u == 0 and sched.requests["u0"].num_computed < 16:
+            sched.step()
+    sched.run_until_done()
+    for u in range(3):
+        prompts[f"u{u}t2"] = prompts[f"u{u}"] + run.tokens[f"u{u}"] + words(5)
+        run.add(f"u{u}t2", prompts[f"u{u}t2"], 3)
+    prompts["branch"] = prompts["u0"] + run.tokens["u0"][:2] + words(2)
+    run.add("branch", prompts["branch"], 3)
+    sched.run_until_done()
+    return run, prompts
+
+
+@pytest.mark.parametrize("serial", [True, False], ids=["serial-bit-exact", "batched"])
+def test_conversations_on_k3_tiny(tiny_model, fast_dequant, serial):
+    """k3-tiny (9 layers, AttnRes, grouped top-k MoE): caching on gives the tokens of caching off; the logits that
+    chose them are bit-identical with the serial executor and within fp32 rounding batched; the later turns
+    reused the system prompt (periodic snapshot at 16) and the first turns' replies (end snapshots)."""
+    kw = dict(serial=serial, max_batch=3, block_size=8, num_blocks=1 + 3 * 8, interval=16, snapshots=12,
+              max_context=64, max_num_tokens=20)
+    on, off = make(tiny_model, caching=True, **kw), make(tiny_model, caching=False, **kw)
+    (a, prompts), (b, _) = conversations(on), conversations(off)
+    assert a.tokens == b.tokens
+    for rid, p in prompts.items():
+        for i in range(len(a.tokens[rid])):
+            x, y = on.executor.logits[(rid, len(p) - 1 + i)], off.executor.logits[(rid, len(p) - 1 + i)]
+            if serial:
+                assert torch.equal(x, y), (rid, i)
+            else:
+                torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+    st_ = on.cache.prefix_stats      # u1, u2 and the branch resume at 16, each second turn after its first reply
+    assert (st_["hits"], st_["hit_tokens"]) == (6, 3 * 16 + sum(len(prompts[f"u{u}"]) + 3 for u in range(3)))
+    on.cache.check_consistent()
+    assert on.cache.reset_prefix_cache() and on.cache.blocks_in_use == 0 and on.cache.slots_in_use == 0
+
+
+# ---- the API, the onnxruntime backend, TP ---------------------------------------------------------------------
+
+def _two_turns(llm, p1, n=4):
+    sp = SamplingParams(max_tokens=n, ignore_eos=True)
+    o1 = llm.generate([p1], sp)[0]
+    p2 = p1 + o1.token_ids + [5, 6, 7]
+    return o1, p2, llm.generate([p2], sp)[0]
+
+
+def test_llm_enable_prefix_caching(tiny_ckpt):
+    """LLM(enable_prefix_caching=True): the second turn resumes after the first reply (num_cached_tokens), gives
+    caching off's tokens; metrics; content keys through the engine; reset empties the pools; bad arguments name
+    themselves; memory_budget budgets the snapshot pool."""
+    from k3deploy.runtime.api import LLM
+    kw = dict(max_batch=2, max_num_tokens=32, max_context=128)
+    for bad, msg in ((dict(snapshot_interval=32), "snapshot_interval = 32: only used with enable_prefix_caching"),
+                     (dict(enable_prefix_caching=True, num_snapshots=0), "num_snapshots = 0"),
+                     (dict(enable_prefix_caching=True, snapshot_interval=24), "snapshot_interval = 24: must be a "
+                                                                              "positive multiple of the latent block size 16"),
+                     (dict(enable_prefix_caching="yes"), "enable_prefix_caching = 'yes'")):
+        with pytest.raises(ValueError, match=msg):
+            LLM(tiny_ckpt, **kw, **bad)
+    p1 = list(range(10, 30))
+    off = LLM(tiny_ckpt, **kw)
+    assert "prefix_cache_hit_rate" not in off.metrics()
+    _, p2, want = _two_turns(off, p1)
+    llm = LLM(tiny_ckpt, enable_prefix_caching=True, snapshot_interval=32, **kw)
+    assert llm.cache.snapshots.rows == 4 and llm.cache.snapshot_interval == 32
+    o1, _, o2 = _two_turns(llm, p1)
+    assert o1.num_cached_tokens == 0 and o2.num_cached_tokens == len(p1) + len(o1.token_ids) - 1
+    assert o2.token_ids == want.token_ids and o2.num_cached_tokens < len(p2)
+    m = llm.metrics()
+    assert m["prefix_cache_hit_tokens"] == o2.num_cached_tokens and 0 < m["prefix_cache_hit_rate"] < 1
+    assert m["snapshot_pool_bytes"] == m["snapshots_in_use"] * llm.cache.snapshots.bytes_per_row > 0
+    assert m["latent_blocks_in_use"] == m["latent_blocks_cached"] > 0 and m["prefix_cache_tokens"] > 0
+    eng = llm.start()
+    done = []
+    r = eng.submit("img", p2, SamplingParams(max_tokens=2), lambda t, f, e: f and done.append(e),
+                   content_keys=[(0, 4, "sha256:ab")])
+    with pytest.raises(ValueError, match="content_keys"):
+        eng.submit("bad", p2, SamplingParams(max_tokens=2), content_keys=[(0, 99, "x")])
+    while not done:
+        eng.metrics()
+    assert done == [None] and r.num_cached_tokens == 0        # other content: no shared prefix at all
+    assert llm.reset_prefix_cache() > 0
+    m = llm.metrics()
+    assert m["latent_blocks_in_use"] == m["snapshots_in_use"] == m["kda_slots_in_use"] == 0
+    llm.shutdown()
+    budget = LLM(tiny_ckpt, enable_prefix_caching=True, num_snapshots=3, memory_budget=4 << 20, **kw)
+    assert budget.plan.num_snapshots == 3 and budget.cache.snapshots.rows == 3
+    assert budget.plan.snapshot_pool_bytes == 3 * budget.cache.snapshots.bytes_per_row
+
+
+def test_onnxruntime_backend_with_prefix_caching(tiny_build_tp1):
+    """The onnxruntime backend (per-layer graphs take the pools as inputs and return new ones): the restored slot
+    and copied blocks live in the cache's pools like the torch backend's; caching on gives caching off's tokens."""
+    from k3deploy.runtime.api import LLM
+    out, r = tiny_build_tp1
+    assert r.returncode == 0, r.stderr[-3000:]
+    kw = dict(backend="onnxruntime", max_batch=2, max_num_tokens=32, max_context=256)
+    p1 = list(range(40, 110))
+    o1, p2, o2 = _two_turns(LLM(out, enable_prefix_caching=True, snapshot_interval=64, **kw), p1)
+    _, _, want = _two_turns(LLM(out, **kw), p1)
+    assert o2.token_ids == want.token_ids and o2.num_cached_tokens == len(p1) + len(o1.token_ids) - 1
+
+
+TP_SCRIPT = """
+import json, sys
+from k3deploy.runtime.api import LLM, SamplingParams
+from k3deploy.runtime.distributed import init_from_env, shutdown
+rank, world = init_from_env("cpu")
+llm = LLM(sys.argv[1], max_batch=2, max_num_tokens=16, max_context=96, enable_prefix_caching=True, snapshot_interval=16,
+          num_snapshots=3)
+decisions = []
+publish = llm.cache.publish
+llm.cache.publish = lambda rid, *a, **k: decisions.append(("publish", rid, llm.cache.num_tokens(rid),
+                                                           publish(rid, *a, **k))) or decisions[-1][-1]
+sp = SamplingParams(max_tokens=3, ignore_eos=True)
+hist, outs = list(range(5, 25)), []
+for turn in range(3):
+    o = llm.generate([hist, hist[:18] + [9, 9]], sp)
+    outs.append([[x.token_ids, x.num_cached_tokens] for x in o])
+    hist = hist + o[0].token_ids + [7 + turn]
+    decisions.append(("evictions", llm.cache.prefix_stats["evictions"]))
+json.dump({"outs": outs, "decisions": decisions}, open(sys.argv[2] + f".{rank}", "w"))
+llm.executor.close()
+shutdown()
+"""
+
+
+def test_tp2_ranks_take_identical_decisions(tiny_ckpt, tmp_path):
+    """TP=2 over gloo (one process per rank): both ranks publish, hit and evict the same snapshots, and generate
+    the same tokens as TP=1 with caching off."""
+    import subprocess
+    import sys
+    from k3deploy.runtime.api import LLM
+    from pathlib import Path
+    script = tmp_path / "tp.py"
+    script.write_text(TP_SCRIPT)
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        str(script), str(tiny_ckpt), str(tmp_path / "out")], capture_output=True, text=True,
+                       cwd=root, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    import json
+    a, b = (json.loads((tmp_path / f"out.{k}").read_text()) for k in (0, 1))
+    assert a == b
+    assert any(d[0] == "publish" and d[-1] for d in a["decisions"]) and a["decisions"][-1][1] > 0
+    assert a["outs"][1][0][1] > 0                                   # the second turn hit
+    off = LLM(tiny_ckpt, max_batch=2, max_num_tokens=16, max_context=96)
+    hist = list(range(5, 25))
+    for turn in range(3):
+        o = off.generate([hist, hist[:18] + [9, 9]], SamplingParams(max_tokens=3, ignore_eos=True))
+        assert [x.token_ids for x in o] == [t for t, _ in a["outs"][turn]], turn
+        hist = hist + o[0].token_ids + [7 + turn]
+
+
+def test_build_plan_with_prefix_caching(capsys, tmp_path):
+    """`k3deploy plan --enable-prefix-caching` (build --dry-run) budgets the runtime's default snapshot pool:
+    2 x max_batch rows of one request's KDA state + conv history."""
+    from k3deploy.cli import main
+    from k3deploy.export.build_engines import parse_args
+    from k3deploy.export.plan import make_plan
+    assert parse_args(["--enable-prefix-caching"]).enable_prefix_caching and not parse_args([]).enable_prefix_caching
+    cfg = load_config("k3-tiny")
+    p = make_plan(cfg, 2, 2, max_batch=8, max_context=4096, prefix_caching=True)
+    assert p.memory.num_snapshots == 16 and p.memory.snapshot_pool_bytes == 16 * p.kda_bytes_per_request
+    assert make_plan(cfg, 2, 2, max_batch=8, max_context=4096).memory.num_snapshots == 0
+    import json
+    from k3deploy.model.config import preset_json
+    (tmp_path / "config.json").write_text(json.dumps(preset_json("k3-tiny")))      # a config-only checkpoint
+    assert main(["plan", "--checkpoint", str(tmp_path), "--enable-prefix-caching"]) == 0
+    assert "snapshot pool           16 x KDA total" in capsys.readouterr().out
+
+
+def test_images_key_the_cache_by_content(tiny_vl_ckpt):
+    """k3-tiny-vl with two images: the second turn resumes after the first reply without running the tower, with
+    caching off's tokens; the same token ids with other pixels resume only before the first image."""
+    import numpy as np
+    from PIL import Image
+
+    from k3deploy.runtime.api import LLM
+    from k3deploy.runtime.vision import process_image
+    PAD, BEGIN, CONTENT, END = 789, 786, 787, 788
+    prompt = [5, 6, BEGIN, 7, 8, CONTENT, PAD, END] + list(range(20, 40)) + [BEGIN, 10, CONTENT, PAD, END, 11, 12]
+
+    def pictures(llm, seed):
+        rng = np.random.default_rng(seed)
+        return [process_image(Image.fromarray(rng.integers(0, 256, (16, 30, 3), dtype=np.uint8)), llm.processor),
+                process_image(Image.fromarray(rng.integers(0, 256, (44, 60, 3), dtype=np.uint8)), llm.processor)]
+    kw = dict(max_batch=2, max_num_tokens=64, max_context=128)
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    outs = {}
+    for caching in (False, True):
+        llm = LLM(tiny_vl_ckpt, **kw, **(dict(enable_prefix_caching=True, snapshot_interval=16) if caching else {}))
+        ids, imgs = llm.prepare_images(prompt, pictures(llm, 0))
+        first = llm.generate([ids], sp, images=[imgs])[0]
+        turn = ids + first.token_ids + [50, 51]
+        calls = []
+        enc = llm.executor.encode_images
+        llm.executor.encode_images = lambda px, g: calls.append(len(g)) or enc(px, g)
+        second = llm.generate([turn], sp, images=[imgs])[0]
+        _, other = llm.prepare_images(prompt, pictures(llm, 1))
+        third = llm.generate([turn], sp, images=[other])[0]
+        outs[caching] = (first.token_ids, second.token_ids, third.token_ids)
+        if caching:
+            pad0 = ids.index(PAD)
+            assert second.num_cached_tokens == len(ids) + len(first.token_ids) - 1, (second.num_cached_tokens, len(ids))
+            assert sum(calls) == 2 and third.num_cached_tokens <= pad0, (calls, third.num_cached_tokens)  # `third` only
+    assert outs[True] == outs[False]
