@@ -26,13 +26,15 @@ from typing import Any, Iterable, Sequence
 Segment = tuple[str, bool]          # (text, special): special text is one special token's name
 
 OPEN, CLOSE, SEP, END = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
-MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD = "<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>"
+MEDIA_BEGIN, MEDIA_CONTENT = "<|media_begin|>", "<|media_content|>"
+MEDIA_END, MEDIA_PAD = "<|media_end|>", "<|media_pad|>"
 IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"     # where an image goes in plain text (VISION.md §8.1)
 THINKING_EFFORTS = ("low", "high", "max")
 ROLES = ("system", "user", "assistant", "tool")
 
 __all__ = ["encode_chat", "encode_chat_images", "render_chat", "thinking_enabled", "image_segments", "image_source",
-           "media_segments", "text_image_segments", "OutputParser", "parse_output", "merge_deltas", "Segment", "THINKING_EFFORTS"]
+           "media_segments", "text_image_segments", "OutputParser", "parse_output", "merge_deltas", "Segment",
+           "THINKING_EFFORTS"]
 
 
 # ---- segments ---------------------------------------------------------------------------------------------

@@ -200,7 +200,8 @@ def test_bad_image_is_400_naming_the_part(env, url, needle):
     url = url or data_url(_over_the_pixel_limit())
     msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(A)}}]},
             {"role": "assistant", "content": "ok"},
-            {"role": "user", "content": [{"type": "text", "text": "and"}, {"type": "image_url", "image_url": {"url": url}}]}]
+            {"role": "user", "content": [{"type": "text", "text": "and"},
+                                         {"type": "image_url", "image_url": {"url": url}}]}]
     for stream in (False, True):
         with pytest.raises(openai.BadRequestError) as e:
             env.client.chat.completions.create(stream=stream, **greedy(msgs))
