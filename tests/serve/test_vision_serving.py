@@ -80,14 +80,17 @@ class _Images(http.server.BaseHTTPRequestHandler):
         pass
 
 
+def loader(proc):
+    """encode_chat_images' loader for the tests' data: URLs: the processed image (runtime.vision.process_image)."""
+    return lambda source, field: process_image(base64.b64decode(source.split(",", 1)[1]), proc, field)
+
+
 class Env:
     def __init__(self, urls, llm):
         self.urls, self.llm, self.tok, self.proc = urls, llm, llm.tokenizer, llm.processor
         self.pad = llm.cfg.vision.media_placeholder_token_id
         self.client = openai.OpenAI(base_url=urls["openai"], api_key="none", max_retries=0, timeout=WAIT_S)
-
-    def load(self, source, field):
-        return process_image(base64.b64decode(source.split(",", 1)[1]), self.proc, field)
+        self.load = loader(self.proc)
 
     def expected(self, ids, images, n=N):
         """The runtime's greedy tokens for a pre-expanded prompt and its processed images."""
@@ -323,3 +326,23 @@ def test_k3_text_takes_images(env):
     assert err is None and "".join(texts) == env.tok.decode(want, skip_special=True)
     _, _, err = stream(env.urls["grpc"], "k3_text", dict(fields, image_bytes_input=np.array([[A]], np.object_)))
     assert err is not None and "text_input" in err
+
+
+# ---- the pipeline's own repository ---------------------------------------------------------------------------
+def test_build_repository_serves_images(tiny_vl_build):
+    """The Triton repository the main job wrote for k3-tiny-vl (onnxruntime over the exported graphs, vision.onnx
+    included) serves a two-image chat through the front: the onnxruntime runtime's answer, usage = the prompt."""
+    from k3deploy.serve.launch import TritonServer
+    out, r = tiny_vl_build
+    assert r.returncode == 0, r.stderr[-3000:]
+    llm = LLM(out, backend="onnxruntime", max_batch=4)
+    h, g, port = free_ports(3)
+    with TritonServer(out / "triton", h, g, exit_timeout=5, startup_timeout=600) as srv, \
+            OpenAIFront(srv.grpc_url, port) as front:
+        client = openai.OpenAI(base_url=front.url, api_key="none", max_retries=0, timeout=WAIT_S)
+        ids, images = encode_chat_images(llm.tokenizer, two_images(), load_image=loader(llm.processor), thinking=False)
+        want = list(llm.generate([ids], SamplingParams(max_tokens=N, temperature=0, ignore_eos=True),
+                                 images=[images])[0].token_ids)
+        got = client.chat.completions.create(**greedy(two_images()))
+        assert got.usage.prompt_tokens == len(ids)
+        assert (got.choices[0].message.content or "") == parse_output(llm.tokenizer, want, thinking=False)["content"]
