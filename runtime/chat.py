@@ -26,11 +26,15 @@ from typing import Any, Iterable, Sequence
 Segment = tuple[str, bool]          # (text, special): special text is one special token's name
 
 OPEN, CLOSE, SEP, END = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
+MEDIA_BEGIN, MEDIA_CONTENT = "<|media_begin|>", "<|media_content|>"
+MEDIA_END, MEDIA_PAD = "<|media_end|>", "<|media_pad|>"
+IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"     # where an image goes in plain text (VISION.md §8.1)
 THINKING_EFFORTS = ("low", "high", "max")
 ROLES = ("system", "user", "assistant", "tool")
 
-__all__ = ["encode_chat", "render_chat", "thinking_enabled", "image_segments", "OutputParser", "parse_output", "merge_deltas",
-           "Segment", "THINKING_EFFORTS"]
+__all__ = ["encode_chat", "encode_chat_images", "render_chat", "thinking_enabled", "image_segments", "image_source",
+           "media_segments", "text_image_segments", "OutputParser", "parse_output", "merge_deltas", "Segment",
+           "THINKING_EFFORTS"]
 
 
 # ---- segments ---------------------------------------------------------------------------------------------
@@ -81,15 +85,56 @@ def _tool_declare(tools: Any, dynamic: bool = False) -> list[Segment]:
     return _open("message", [("role", "system"), ("type", "tool-declare")]) + _text(body) + _close("message") + [(END, True)]
 
 
-def image_segments(part: dict, field: str) -> list[Segment]:
-    """The prompt of one `image` / `image_url` content part: `<|media_begin|>`, `image {W}x{H}`, `<|media_content|>`,
-    N x `<|media_pad|>`, `<|media_end|>` (VISION.md §8). The vision processor provides it; without one this raises
-    ValueError naming `field`."""
-    raise ValueError(f"{field}: image content needs the vision processor, which this deployment does not run; "
-                     "send text content parts only")
+def image_source(part: dict, field: str) -> str:
+    """The image reference of one content part, as OpenAI / vLLM / Hugging Face clients write it:
+    `{"type": "image_url", "image_url": {"url": U}}` (or `"image_url": U`), `{"type": "image", "image": U}` (or
+    `"url": U`, or an `image_url` as above). U is what the caller's loader takes (a `data:` URL, an http(s) URL, ...);
+    OpenAI's `detail` is ignored (the processor's resize plan decides). Raises ValueError naming the missing field."""
+    if part.get("type") == "image" and "image_url" not in part:
+        url, where = part.get("image", part.get("url")), f"{field}.image"
+    else:
+        v = part.get("image_url")
+        url, where = (v.get("url") if isinstance(v, dict) else v), f"{field}.image_url.url"
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"{where}: an image part needs the image as a URL string, e.g. "
+                         "{'type': 'image_url', 'image_url': {'url': 'data:image/png;base64,...'}}")
+    return url
 
 
-def _content(content: Any, field: str) -> list[Segment]:
+def media_segments(width: int, height: int, num_tokens: int) -> list[Segment]:
+    """One image's prompt (VISION.md §8.1, pre-expanded as §8.3): `<|media_begin|>`, the text `image {W}x{H}` (the
+    ORIGINAL size), `<|media_content|>`, `num_tokens` x `<|media_pad|>`, `<|media_end|>`."""
+    return [(MEDIA_BEGIN, True), (f"image {int(width)}x{int(height)}", False), (MEDIA_CONTENT, True),
+            *[(MEDIA_PAD, True)] * int(num_tokens), (MEDIA_END, True)]
+
+
+def text_image_segments(text: str, images, field: str = "text") -> list[Segment]:
+    """`text` as ordinary text with its n-th IMAGE_PLACEHOLDER replaced by the n-th image's `media_segments` (an
+    image has `width`, `height`, `num_tokens`). Raises ValueError naming `field` unless the markers are one per
+    image."""
+    parts = text.split(IMAGE_PLACEHOLDER)
+    if len(parts) - 1 != len(images):
+        raise ValueError(f"{field}: {len(parts) - 1} {IMAGE_PLACEHOLDER} marker(s) for {len(images)} image(s); put "
+                         "one marker where each image goes")
+    out = _text(parts[0])
+    for image, rest in zip(images, parts[1:]):
+        out += media_segments(image.width, image.height, image.num_tokens) + _text(rest)
+    return out
+
+
+def image_segments(part: dict, field: str, load=None) -> list[Segment]:
+    """The prompt of one `image` / `image_url` content part (`media_segments`). `load(source, field)` turns the
+    part's `image_source` into an image with `width`, `height` (original pixels) and `num_tokens` (its
+    `<|media_pad|>` count), e.g. runtime.vision.process_image; it raises ValueError naming `field` for a bad image.
+    Without `load` (no vision processor) this raises ValueError naming `field`."""
+    if load is None:
+        raise ValueError(f"{field}: image content needs the vision processor, which this deployment does not run; "
+                         "send text content parts only")
+    image = load(image_source(part, field), field)
+    return media_segments(image.width, image.height, image.num_tokens)
+
+
+def _content(content: Any, field: str, load=None) -> list[Segment]:
     if content is None:
         return []
     if isinstance(content, str):
@@ -103,7 +148,7 @@ def _content(content: Any, field: str) -> list[Segment]:
             raise ValueError(f"{where}: expected a content part object, got {type(part).__name__}")
         kind = part.get("type")
         if kind in ("image", "image_url"):
-            out += image_segments(part, where)
+            out += image_segments(part, where, load)
         elif kind == "text":
             if not isinstance(part.get("text"), str):
                 raise ValueError(f"{where}.text: a text part needs a string 'text'")
@@ -227,7 +272,7 @@ def _resort_tool_results(items: list[tuple[str, dict]]) -> list[tuple[str, dict]
     return out
 
 
-def _assistant(message: dict, field: str, thinking: bool) -> list[Segment]:
+def _assistant(message: dict, field: str, thinking: bool, load=None) -> list[Segment]:
     out: list[Segment] = []
     if thinking:
         reasoning = message.get("reasoning_content") or message.get("reasoning")
@@ -235,7 +280,7 @@ def _assistant(message: dict, field: str, thinking: bool) -> list[Segment]:
         if reasoning is not None and str(reasoning).strip():
             out += _text(reasoning)
         out += _close("think")
-    out += _open("response") + _content(message.get("content"), f"{field}.content") + _close("response")
+    out += _open("response") + _content(message.get("content"), f"{field}.content", load) + _close("response")
     calls = _calls(message, field)
     if calls:
         out += _open("tools")
@@ -277,9 +322,9 @@ def _response_format_body(rf: Any) -> str | None:
 def render_chat(messages: list, tools: list | None = None, *, thinking: bool | None = None,
                 enable_thinking: bool | None = None, reasoning_effort: str | None = None,
                 thinking_effort: str | None = None, tool_choice: Any = None, response_format: Any = None,
-                add_generation_prompt: bool = True) -> list[Segment]:
-    """The XTML segments of a conversation (CHAT.md §2; arguments as `encode_chat`). Raises ValueError naming the
-    field."""
+                add_generation_prompt: bool = True, load_image=None) -> list[Segment]:
+    """The XTML segments of a conversation (CHAT.md §2; arguments as `encode_chat`; `load_image` as in
+    `image_segments`). Raises ValueError naming the field."""
     on, effort = _options(thinking, enable_thinking, reasoning_effort, thinking_effort)
     if not isinstance(messages, list):
         raise ValueError(f"messages: expected a list of message objects, got {type(messages).__name__}")
@@ -312,7 +357,8 @@ def render_chat(messages: list, tools: list | None = None, *, thinking: bool | N
                 out += _tool_declare(m["tools"], dynamic=True)
                 continue
             attrs = [("role", role)] + ([("name", m["name"])] if m.get("name") else [])
-            out += _open("message", attrs) + _content(m.get("content"), f"{field}.content") + _close("message")
+            out += _open("message", attrs) + _content(m.get("content"), f"{field}.content", load_image)
+            out += _close("message")
             out += [(END, True)]
         elif role == "tool":
             n_tool += 1
@@ -323,12 +369,12 @@ def render_chat(messages: list, tools: list | None = None, *, thinking: bool | N
                 raise ValueError(f"{field}.name: a tool message needs the tool's name: give 'name' (or 'tool'), "
                                  "or a 'tool_call_id' / position matching the preceding assistant's tool_calls")
             out += _open("message", [("role", "tool"), ("tool", name), ("index", n_tool)])
-            out += _content(m.get("content"), f"{field}.content") + _close("message") + [(END, True)]
+            out += _content(m.get("content"), f"{field}.content", load_image) + _close("message") + [(END, True)]
         else:
             calls = [name for name, _, _ in _calls(m, field)] if m.get("tool_calls") else None
             n_tool = 0
             attrs = [("role", "assistant")] + ([("name", m["name"])] if m.get("name") else [])
-            out += _open("message", attrs) + _assistant(m, field, on) + _close("message") + [(END, True)]
+            out += _open("message", attrs) + _assistant(m, field, on, load_image) + _close("message") + [(END, True)]
     if tool_choice == "required":
         out += _system("tool-choice", "The system is invoked with `tool_choice=required`.\n"
                                       "You MUST call tools in the next message.")
@@ -369,6 +415,32 @@ def encode_chat(tokenizer, messages, tools=None, *, thinking=None, enable_thinki
                            tool_choice=tool_choice, response_format=response_format,
                            add_generation_prompt=add_generation_prompt)
     return tokenizer.encode_segments(segments)
+
+
+def encode_chat_images(tokenizer, messages, tools=None, *, load_image, **options) -> tuple[list[int], list]:
+    """A K3 chat prompt with images: (token ids, images in prompt order) (CHAT.md §2, VISION.md §8).
+
+    Args:
+        tokenizer, messages, tools, **options: as `encode_chat` (thinking, enable_thinking, reasoning_effort,
+            thinking_effort, tool_choice, response_format, add_generation_prompt).
+        load_image: `(source, field) -> image` for each `image` / `image_url` part, in prompt order: `source` is the
+            part's `image_source`, `field` names the part (`messages[i].content[j]`); the image has `width`,
+            `height` (original pixels) and `num_tokens`, e.g. `lambda s, f: runtime.vision.process_image(s, proc, f)`.
+            It raises ValueError naming `field` for a bad image.
+    Returns:
+        (ids, images): ids hold each image's block with its `<|media_pad|>` pre-expanded to `num_tokens` copies
+        (what `LLM.generate(..., images=)` takes with the images processed), images = load_image's results.
+    Raises:
+        ValueError: naming the field (as `encode_chat`, or load_image's error).
+    """
+    images: list = []
+
+    def load(source, field):
+        image = load_image(source, field)
+        images.append(image)
+        return image
+    segments = render_chat(messages, tools, load_image=load, **options)
+    return tokenizer.encode_segments(segments), images
 
 
 # ---- output parsing ---------------------------------------------------------------------------------------

@@ -36,11 +36,11 @@ import numpy as np
 import torch
 
 from k3deploy.model.vision import ProcessorConfig, check_placeholders, parse_processor_config
+from k3deploy.runtime.chat import (IMAGE_PLACEHOLDER, MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END,  # noqa: F401
+                                   MEDIA_PAD, text_image_segments)
 
 log = logging.getLogger(__name__)
 
-IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"     # the chat encoder's marker for one image (§8.1)
-MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD = "<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>"
 MAX_IMAGE_PIXELS = 89_478_485        # decoded W x H above this is refused (Pillow's decompression-bomb limit)
 MAX_IMAGE_BYTES = 64 << 20           # encoded bytes (or a data: URL's payload) above this are refused
 
@@ -127,6 +127,20 @@ def _describe(source) -> str:
     return repr(source) if isinstance(source, (str, Path)) else type(source).__name__
 
 
+def data_url_bytes(url: str, name: str = "image") -> bytes:
+    """The payload of a `data:<mime type>;base64,<data>` URL. Raises ImageError (named `name`): not that form, over
+    MAX_IMAGE_BYTES, base64 that does not decode."""
+    head, sep, payload = url.partition(",")
+    if not url.startswith("data:") or not sep or not head.endswith(";base64"):
+        raise ImageError(f"{name}: a data: URL must be 'data:<mime type>;base64,<data>'; got {url[:40]!r}...")
+    if len(payload) * 3 // 4 > MAX_IMAGE_BYTES:
+        raise ImageError(f"{name}: data URL payload over {MAX_IMAGE_BYTES >> 20} MiB; send a smaller image")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ImageError(f"{name}: the data URL's base64 payload does not decode ({e})") from None
+
+
 def load_image(source, name: str = "image"):
     """Decode `source` to a PIL image: a path (str / Path), bytes, a `data:[mime];base64,...` URL or a PIL image
     (returned as is). `name` prefixes the error. Raises ImageError: not decodable, empty, over MAX_IMAGE_BYTES or
@@ -139,15 +153,7 @@ def load_image(source, name: str = "image"):
         if isinstance(source, (bytes, bytearray, memoryview)):
             data = bytes(source)
         elif isinstance(source, str) and source.startswith("data:"):
-            head, sep, payload = source.partition(",")
-            if not sep or not head.endswith(";base64"):
-                raise ImageError(f"{name}: a data: URL must be 'data:<mime type>;base64,<data>'; got {source[:40]!r}...")
-            if len(payload) * 3 // 4 > MAX_IMAGE_BYTES:
-                raise ImageError(f"{name}: data URL payload over {MAX_IMAGE_BYTES >> 20} MiB; send a smaller image")
-            try:
-                data = base64.b64decode(payload, validate=True)
-            except (binascii.Error, ValueError) as e:
-                raise ImageError(f"{name}: the data URL's base64 payload does not decode ({e})") from None
+            data = data_url_bytes(source, name)
         elif isinstance(source, str) and source.split("://")[0].lower() in ("http", "https"):
             raise ImageError(f"{name}: {source[:60]!r} is a remote URL; the runtime does not fetch images: pass the "
                              "image's bytes, a local path or a data: URL")
@@ -271,23 +277,23 @@ def prepare_images(prompt_ids: Sequence[int], sources: Sequence, media_pad_id: i
     return expand_placeholders(prompt_ids, images, media_pad_id), images
 
 
-def build_prompt(tokenizer, text: str, sources: Sequence, media_pad_id: int, proc: ProcessorConfig | None = None,
-                 placeholder: str = IMAGE_PLACEHOLDER) -> tuple[list[int], list[ProcessedImage]]:
-    """Text with one `placeholder` marker per image -> (pre-expanded prompt ids, ProcessedImages): the n-th marker
-    becomes the n-th image's `image_block`, the text is tokenized with special tokens (the tokenizer must map the
-    four media tokens), then each `<|media_pad|>` is expanded. Raises ImageError for a marker / image count
-    mismatch, a bad image, or a tokenizer that does not map `<|media_pad|>` to media_pad_id (§13 Q12)."""
+def build_prompt(tokenizer, text: str, sources: Sequence, media_pad_id: int,
+                 proc: ProcessorConfig | None = None) -> tuple[list[int], list[ProcessedImage]]:
+    """Text with one `<|kimi_image_placeholder|>` marker per image -> (pre-expanded prompt ids, ProcessedImages):
+    the text is ordinary text and the n-th marker becomes the n-th image's block with its `<|media_pad|>` expanded
+    (runtime.chat.text_image_segments; the tokenizer must name the four media tokens). Raises ImageError for a
+    marker / image count mismatch, a bad image, or a tokenizer that does not map `<|media_pad|>` to media_pad_id
+    (§13 Q12)."""
     images = process_images(sources, proc)
-    parts = text.split(placeholder)
-    if len(parts) - 1 != len(images):
-        raise ImageError(f"images: {len(images)} image(s) for {len(parts) - 1} {placeholder} marker(s) in the text; "
+    n = text.count(IMAGE_PLACEHOLDER)
+    if n != len(images):
+        raise ImageError(f"images: {len(images)} image(s) for {n} {IMAGE_PLACEHOLDER} marker(s) in the text; "
                          "put one marker where each image goes")
-    got = tokenizer.encode(MEDIA_PAD)
-    if got != [media_pad_id]:
-        raise ImageError(f"tokenizer: {MEDIA_PAD} encodes to {got}, the model's media_placeholder_token_id is "
+    got = tokenizer.special_ids.get(MEDIA_PAD)
+    if got != media_pad_id:
+        raise ImageError(f"tokenizer: {MEDIA_PAD} is {got}, the model's media_placeholder_token_id is "
                          f"{media_pad_id}; use the checkpoint's tokenizer (tokenizer_config.json special tokens)")
-    text = parts[0] + "".join(image_block(im) + rest for im, rest in zip(images, parts[1:]))
-    return expand_placeholders(tokenizer.encode(text), images, media_pad_id), images
+    return tokenizer.encode_segments(text_image_segments(text, images)), images
 
 
 def load_processor(checkpoint_dir: "str | Path | None" = None, raw: dict | None = None) -> ProcessorConfig:

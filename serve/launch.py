@@ -663,16 +663,18 @@ class OpenAIFront:
 
     Args:
         grpc_url: the Triton gRPC endpoint ``host:port``; port / host: where the front listens (loopback default);
-        api_key / served_model: passed on (``--api-key``, ``--served-model-name``); log_path: its output (default
-            inherited).
+        api_key / served_model / allowed_media_hosts: passed on (``--api-key``, ``--served-model-name``,
+            ``--allowed-media-hosts``); log_path: its output (default inherited).
     """
 
     def __init__(self, grpc_url: str, port: int, *, host: str = DEFAULT_HOST, api_key: Optional[str] = None,
-                 served_model: Optional[str] = None, log_path: Optional[os.PathLike | str] = None):
+                 served_model: Optional[str] = None, log_path: Optional[os.PathLike | str] = None,
+                 allowed_media_hosts: Sequence[str] = ()):
         if not 0 < int(port) < 65536:
             raise TritonLaunchError(f"openai_port={port} is not a TCP port; pass 1..65535")
         self.grpc_url, self.port, self.host = grpc_url, int(port), host
         self.api_key, self.served_model = api_key, served_model
+        self.allowed_media_hosts = [h for h in allowed_media_hosts if h]
         self.log_path = pathlib.Path(log_path) if log_path is not None else None
         self._proc: Optional[subprocess.Popen] = None
         self._log = None
@@ -694,6 +696,8 @@ class OpenAIFront:
             cmd += ["--api-key", self.api_key]
         if self.served_model:
             cmd += ["--served-model-name", self.served_model]
+        if self.allowed_media_hosts:
+            cmd += ["--allowed-media-hosts", ",".join(self.allowed_media_hosts)]
         if self.log_path is not None:
             self._log = open(self.log_path, "wb")
         LOGGER.info("starting the OpenAI front: %s", " ".join(c if c != self.api_key else "***" for c in cmd))
@@ -865,6 +869,9 @@ def _parse_args(argv: Optional[Sequence[str]] = None, prog: str | None = None) -
     p.add_argument("--openai-host", default=DEFAULT_HOST, help="address the front binds to (default %(default)s)")
     p.add_argument("--api-key", default=None, help="the front requires 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--served-model-name", default=None, help="model name the front serves (default k3)")
+    p.add_argument("--allowed-media-hosts", default="",
+                   help="comma-separated hosts (or host:port) whose http(s) image URLs the front may fetch "
+                        "(default: none; images come as data: URLs)")
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
     p.add_argument("--log-level", default="INFO", help="launcher logging level (default %(default)s)")
     return p.parse_args(argv)
@@ -912,7 +919,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: str | None = None) -> int:
             print(f"metrics {server.metrics_url}", flush=True)
         if args.openai_port is not None:
             front = OpenAIFront(server.grpc_url, args.openai_port, host=args.openai_host, api_key=args.api_key,
-                                served_model=args.served_model_name).start(timeout=args.timeout)
+                                served_model=args.served_model_name,
+                                allowed_media_hosts=args.allowed_media_hosts.split(",")).start(timeout=args.timeout)
             print(f"openai  {front.url}", flush=True)
         print("ready", flush=True)
         while not stop_event.wait(0.5):

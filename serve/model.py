@@ -17,6 +17,12 @@ sampled after the rest of it), ``stop`` (true: cancel the in-flight request with
 ``beam_width`` / ``num_return_sequences`` (1 only), penalties at their neutral values only. K3 extensions:
 ``num_top_logprobs`` (k: the k most likely tokens per generated token) and ``return_prompt_log_probs``.
 
+Images (a model with a vision tower, VISION.md §8): ``image_bytes`` (BYTES ``[1, S]``: one encoded image file per
+element, processed here with the model's processor) or ``pixel_values`` (FP32 ``[1, L, 3, 14, 14]``) + ``grid_thws``
+(INT64 ``[1, S, 3]``), the processor's own outputs (§1.5). ``input_ids`` holds each image's block in order with
+either ONE ``<|media_pad|>`` per image (expanded here to the image's token count) or the count pre-expanded
+(``parse_images`` / ``image_prompt``).
+
 Outputs (batch 1, beam 1): ``output_ids [1, 1, n]``, ``sequence_length [1, 1]``; with ``return_log_probs``
 ``output_log_probs [1, 1, n]`` and ``cum_log_probs [1, 1]`` (natural log, the model's distribution); with
 ``num_top_logprobs`` ``top_log_prob_ids`` / ``top_log_probs [1, 1, n, k]``; with ``return_prompt_log_probs``
@@ -257,6 +263,65 @@ def parse_words(words, name: str) -> list[list[int]]:
         out.append([int(t) for t in ids[start:end]])
         start = end
     return out
+
+
+def parse_images(request, llm) -> list:
+    """The request's images as runtime.vision.ProcessedImage, in prompt order (module docstring): ``image_bytes``
+    decoded and processed with ``llm.processor``, or ``pixel_values`` [1, L, 3, p, p] FP32 split by ``grid_thws``
+    [1, S, 3] (L = sum of t*h*w). [] without image inputs.
+
+    Raises:
+        RequestError: naming the input (both forms given, one tensor of the pair missing, shapes that disagree, a
+            model without a vision tower); runtime.vision.ImageError naming ``image_bytes[k]`` for a bad file.
+    """
+    raw, pv, grid = (_input(request, n) for n in ("image_bytes", "pixel_values", "grid_thws"))
+    if raw is None and pv is None and grid is None:
+        return []
+    if llm.cfg.vision is None:
+        raise RequestError("image_bytes: this model has no vision tower (its config.json has no vision_config); "
+                           "send text only")
+    if raw is not None and (pv is not None or grid is not None):
+        raise RequestError("image_bytes: send the images either as image_bytes or as pixel_values + grid_thws, "
+                           "not both")
+    from k3deploy.runtime.vision import ProcessedImage, process_image
+    if raw is not None:
+        proc = llm.processor
+        return [process_image(bytes(b), proc, f"image_bytes[{k}]") for k, b in enumerate(raw.reshape(-1))]
+    if pv is None or grid is None:
+        raise RequestError(f"{'grid_thws' if grid is None else 'pixel_values'}: missing; processed images need "
+                           "pixel_values [1, L, 3, p, p] (FP32) and grid_thws [1, S, 3] (INT64) together")
+    import torch
+    p = llm.cfg.vision.patch_size
+    pv = pv[0] if pv.ndim == 5 and pv.shape[0] == 1 else pv
+    grid = grid[0] if grid.ndim == 3 and grid.shape[0] == 1 else grid
+    if grid.ndim != 2 or grid.shape[1] != 3 or grid.dtype.kind not in "iu" or (grid < 1).any():
+        raise RequestError(f"grid_thws: shape {list(grid.shape)} dtype {grid.dtype}; send INT64 [1, S, 3] rows "
+                           "(t, h, w) >= 1, one per image")
+    sizes = [int(t) * int(h) * int(w) for t, h, w in grid]
+    if pv.ndim != 4 or tuple(pv.shape[1:]) != (3, p, p) or pv.shape[0] != sum(sizes):
+        raise RequestError(f"pixel_values: shape {list(pv.shape)}; grid_thws needs [1, {sum(sizes)}, 3, {p}, {p}] "
+                           "(the patches of every image, end to end)")
+    out, start = [], 0
+    for (t, h, w), n in zip(grid, sizes):
+        px = torch.from_numpy(np.ascontiguousarray(pv[start:start + n], dtype=np.float32))
+        out.append(ProcessedImage(px, (int(t), int(h), int(w)), int(w) * p, int(h) * p))
+        start += n
+    return out
+
+
+def image_prompt(prompt: list[int], images: list, pad_id: int) -> list[int]:
+    """``input_ids`` for ``images``: one ``<|media_pad|>`` (``pad_id``) per image, expanded to each image's
+    ``num_tokens`` (runtime.vision.expand_placeholders), or already sum(num_tokens) of them (kept as is).
+    Raises RequestError naming input_ids otherwise."""
+    n, need = sum(1 for t in prompt if t == pad_id), sum(im.num_tokens for im in images)
+    if n == need:
+        return prompt
+    if n == len(images):
+        from k3deploy.runtime.vision import expand_placeholders
+        return expand_placeholders(prompt, images, pad_id)
+    raise RequestError(f"input_ids: {n} <|media_pad|> (id {pad_id}) for {len(images)} image(s) of "
+                       f"{[im.num_tokens for im in images]} tokens; put one <|media_pad|> per image in its block "
+                       f"(expanded here) or {need} pre-expanded")
 
 
 def _error_response(msg: str, code=None):
@@ -574,6 +639,10 @@ class TritonPythonModel:
                     continue
                 check_context(parsed, self.max_context)
                 params = self._SamplingParams(**parsed["params"])
+                images = parse_images(request, self.llm)
+                if images:
+                    parsed["prompt"] = image_prompt(parsed["prompt"], images,
+                                                    self.llm.cfg.vision.media_placeholder_token_id)
             except (RequestError, ValueError, TypeError) as e:
                 self._send_error(sender, str(e))
                 continue
@@ -587,7 +656,8 @@ class TritonPythonModel:
             try:
                 with self.engine._turn():            # st.req is set before the scheduler can call back
                     st.req = self.engine.submit(rid, parsed["prompt"], params,
-                                                lambda tok, fin, err, st=st: self._on_token(st, tok, fin, err))
+                                                lambda tok, fin, err, st=st: self._on_token(st, tok, fin, err),
+                                                images=images or None)
             except ValueError as e:  # runtime validation; names the field
                 with self._streams_lock:
                     self._streams.pop(rid, None)

@@ -18,6 +18,13 @@ prompt only), ``GET /v1/models``, ``GET /health`` (503 until Triton's model is r
 (the stop token included), ``prompt_tokens_details.cached_tokens`` the model's ``num_cached_tokens`` output (0
 without it).
 
+Images (a model with a vision tower, VISION.md §8): chat content parts ``{"type": "image_url", "image_url": {"url":
+"data:image/png;base64,..."}}`` (or ``{"type": "image", "image": URL}``). The front decodes each image (a bad one is
+a 400 naming ``messages[i].content[j]``), renders its block with the ``<|media_pad|>`` pre-expanded to the image's
+token count (so ``usage.prompt_tokens`` counts the image tokens exactly) and sends the encoded files to ``k3`` as
+``image_bytes``. Remote ``http(s)`` URLs are refused unless ``--allowed-media-hosts`` lists their host; then the
+front fetches them itself (``FETCH_TIMEOUT_S``, at most ``MAX_IMAGE_BYTES``, no redirects).
+
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``; a bad request is HTTP 400 naming
 the parameter. A client that disconnects cancels its gRPC stream, so Triton cancels the request and the runtime
 frees its slot and blocks. ``--api-key`` requires ``Authorization: Bearer KEY`` on ``/v1/*``; bodies over
@@ -30,9 +37,13 @@ import asyncio
 import dataclasses
 import json
 import logging
+import pathlib
 import re
 import sys
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 import uuid
 from typing import Any, AsyncIterator, Optional, Sequence
 
@@ -44,6 +55,7 @@ LOGGER = logging.getLogger(__name__)
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 MAX_TOP_LOGPROBS = 20
+FETCH_TIMEOUT_S = 10.0          # a remote image (an --allowed-media-hosts URL) must arrive within this
 
 
 # ---- errors ---------------------------------------------------------------------------------------------------
@@ -212,9 +224,11 @@ class TritonBackend:
         cfg = await self.client.get_model_config(self.model, as_json=True)
         return {k: v.get("string_value", "") for k, v in cfg.get("config", {}).get("parameters", {}).items()}
 
-    async def generate(self, rid: str, ids: list[int], s: Sampling) -> AsyncIterator[Step]:
-        """Yield the token model's responses for prompt `ids` until the last; closing the iterator early cancels
-        the request in Triton (and so in the runtime). Raises TritonModelError for an error response."""
+    async def generate(self, rid: str, ids: list[int], s: Sampling, images: Sequence["EncodedImage"] = ()
+                       ) -> AsyncIterator[Step]:
+        """Yield the token model's responses for prompt `ids` (with `images`' files as `image_bytes`) until the
+        last; closing the iterator early cancels the request in Triton (and so in the runtime). Raises
+        TritonModelError for an error response."""
         import numpy as np
         from tritonclient.grpc import InferInput
 
@@ -238,6 +252,8 @@ class TritonBackend:
             inputs.append(tensor("num_top_logprobs", [[s.logprobs]], np.int32, "INT32"))
         if s.prompt_logprobs:
             inputs.append(tensor("return_prompt_log_probs", [[True]], np.bool_, "BOOL"))
+        if images:
+            inputs.append(tensor("image_bytes", [[im.data for im in images]], np.object_, "BYTES"))
 
         async def requests():
             yield {"model_name": self.model, "inputs": inputs, "request_id": rid}
@@ -308,11 +324,14 @@ class Metrics:
 @dataclasses.dataclass
 class FrontConfig:
     """served_model: the name /v1/models lists and requests may name; max_context: prompt + generated tokens per
-    request (None: not checked here); api_key: required Bearer token (None: open)."""
+    request (None: not checked here); api_key: required Bearer token (None: open); vision / allowed_media_hosts: the
+    image side (module docstring)."""
     served_model: str = "k3"
     max_context: Optional[int] = None
     api_key: Optional[str] = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    vision: Optional["FrontVision"] = None          # None: the model has no vision tower (image parts are a 400)
+    allowed_media_hosts: tuple[str, ...] = ()       # hosts (or host:port) whose http(s) image URLs the front fetches
 
 
 class _BodyLimit:
@@ -412,7 +431,7 @@ def create_app(backend: TritonBackend, tokenizer, cfg: FrontConfig):
     async def chat(request: Request):
         try:
             body = await read_json(request)
-            job = _chat_job(body, tokenizer, cfg)
+            job = await asyncio.to_thread(_chat_job, body, tokenizer, cfg)     # images are decoded (or fetched) here
         except APIError as e:
             return error(e, "chat")
         return await _respond(request, job, backend, tokenizer, metrics, "chat")
@@ -428,6 +447,124 @@ def create_app(backend: TritonBackend, tokenizer, cfg: FrontConfig):
 
     app.add_middleware(_BodyLimit, limit=cfg.max_request_bytes)
     return app
+
+
+# ---- images ---------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class EncodedImage:
+    """One image of a chat request as the front sends it: the encoded file (`data`, sent as `image_bytes`), its
+    original size (the prompt block's `image {W}x{H}`), its `<|media_pad|>` count and the part it came from."""
+    data: bytes
+    width: int
+    height: int
+    num_tokens: int
+    field: str
+
+
+@dataclasses.dataclass(frozen=True)
+class FrontVision:
+    """The model's image side as the front needs it: the processor settings (model.vision.ProcessorConfig, for the
+    token counts), and the most patches one image may take (the vision engine's build; None: the processor's bound)."""
+    processor: Any
+    max_patches: Optional[int] = None
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kwargs):        # a redirect could lead off the allowed hosts
+        return None
+
+
+def fetch_image(url: str, field: str, allowed_hosts: Sequence[str]) -> bytes:
+    """GET an http(s) image URL whose host (or host:port) is in `allowed_hosts`: at most MAX_IMAGE_BYTES within
+    FETCH_TIMEOUT_S, redirects not followed. Raises ValueError naming `field`: refused (no hosts allowed, or another
+    host), an HTTP error, a timeout, too large."""
+    from k3deploy.runtime.vision import MAX_IMAGE_BYTES
+    parts = urllib.parse.urlsplit(url)
+    host = (parts.hostname or "").lower()
+    if not allowed_hosts:
+        raise ValueError(f"{field}: remote image URL {url[:80]!r} refused: this server fetches no URLs unless its "
+                         "front is started with --allowed-media-hosts HOST[,HOST...] (k3deploy serve / k3deploy "
+                         "openai); send the image inline as a data: URL ('data:image/png;base64,...')")
+    try:
+        netloc = f"{host}:{parts.port}" if parts.port else host
+    except ValueError:
+        netloc = host
+    if host not in allowed_hosts and netloc not in allowed_hosts:
+        raise ValueError(f"{field}: host {host!r} of {url[:80]!r} is not in --allowed-media-hosts "
+                         f"({', '.join(allowed_hosts)}); send the image as a data: URL or allow that host")
+    deadline, chunks, size = time.monotonic() + FETCH_TIMEOUT_S, [], 0
+    try:
+        opener = urllib.request.build_opener(_NoRedirect)
+        with opener.open(urllib.request.Request(url, headers={"User-Agent": "k3deploy"}), timeout=FETCH_TIMEOUT_S) as r:
+            while chunk := r.read(1 << 16):
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > MAX_IMAGE_BYTES:
+                    raise ValueError(f"{field}: {url[:80]!r} is over {MAX_IMAGE_BYTES >> 20} MiB; send a smaller image")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"not complete after {FETCH_TIMEOUT_S:.0f} s")
+    except urllib.error.HTTPError as e:
+        hint = " (redirects are not followed: give the final URL)" if 300 <= e.code < 400 else ""
+        raise ValueError(f"{field}: fetching {url[:80]!r} failed: HTTP {e.code} {e.reason}{hint}") from None
+    except (urllib.error.URLError, OSError) as e:          # TimeoutError is an OSError
+        raise ValueError(f"{field}: fetching {url[:80]!r} failed ({getattr(e, 'reason', e)})") from None
+    return b"".join(chunks)
+
+
+def load_request_image(source: str, field: str, cfg: FrontConfig) -> EncodedImage:
+    """One image part's image (runtime.chat.encode_chat_images' loader): a `data:` URL, or an http(s) URL of an
+    allowed host (`fetch_image`); decoded and checked with runtime.vision.load_image (the processor's limits); its
+    token count from the resize plan. Raises ValueError naming `field` (runtime.vision.ImageError for a bad image)."""
+    from k3deploy.runtime.vision import data_url_bytes, load_image, resize_plan
+    if cfg.vision is None:
+        raise ValueError(f"{field}: model {cfg.served_model!r} has no vision tower (its config.json has no "
+                         "vision_config); send text content parts only")
+    scheme = source.split(":", 1)[0].lower() if ":" in source else ""
+    if scheme == "data":
+        data = data_url_bytes(source, field)
+    elif scheme in ("http", "https"):
+        data = fetch_image(source, field, cfg.allowed_media_hosts)
+    else:
+        raise ValueError(f"{field}: {source[:40]!r} is not an image URL; send 'data:<mime type>;base64,<data>' (or an "
+                         "http(s) URL of a host in --allowed-media-hosts)")
+    with load_image(data, field) as img:
+        width, height = img.size
+    plan = resize_plan(width, height, cfg.vision.processor)
+    if cfg.vision.max_patches is not None and plan.patches > cfg.vision.max_patches:
+        raise ValueError(f"{field}: {width}x{height} takes {plan.patches} patches, over the {cfg.vision.max_patches} "
+                         "the model's vision engine was built for; send a smaller image")
+    return EncodedImage(data, width, height, plan.tokens, field)
+
+
+def front_vision(model_path: Optional[str], found: dict, tok) -> tuple[Optional[Any], Optional[FrontVision]]:
+    """(model config or None, FrontVision or None) of the token model's files: the config of its checkpoint (else
+    of its ONNX export's index.json), the processor (the checkpoint's preprocessor_config.json, else the export's
+    copy, else VISION.md §1.1), the largest image of its build (`manifest.json` vision.max_patches_per_image).
+    Raises ValueError when `tok` does not map `<|media_pad|>` to the model's media_placeholder_token_id."""
+    from k3deploy.model.config import load_config
+    index = {}
+    if found.get("checkpoint"):
+        cfg = load_config(found["checkpoint"])
+    elif found.get("onnx"):
+        index = json.loads((found["onnx"] / "index.json").read_text())
+        cfg = load_config(index["config"])
+    else:
+        return None, None
+    if cfg.vision is None:
+        return cfg, None
+    from k3deploy.runtime.chat import MEDIA_PAD
+    from k3deploy.runtime.vision import load_processor
+    pad = tok.special_id(MEDIA_PAD) if MEDIA_PAD in tok.special_ids else None
+    if pad != cfg.vision.media_placeholder_token_id:
+        raise ValueError(f"tokenizer: {MEDIA_PAD} is {pad}, the model's media_placeholder_token_id is "
+                         f"{cfg.vision.media_placeholder_token_id}; use the checkpoint's tokenizer (--tokenizer)")
+    proc = load_processor(found.get("checkpoint"), None if found.get("checkpoint") else
+                          (index.get("vision") or {}).get("processor"))
+    max_patches = None
+    manifest = pathlib.Path(model_path or ".") / "manifest.json"
+    if model_path and manifest.is_file():
+        max_patches = ((json.loads(manifest.read_text()).get("vision") or {}).get("max_patches_per_image"))
+    return cfg, FrontVision(proc, max_patches)
 
 
 # ---- jobs -----------------------------------------------------------------------------------------------------
@@ -448,10 +585,11 @@ class Job:
     discard_output: bool = False           # completion with max_tokens 0 (echo scoring)
     index: int = 0
     logprobs: Optional[int] = None
+    images: list = dataclasses.field(default_factory=list)     # chat: EncodedImage per image part, prompt order
 
 
 def _chat_job(body: dict, tok, cfg: FrontConfig) -> Job:
-    from k3deploy.runtime.chat import encode_chat, thinking_enabled
+    from k3deploy.runtime.chat import encode_chat_images, thinking_enabled
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError("messages: a non-empty list of messages is required", "messages")
@@ -474,9 +612,10 @@ def _chat_job(body: dict, tok, cfg: FrontConfig) -> Job:
     rf = _get(body, "response_format", (dict,), None)
     reasoning_effort = _get(body, "reasoning_effort", (str,), None)
     try:
-        ids = encode_chat(tok, messages, tools, thinking=kw.get("thinking"), enable_thinking=kw.get("enable_thinking"),
-                          reasoning_effort=reasoning_effort, thinking_effort=kw.get("thinking_effort"),
-                          tool_choice=tool_choice, response_format=rf)
+        ids, images = encode_chat_images(
+            tok, messages, tools, load_image=lambda source, field: load_request_image(source, field, cfg),
+            thinking=kw.get("thinking"), enable_thinking=kw.get("enable_thinking"), reasoning_effort=reasoning_effort,
+            thinking_effort=kw.get("thinking_effort"), tool_choice=tool_choice, response_format=rf)
     except ValueError as e:
         err = _field_error(e, "messages")
         if err.param in ("thinking", "enable_thinking", "thinking_effort"):
@@ -497,7 +636,7 @@ def _chat_job(body: dict, tok, cfg: FrontConfig) -> Job:
     so = _get(body, "stream_options", (dict,), {})
     return Job("chat", ids, s, bool(_get(body, "stream", (bool,), False)), bool(so.get("include_usage")),
                _stops(body), body.get("model") or cfg.served_model, thinking=thinking,
-               tools=bool(tools) and tool_choice != "none", logprobs=s.logprobs)
+               tools=bool(tools) and tool_choice != "none", logprobs=s.logprobs, images=images)
 
 
 def _completion_jobs(body: dict, tok, cfg: FrontConfig) -> list[Job]:
@@ -596,7 +735,7 @@ class _Run:
         self.metrics.running.inc()
         self.metrics.prompt_tokens.inc(len(job.ids))
         try:
-            gen = self.backend.generate(self.rid, job.ids, job.sampling)
+            gen = self.backend.generate(self.rid, job.ids, job.sampling, job.images)
             try:
                 async for step in gen:
                     now = time.monotonic()
@@ -719,7 +858,7 @@ async def _respond_many(request, jobs: list[Job], backend, tok, metrics: Metrics
         metrics.requests.labels(endpoint, "499").inc()
         return JSONResponse(APIError("client disconnected", None, 499).body(), status_code=499)
     except TritonModelError as e:
-        return _model_error(e, metrics, endpoint)
+        return _model_error(e, metrics, endpoint, jobs[0])
     finally:
         watcher.cancel()
     choices = [_choice(run, parts, entries, tok) for run, (parts, entries) in zip(runs, results)]
@@ -730,10 +869,12 @@ async def _respond_many(request, jobs: list[Job], backend, tok, metrics: Metrics
                          "usage": usage})
 
 
-def _model_error(e: TritonModelError, metrics, endpoint):
+def _model_error(e: TritonModelError, metrics, endpoint, job: Optional[Job] = None):
     msg = str(e)
     bad = "invalid request" in msg or "INVALID_ARG" in msg
-    err = APIError(msg, None, 400 if bad else 500, "invalid_request_error" if bad else "server_error")
+    k = re.search(r"\bimage(?:s|_bytes)\[(\d+)\]", msg)         # the model names image k: the part it came from
+    param = job.images[int(k.group(1))].field if k and job is not None and int(k.group(1)) < len(job.images) else None
+    err = APIError(msg, param, 400 if bad else 500, "invalid_request_error" if bad else "server_error")
     metrics.requests.labels(endpoint, str(err.status)).inc()
     return JSONResponse(err.body(), status_code=err.status)
 
@@ -850,10 +991,14 @@ async def _discover(backend: TritonBackend, timeout: float) -> dict[str, str]:
 
 def load_front(triton_url: str, model: str = "k3", tokenizer: Optional[str] = None,
                max_context: Optional[int] = None, served_model: Optional[str] = None, api_key: Optional[str] = None,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, timeout: float = 60.0):
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, timeout: float = 60.0,
+               allowed_media_hosts: Sequence[str] = ()):
     """(app, FrontConfig): the tokenizer and max_context default to what the token model's config parameters name
-    (model_path's tiktoken.model; max_context, else the checkpoint's max_position_embeddings).
-    Raises RuntimeError when Triton's model config cannot be read, FileNotFoundError without a tokenizer."""
+    (model_path's tiktoken.model; max_context, else the checkpoint's max_position_embeddings); the image side comes
+    from model_path's files (`front_vision`); `allowed_media_hosts`: hosts (or host:port) whose http(s) image URLs
+    the front fetches (none by default).
+    Raises RuntimeError when Triton's model config cannot be read, FileNotFoundError without a tokenizer,
+    ValueError for a tokenizer that does not match the model's image placeholder."""
     from k3deploy.runtime.tokenizer import Tokenizer
     async def discover():
         probe = TritonBackend(triton_url, model)
@@ -861,24 +1006,26 @@ def load_front(triton_url: str, model: str = "k3", tokenizer: Optional[str] = No
             return await _discover(probe, timeout)
         finally:
             await probe.close()
-    params = {} if tokenizer and max_context else asyncio.run(discover())
+    params = asyncio.run(discover())                # model_path: the tokenizer, context and image side
     backend = TritonBackend(triton_url, model)      # its client is made in the server's event loop
-    if tokenizer is None or max_context is None:
-        from k3deploy.runtime.api import resolve_model_dir
-        found = resolve_model_dir(params["model_path"]) if params.get("model_path") else {}
-        if tokenizer is None:
-            if not found.get("tokenizer"):
-                raise FileNotFoundError(f"model {model!r} ({params.get('model_path')}) has no tiktoken.model; pass "
-                                        "--tokenizer PATH")
-            tokenizer = str(found["tokenizer"])
-        if max_context is None:
-            if params.get("max_context"):
-                max_context = int(params["max_context"])
-            elif found.get("checkpoint"):
-                from k3deploy.model.config import load_config
-                max_context = load_config(found["checkpoint"]).max_position_embeddings
+    from k3deploy.runtime.api import resolve_model_dir
+    found = resolve_model_dir(params["model_path"]) if params.get("model_path") else {}
+    if tokenizer is None:
+        if not found.get("tokenizer"):
+            raise FileNotFoundError(f"model {model!r} ({params.get('model_path')}) has no tiktoken.model; pass "
+                                    "--tokenizer PATH")
+        tokenizer = str(found["tokenizer"])
     tok = Tokenizer.from_file(tokenizer)
-    cfg = FrontConfig(served_model or model, max_context, api_key, max_request_bytes)
+    model_cfg, vision = front_vision(params.get("model_path"), found, tok)
+    if max_context is None:
+        if params.get("max_context"):
+            max_context = int(params["max_context"])
+        elif model_cfg is not None:
+            max_context = model_cfg.max_position_embeddings
+    hosts = tuple(dict.fromkeys(h.strip().lower() for h in allowed_media_hosts if h.strip()))
+    cfg = FrontConfig(served_model or model, max_context, api_key, max_request_bytes, vision, hosts)
+    if vision is not None:
+        LOGGER.info("images: on (remote URLs from %s)", ", ".join(hosts) if hosts else "no host: data: URLs only")
     return create_app(backend, tok, cfg), cfg
 
 
@@ -899,13 +1046,16 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> in
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="largest request body accepted (default %(default)s)")
+    p.add_argument("--allowed-media-hosts", default="",
+                   help="comma-separated hosts (or host:port) whose http(s) image URLs the front may fetch "
+                        "(default: none; images come as data: URLs)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for Triton's model (default %(default)s)")
     p.add_argument("--log-level", default="INFO", help="logging level (default %(default)s)")
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         app, cfg = load_front(a.triton_grpc, a.model, a.tokenizer, a.max_context, a.served_model_name, a.api_key,
-                              a.max_request_bytes, a.timeout)
+                              a.max_request_bytes, a.timeout, a.allowed_media_hosts.split(","))
     except (RuntimeError, FileNotFoundError, ValueError) as e:
         LOGGER.error("%s", e)
         return 2

@@ -43,7 +43,7 @@ MODEL_PY = pathlib.Path(__file__).resolve().parent / "model.py"
 
 # (name, Triton data type, dims, optional, kind): kind "scalar" = dims [1] reshaped to [] (TensorRT-LLM's scalars),
 # "ragged" = allow_ragged_batch. The contract of tensorrtllm_backend's tensorrt_llm/config.pbtxt, plus the K3
-# extensions num_top_logprobs / return_prompt_log_probs (serve/model.py).
+# extensions num_top_logprobs / return_prompt_log_probs and the image inputs (serve/model.py).
 INPUTS: tuple[tuple[str, str, tuple[int, ...], bool, str], ...] = (
     ("input_ids", "TYPE_INT32", (-1,), True, "ragged"),           # optional: a `stop` request carries none
     ("input_lengths", "TYPE_INT32", (1,), True, "scalar"),
@@ -69,6 +69,10 @@ INPUTS: tuple[tuple[str, str, tuple[int, ...], bool, str], ...] = (
     ("streaming", "TYPE_BOOL", (1,), True, "scalar"),
     ("num_top_logprobs", "TYPE_INT32", (1,), True, "scalar"),
     ("return_prompt_log_probs", "TYPE_BOOL", (1,), True, "scalar"),
+    # images (models with a vision tower; serve/model.py): encoded files, one element each, or processed tensors
+    ("image_bytes", "TYPE_STRING", (-1,), True, "ragged"),
+    ("pixel_values", "TYPE_FP32", (-1, 3, -1, -1), True, "ragged"),
+    ("grid_thws", "TYPE_INT64", (-1, 3), True, "ragged"),
 )
 OUTPUTS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
     ("output_ids", "TYPE_INT32", (-1, -1)),
@@ -108,6 +112,7 @@ TEXT_INPUTS: tuple[tuple[str, str, tuple[int, ...], bool, str], ...] = (
     ("beam_width", "TYPE_INT32", (1,), True, ""),
     ("num_return_sequences", "TYPE_INT32", (1,), True, ""),
     ("stream", "TYPE_BOOL", (1,), True, ""),
+    ("image_bytes_input", "TYPE_STRING", (-1,), True, ""),      # encoded image files, one per marker in text_input
 )
 TEXT_OUTPUTS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
     ("text_output", "TYPE_STRING", (-1,)),

@@ -9,6 +9,12 @@ token ids), ``end_id``, ``pad_id``, ``top_k``, ``top_p``, ``temperature``, ``ran
 [1, 1]`` (special tokens left out; streamed: the text of each new token, UTF-8 split across tokens held until
 complete), with ``return_log_probs`` ``output_log_probs [1, 1, n]`` and ``cum_log_probs [1, 1]``.
 
+Images (a model with a vision tower): ``image_bytes_input`` (BYTES ``[1, S]``, one encoded image file per element)
+with one ``<|kimi_image_placeholder|>`` marker per image in ``text_input``; the n-th marker becomes the n-th
+image's block (VISION.md §8.1: ``<|media_begin|>image {W}x{H}<|media_content|><|media_pad|><|media_end|>``, the
+original size read from the file's header) and the files go to the token model's ``image_bytes``, which processes
+them and expands each ``<|media_pad|>`` to the image's token count.
+
 Each request becomes one streamed BLS request to the token model (parameter ``token_model``, ``k3``). A client that
 cancels gets its token-model request stopped with TensorRT-LLM's ``stop`` input (same request id), which frees its
 slot and blocks. Config parameters: ``project_root``, ``tokenizer`` (tiktoken.model path), ``token_model``.
@@ -21,6 +27,7 @@ import itertools
 import json
 import sys
 import threading
+import typing
 import uuid
 from typing import Optional
 
@@ -72,6 +79,35 @@ def _words_list(words: list[list[int]]) -> np.ndarray:
     return np.array([[flat, offs + [-1] * (len(flat) - len(offs))]], dtype=np.int32)
 
 
+def image_text_segments(text: str, images: list[bytes]) -> list[tuple[str, bool]]:
+    """``text`` with its n-th ``<|kimi_image_placeholder|>`` replaced by the n-th image's block with one
+    ``<|media_pad|>`` (runtime.chat.text_image_segments; the original size from the file's header), as tokenizer
+    segments: the text stays ordinary text. Raises RequestError naming text_input (marker count) or
+    image_bytes_input[k] (not an image)."""
+    import io
+    from PIL import Image, UnidentifiedImageError
+    from k3deploy.runtime.chat import text_image_segments
+    heads = []
+    for k, data in enumerate(images):
+        try:
+            with Image.open(io.BytesIO(data)) as im:
+                heads.append(_Head(*im.size))
+        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+            raise RequestError(f"image_bytes_input[{k}]: not a decodable image ({len(data)} bytes: {e}); send a "
+                               "PNG, JPEG, WebP, GIF or BMP file") from None
+    try:
+        return text_image_segments(text, heads, "text_input")
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+
+
+class _Head(typing.NamedTuple):
+    """An image as its prompt block needs it here: the original size, one <|media_pad|> (k3 expands it)."""
+    width: int
+    height: int
+    num_tokens: int = 1
+
+
 class TritonPythonModel:
     """Decoupled text model over the token model ``k3`` (module docstring)."""
 
@@ -102,12 +138,16 @@ class TritonPythonModel:
                 raise RequestError(f"{name}: {v} is not supported; send {neutral} or omit it")
         if (_one(request, "min_length") or 0) > 1:
             raise RequestError("min_length: not supported; omit it (or send 0 / 1)")
-        ids = self.tok.encode(text)
+        images = _input(request, "image_bytes_input")
+        images = [] if images is None else [bytes(b) for b in images.reshape(-1)]
+        ids = self.tok.encode_segments(image_text_segments(text, images)) if images else self.tok.encode(text)
         if not ids:
             raise RequestError("text_input: empty prompt; send some text")
         inputs = {"input_ids": np.array([ids], np.int32), "input_lengths": np.array([[len(ids)]], np.int32),
                   "request_output_len": np.array([[int(max_tokens)]], np.int32),
                   "streaming": np.array([[True]], np.bool_)}
+        if images:
+            inputs["image_bytes"] = np.array([images], np.object_)
         for name, target, dtype in _PASS:
             v = _one(request, name)
             if v is not None:

@@ -291,3 +291,71 @@ def test_parser_channels_and_split_markers(tok):
     q.finish()
     cut = q.result()["tool_calls"][0]["function"]["arguments"]             # cut inside the call: left as it stood
     assert q.open_call and q.completed_calls == 0 and cut == '{"s": "a\\"b", "n": 2'
+
+
+# ---- images (VISION.md §8.1, pre-expanded §8.3) --------------------------------------------------------------
+class _Img:
+    def __init__(self, width, height, num_tokens):
+        self.width, self.height, self.num_tokens = width, height, num_tokens
+
+
+def test_image_parts_render_pre_expanded_blocks_in_order():
+    """Every client form of an image part becomes <|media_begin|> `image WxH` <|media_content|> N x <|media_pad|>
+    <|media_end|> where it stands; the loader sees the parts' sources and fields in prompt order."""
+    seen = []
+
+    def load(source, field):
+        seen.append((source, field))
+        return _Img(30 + len(seen), 16, len(seen))
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "A"},
+                                         {"type": "image_url", "image_url": {"url": "data:a", "detail": "low"}},
+                                         {"type": "image_url", "image_url": "data:b"}]},
+            {"role": "user", "content": [{"type": "image", "image": "data:c"}, {"type": "image", "url": "data:d"},
+                                         {"type": "text", "text": "B"}]}]
+    got = render_chat(msgs, thinking=False, load_image=load)
+    pad, begin, content, end = ("<|media_pad|>", True), ("<|media_begin|>", True), ("<|media_content|>", True), \
+        ("<|media_end|>", True)
+
+    def block(w, n):
+        return [begin, (f"image {w}x16", False), content] + [pad] * n + [end]
+    assert got == golden(
+        O, "message", " role", '="', "user", '"', S, "A", *block(31, 1), *block(32, 2), C, "message", S, E,
+        O, "message", " role", '="', "user", '"', S, *block(33, 3), *block(34, 4), "B", C, "message", S, E,
+        O, "message", " role", '="', "assistant", '"', S, O, "response", S)
+    assert seen == [("data:a", "messages[0].content[1]"), ("data:b", "messages[0].content[2]"),
+                    ("data:c", "messages[1].content[0]"), ("data:d", "messages[1].content[1]")]
+
+
+@pytest.mark.parametrize("part, field", [
+    ({"type": "image_url"}, "messages[0].content[0].image_url.url"),
+    ({"type": "image_url", "image_url": {"url": ""}}, "messages[0].content[0].image_url.url"),
+    ({"type": "image", "image": 3}, "messages[0].content[0].image"),
+])
+def test_image_part_without_a_url_names_the_field(part, field):
+    with pytest.raises(ValueError) as e:
+        render_chat([{"role": "user", "content": [part]}], load_image=lambda s, f: _Img(1, 1, 1))
+    assert str(e.value).startswith(field), str(e.value)
+
+
+def test_encode_chat_images_with_the_processor(tok, tmp_path):
+    """(ids, images) with runtime.vision.process_image as the loader: the pads = each image's num_tokens, in order,
+    and the ids = the text prompt's segments around the two blocks."""
+    from PIL import Image
+    from k3deploy.runtime.chat import encode_chat_images, media_segments
+    from k3deploy.runtime.vision import ProcessorConfig, image_tokens, process_image
+    proc = ProcessorConfig(in_patch_limit=1024, patch_limit_on_one_side=48)
+    Image.new("RGB", (60, 44), (200, 10, 10)).save(tmp_path / "a.png")
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": str(tmp_path / "a.png")}},
+                                         {"type": "text", "text": "and"},
+                                         {"type": "image", "image": str(tmp_path / "a.png")}]}]
+    ids, images = encode_chat_images(tok, msgs, load_image=lambda s, f: process_image(s, proc, f), thinking=False)
+    n = image_tokens(60, 44, proc)
+    assert [im.num_tokens for im in images] == [n, n] and n == 6
+    pad = tok.special_id("<|media_pad|>")
+    assert ids.count(pad) == 2 * n
+    want = render_chat([{"role": "user", "content": "X"}], thinking=False)
+    i = want.index(("X", False))
+    want = want[:i] + media_segments(60, 44, n) + [("and", False)] + media_segments(60, 44, n) + want[i + 1:]
+    assert ids == tok.encode_segments(want)
+    with pytest.raises(ValueError, match=r"^messages\[0\]\.content\[0\]: image content needs the vision processor"):
+        encode_chat(tok, msgs)

@@ -147,17 +147,21 @@ def test_prompt_helpers():
     with pytest.raises(ImageError, match="1 image\\(s\\) for 2 <\\|media_pad\\|>"):
         expand_placeholders([1, 789, 2, 789], [a], 789)
 
-    from k3deploy.runtime.tokenizer import Tokenizer, train_bpe
-    specials = {"<|media_begin|>": 786, "<|media_content|>": 787, "<|media_end|>": 788, "<|media_pad|>": 789}
-    tok = Tokenizer(train_bpe("image 30x16 look at this picture " * 4, 300), specials)
+    from k3deploy.model.vocab import train_bpe
+    from k3deploy.runtime.tokenizer import Tokenizer
+    ranks = train_bpe("image 30x16 look at this picture " * 4, 300)
+    n = len(ranks)                  # the media tokens at K3's offsets from the first special id (18..21)
+    begin, pad = n + 18, n + 21
+    tok = Tokenizer(ranks, {begin: "<|media_begin|>", n + 19: "<|media_content|>", n + 20: "<|media_end|>",
+                            pad: "<|media_pad|>"})
     ids, ims = build_prompt(tok, "look <|kimi_image_placeholder|> and <|kimi_image_placeholder|>!",
-                            [Image.new("RGB", (30, 16)), Image.new("RGB", (112, 112))], 789, TINY)
-    assert ids.count(789) == 18 and [i.num_tokens for i in ims] == [2, 16]
-    assert tok.decode(ids).count("image 112x112") == 1 and ids.count(786) == 2
+                            [Image.new("RGB", (30, 16)), Image.new("RGB", (112, 112))], pad, TINY)
+    assert ids.count(pad) == 18 and [i.num_tokens for i in ims] == [2, 16]
+    assert tok.decode(ids).count("image 112x112") == 1 and ids.count(begin) == 2
     with pytest.raises(ImageError, match="2 image\\(s\\) for 1 <\\|kimi_image_placeholder\\|> marker"):
-        build_prompt(tok, "one <|kimi_image_placeholder|>", [Image.new("RGB", (4, 4))] * 2, 789, TINY)
-    with pytest.raises(ImageError, match="encodes to"):
-        build_prompt(Tokenizer(train_bpe("abc", 260)), "x <|kimi_image_placeholder|>", [Image.new("RGB", (4, 4))], 789)
+        build_prompt(tok, "one <|kimi_image_placeholder|>", [Image.new("RGB", (4, 4))] * 2, pad, TINY)
+    with pytest.raises(ImageError, match="tokenizer: <\\|media_pad\\|> is None"):
+        build_prompt(Tokenizer(train_bpe("abc", 260)), "x <|kimi_image_placeholder|>", [Image.new("RGB", (4, 4))], pad)
 
 
 def test_preprocessor_config():
