@@ -637,12 +637,12 @@ class TritonPythonModel:
                     _log("info", f"k3: stop request {request.request_id()!r} cancelled {n} request(s)")
                     sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                     continue
-                check_context(parsed, self.max_context)
                 params = self._SamplingParams(**parsed["params"])
                 images = parse_images(request, self.llm)
                 if images:
                     parsed["prompt"] = image_prompt(parsed["prompt"], images,
                                                     self.llm.cfg.vision.media_placeholder_token_id)
+                check_context(parsed, self.max_context)      # on the prompt as the model sees it (images expanded)
             except (RequestError, ValueError, TypeError) as e:
                 self._send_error(sender, str(e))
                 continue
