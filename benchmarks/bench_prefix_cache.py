@@ -311,6 +311,7 @@ def main(argv=None) -> int:
     try:
         device = resolve_device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         a.dense_dtype = a.dense_dtype or ("bfloat16" if device.type == "cuda" else "float32")
+        a.ops = a.ops or ("torch" if device.type == "cuda" else "reference")      # the executor's defaults
         a.ep = 1
         cfg = load_config(a.checkpoint if a.checkpoint is not None else a.preset)
         a.block_size = a.block_size or preferred_block_size(device, "kernels")
