@@ -130,4 +130,4 @@ def tiny_vl_build(tiny_vl_ckpt, tiny_build_tp1, tmp_path_factory):
     graph, its engine and the two-image smoke (a rerun after adding the vision tower)."""
     out = tmp_path_factory.mktemp("build") / "vl"
     _link_tree(tiny_build_tp1[0], out)
-    return _build(tiny_vl_ckpt, out)
+    return _build(tiny_vl_ckpt, out, "-v")       # -v: the stages' per-graph lines (kept / rebuilt)
