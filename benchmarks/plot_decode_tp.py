@@ -1,9 +1,9 @@
-"""Plot decode step time against TP from bench_decode JSON lines (eager and CUDA graphs side by side).
+"""Plot decode step time per bench_decode record (TP, eager / CUDA graphs, and ops and batch where they vary).
 
     python benchmarks/plot_decode_tp.py benchmarks/results/h200x2_run5_tp_eager_kprofile.jsonl \\
         benchmarks/results/h200x2_run5_tp_graphs.jsonl --out benchmarks/results/decode_tp_run5.png
 
-One bar per record (label: TP, eager/graphs): the median step time, split into the GPU time of the NCCL kernels
+One bar per record (label: TP, eager/graphs, ops and B where the records differ): the median step time, split into the GPU time of the NCCL kernels
 (from --kernel-profile; waiting for the slower rank included), the other kernels' GPU time, and the rest of the
 step (the GPU idle: host launches, Python, sampling); see `parts`. Records without a kernel profile (e.g. CPU
 runs) are drawn as one grey bar; matplotlib is needed (`pip install matplotlib`).
@@ -46,9 +46,11 @@ def main(argv=None) -> int:
     recs = [r for r in recs if r.get("bench") == "decode"]
     if not recs:
         ap.error("no bench_decode records (\"bench\": \"decode\") in the given files")
+    varies = {k for k in ("ops", "batch") if len({r.get(k) for r in recs}) > 1}
     labels = [f"TP={r['tp']} {'graphs' if r.get('cuda_graphs') else 'eager'}"
               + (" bf16" if r.get("dense_dtype") == "bfloat16" else "")        # no dense_dtype: fp32
-              + (f" {r['label']}" if r.get("label") else "") + f"\n{r['step_ms_median']:.1f} ms" for r in recs]
+              + (f"\n{r['ops']}" if "ops" in varies else "") + (f" B={r['batch']}" if "batch" in varies else "")
+              + (f" {r['label']}" if r.get("label") else "") + f"\n{r['step_ms_median']:.2f} ms" for r in recs]
     nccl, gpu, idle = zip(*(parts(r) for r in recs))
     fig, ax = plt.subplots(figsize=(1.6 * len(recs) + 2, 4.5))
     x = range(len(recs))
@@ -60,7 +62,8 @@ def main(argv=None) -> int:
     ax.set_ylabel("decode step, ms (median)")
     r0 = recs[0]
     where = r0.get("gpu") or r0.get("device", "")
-    ax.set_title(f"{r0['model']} decode, B={r0['batch']}, prompt {r0['prompt_len']}, ops {r0['ops']} ({where})",
+    ax.set_title(f"{r0['model']} decode" + ("" if "batch" in varies else f", B={r0['batch']}")
+                 + f", prompt {r0['prompt_len']}" + ("" if "ops" in varies else f", ops {r0['ops']}") + f" ({where})",
                  fontsize=9)
     ax.set_ylim(0, 1.3 * max(r["step_ms_median"] for r in recs))
     ax.legend(fontsize=7, loc="upper left")

@@ -6,7 +6,7 @@ from kernel_checks import REPO
 sys.path.insert(0, str(REPO / "benchmarks"))
 import ncu_moe  # noqa: E402  (benchmarks/)
 
-REPORT = REPO / "benchmarks/results/h200_run14_g_ncu_T64_real_clocks.txt"
+REPORT = REPO / "benchmarks/results/ncu_moe_T64-h200.txt"
 
 
 def test_ncu_summary_reads_a_real_report():
