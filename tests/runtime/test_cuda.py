@@ -473,6 +473,7 @@ def test_prefix_caching_with_kernels_and_cuda_graphs_on_gpu(micro_ckpt, micro_mo
     assert got[True] == got[False] == [r1] + [greedy_path(micro_model, p, 4) for p in p2]
 
 
+@pytest.mark.gpu
 @cuda_only
 def test_bf16_dense_weights_on_gpu_graphs_equal_eager(micro_ckpt):
     """dense_dtype="bfloat16" on the GPU with the kernels: bf16 cuBLAS GEMMs for the projections, the decode step
