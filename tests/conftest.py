@@ -88,9 +88,10 @@ def tiny_build_tp1(tiny_ckpt, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_build_tp2(tiny_ckpt, tmp_path_factory):
-    """The main job on k3-tiny at TP=2 / EP=2."""
-    return _build(tiny_ckpt, tmp_path_factory.mktemp("build") / "tp2", "--tp", 2, "--ep", 2)
+def micro_build_tp2(micro_ckpt, tmp_path_factory):
+    """The main job at TP=2 / EP=2 on the micro cut of k3-tiny (2 layers: all five ops, 3 segments per layer graph
+    per rank)."""
+    return _build(micro_ckpt, tmp_path_factory.mktemp("build") / "tp2", "--tp", 2, "--ep", 2)
 
 
 @pytest.fixture(scope="session")

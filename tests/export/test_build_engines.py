@@ -151,8 +151,8 @@ def test_rerun_does_no_work_and_force_redoes(tiny_build_tp1, tiny_ckpt, tmp_path
     assert json.loads((out / ".steps.json").read_text()).keys() == state.keys()
 
 
-def test_run_tp2_ep2(tiny_build_tp2):
-    out, r = tiny_build_tp2
+def test_run_tp2_ep2(micro_build_tp2):
+    out, r = micro_build_tp2
     assert r.returncode == 0, r.stdout + r.stderr
     index = json.loads((out / "onnx" / "index.json").read_text())
     assert {g["rank"] for g in index["graphs"]} == {0, 1}

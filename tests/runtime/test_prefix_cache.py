@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 import random
 
+import time
+
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -486,8 +488,9 @@ def test_llm_enable_prefix_caching(tiny_ckpt):
                    content_keys=[(0, 4, "sha256:ab")])
     with pytest.raises(ValueError, match="content_keys"):
         eng.submit("bad", p2, SamplingParams(max_tokens=2), content_keys=[(0, 99, "x")])
-    while not done:
-        eng.metrics()
+    deadline = time.monotonic() + 120
+    while not done and time.monotonic() < deadline:
+        time.sleep(0.01)                                       # a busy loop here would starve the engine's thread
     assert done == [None] and r.num_cached_tokens == 0        # other content: no shared prefix at all
     assert llm.reset_prefix_cache() > 0
     m = llm.metrics()

@@ -31,10 +31,10 @@ def test_torch_backend_tp2_equals_tp1(tiny_ckpt, ep):
     assert generate(tiny_ckpt, "torch", 2, "--ep", ep) == generate(tiny_ckpt, "torch")
 
 
-def test_onnxruntime_backend_tp2_export_equals_tp1(tiny_ckpt, tiny_build_tp2):
-    out, r = tiny_build_tp2
+def test_onnxruntime_backend_tp2_export_equals_tp1(micro_ckpt, micro_build_tp2):
+    out, r = micro_build_tp2
     assert r.returncode == 0, r.stderr
-    assert generate(out / "onnx", "onnxruntime", 2) == generate(tiny_ckpt, "torch")
+    assert generate(out / "onnx", "onnxruntime", 2) == generate(micro_ckpt, "torch")
 
 
 def test_tp_without_a_process_group_is_a_clear_error(tiny_ckpt):
