@@ -106,7 +106,7 @@ class Sampling:
 
 
 def _sampling(body: dict, max_tokens: Optional[int], max_context: Optional[int], prompt_len: int,
-              prompt_param: str) -> Sampling:
+              prompt_param: str, max_tokens_param: str = "max_tokens") -> Sampling:
     """Common sampling fields (OpenAI names, vLLM's extras top_k / ignore_eos); APIError naming a bad one."""
     if _get(body, "n", (int,), 1) != 1:
         raise APIError("n: only n = 1 is supported; send one request per choice", "n")
@@ -119,7 +119,7 @@ def _sampling(body: dict, max_tokens: Optional[int], max_context: Optional[int],
     t = _get(body, "temperature", (int, float), 1.0, lambda v: 0 <= v <= 2, "must be in [0, 2]")
     top_p = _get(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "must be in (0, 1]")
     top_k = _get(body, "top_k", (int,), 0, lambda v: v >= -1, "must be -1 or 0 (off) or a positive integer")
-    seed = _get(body, "seed", (int,), None)
+    seed = _get(body, "seed", (int,), None, lambda v: -2 ** 63 <= v < 2 ** 64, "must be in [-2**63, 2**64)")
     ignore_eos = _get(body, "ignore_eos", (bool,), False)
     if max_context is not None:
         if prompt_len >= max_context:
@@ -131,7 +131,7 @@ def _sampling(body: dict, max_tokens: Optional[int], max_context: Optional[int],
         elif max_tokens > room:
             raise APIError(f"This model's maximum context length is {max_context} tokens; you requested "
                            f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} to generate)",
-                           "max_tokens", code="context_length_exceeded")
+                           max_tokens_param, code="context_length_exceeded")
     return Sampling(max_tokens=max_tokens if max_tokens is not None else 16, temperature=float(t),
                     top_p=float(top_p), top_k=max(int(top_k), 0), seed=seed, ignore_eos=ignore_eos)
 
@@ -627,7 +627,7 @@ def _chat_job(body: dict, tok, cfg: FrontConfig) -> Job:
     name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
         raise APIError(f"{name} = {max_tokens!r}: must be an integer >= 1", name)
-    s = _sampling(body, max_tokens, cfg.max_context, len(ids), "messages")
+    s = _sampling(body, max_tokens, cfg.max_context, len(ids), "messages", name)
     if _get(body, "logprobs", (bool,), False):
         s.logprobs = _get(body, "top_logprobs", (int,), 0, lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
                           f"must be in 0..{MAX_TOP_LOGPROBS}")
