@@ -1,6 +1,6 @@
 """Our Triton kernels vs the peers at K3 per-rank shapes (TP=8: 12 heads; TP=1: 96), on one GPU (written for an H200).
 
-Usage (GPU; or `bash benchmarks/h200_session.sh bench`, which sets up fla-core and $OUT):
+Usage (GPU; or `bash benchmarks/gpu_run.sh bench`, which sets up fla-core and $OUT):
     PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/bench.jsonl [--junit $OUT/junit.xml] [--only ...]
 Each record: what, shape, us, peer_us, ratio (peer/ours, >1 = we are faster), bytes, GBps, pct_copy, correct.
 Speeds are reported only for kernels whose correctness check passed in the same run (in-script check at the bench

@@ -5,7 +5,7 @@ tuned yet (e.g. the KDA prefill at 12 heads when only the 96-head results were c
     FLA_CACHE_MODE=fuzzy FLA_CONFIG_DIR=/tmp/fla_configs python benchmarks/bench_decode.py --preset k3-tp8-rank ...
 
 Input: directories holding Triton's `<kernel>.autotune.json` files (a TRITON_CACHE_DIR, or what
-benchmarks/h200_session.sh saves as autotune_<mode>.tgz, unpacked). Output: one `<kernel>.json` per fla kernel in
+benchmarks/gpu_run.sh saves as autotune_<mode>.tgz, unpacked). Output: one `<kernel>.json` per fla kernel in
 fla-core's config-file format (fla/ops/utils/cache.py: `autotune_entries` keyed by the md5 of the tuning key, each
 the fastest config of that key by median time). With FLA_CACHE_MODE=fuzzy fla takes an exact key match, else the
 first entry whose key has the same structure (numbers may differ: head count, widths), else autotunes. A fuzzy

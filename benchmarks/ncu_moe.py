@@ -1,5 +1,5 @@
 """MXFP4 MoE under Nsight Compute: drive `mxfp4_moe` once with each set of kernels (run this under `ncu`), or
-summarize an ncu report. The H200 image ships ncu (/usr/local/cuda/bin/ncu); `bash benchmarks/h200_session.sh ncu`
+summarize an ncu report. The H200 image ships ncu (/usr/local/cuda/bin/ncu); `bash benchmarks/gpu_run.sh ncu`
 runs both.
 
   ncu --clock-control none --kernel-name regex:'moe_w13|moe_w2' --section SpeedOfLight --section Occupancy \\

@@ -1,7 +1,7 @@
 """Plot decode step time per bench_decode record (TP, eager / CUDA graphs, and ops and batch where they vary).
 
-    python benchmarks/plot_decode_tp.py benchmarks/results/h200x2_run5_tp_eager_kprofile.jsonl \\
-        benchmarks/results/h200x2_run5_tp_graphs.jsonl --out benchmarks/results/decode_tp_run5.png
+    python benchmarks/plot_decode_tp.py benchmarks/results/decode_k3slice_fused-h200.jsonl \\
+        --out benchmarks/results/decode_k3slice_fused-h200.png
 
 One bar per record (label: TP, eager/graphs, ops and B where the records differ): the median step time, split into the GPU time of the NCCL kernels
 (from --kernel-profile; waiting for the slower rank included), the other kernels' GPU time, and the rest of the

@@ -1,7 +1,7 @@
 """Where KDA prefill's time goes: per-kernel GPU time of our KdaPrefill op and of fla-core's chunk_kda (the peer),
 from torch.profiler, at K3 per-rank shapes (T tokens in one sequence).
 
-Usage (GPU with fla-core; or `bash benchmarks/h200_session.sh profile`, which installs fla-core and sets $OUT):
+Usage (GPU with fla-core; or `bash benchmarks/gpu_run.sh profile`, which installs fla-core and sets $OUT):
     python benchmarks/profile_kda_prefill.py --out $OUT/profile.jsonl [--heads 12,96] [--tokens 32768]
 One JSON line per (heads, variant): what="kda_prefill_profile", variant, us (CUDA-event median of --reps calls),
 kernels {kernel name: GPU us per call} (the profiler's device time over --prof-iters calls / iters), and for the

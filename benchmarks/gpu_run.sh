@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# One GPU session's tests and benchmarks on a GPU machine (written for the project's H200 image: the system python3 with
+# Tests and benchmarks on a GPU machine (written for the project's H200 image: the system python3 with
 # torch 2.11+cu130 and triton 3.6, no network; not .venv). From the repo root:
-#   bash benchmarks/h200_session.sh tests|bench|profile|ncu|decode|tp|fused   (results under $OUT, default /tmp/out)
+#   bash benchmarks/gpu_run.sh tests|bench|profile|ncu|decode|tp|fused   (results under $OUT, default /tmp/out)
 # tests : GPU pytest of the kernels, CUDA-graph capture and the GPU runtime -> $OUT/junit.xml, $OUT/pytest.log
 #         (PYTEST_ARGS overrides the files; it is re-parsed by the shell: PYTEST_ARGS='tests/a.py -k "x and not y"')
-#         On a fresh H200 the default files take longer than one 600 s device call (tests/plugins/test_kernels.py
-#         alone: ~90 of its GPU tests in 570 s, compiles and fla autotuning included): split them over calls
+#         On a fresh H200 the default files take more than 10 minutes (tests/plugins/test_kernels.py alone: ~90 of
+#         its GPU tests in 570 s, compiles and fla autotuning included): split them with PYTEST_ARGS
 # bench : benchmarks/bench_kernels.py (KDA decode/prefill, graph, MLA, MoE) -> $OUT/bench.jsonl + roofline.png
 # profile: benchmarks/profile_kda_prefill.py: per-kernel GPU time of KDA prefill, ours vs chunk_kda -> $OUT/profile.jsonl
 #         (PROFILE_ARGS overrides its arguments)
@@ -14,10 +14,11 @@
 # decode: benchmarks/bench_decode.py on k3-slice, B=16 (synthetic weights on the device; DECODE_ARGS overrides)
 # tp    : (several GPUs) bench_decode TP=1 on cuda:0 saved, then TP=EP=N over NCCL for N = 2, 4, .. <= GPUs compared
 #         with it (logits, greedy tokens) -> $OUT/decode_tp.jsonl (TP_ARGS overrides the model/run arguments)
-# fused : the fused decode path in one call (~300 s with .autotune/tests and .autotune/decode carried): the GPU tests
-#         of the fused glue and the overlapped steps (-> junit.xml, pytest.log; <= 110 s), k3-slice fused vs unfused
-#         at B=1/16/64 and 4K prompts (-> decode.jsonl; <= 95 s), k3-tp8-rank at B=1/16/64 (1K prompts) and TTFT
-#         8K / 32K (-> rank.jsonl; <= 90 s; fla configs reused across shapes: benchmarks/fla_configs.py)
+# fused : the fused decode path: the GPU tests of the fused glue and the overlapped steps (-> junit.xml, pytest.log;
+#         ~150 s with .autotune/tests carried), k3-slice fused vs unfused at B=1/16/64 and 4K prompts (-> decode.jsonl;
+#         ~45 s per batch size after a 25 s prefill, more at B=64), k3-tp8-rank at B=1/16/64 (1K prompts) and TTFT
+#         8K / 32K (-> rank.jsonl; more than 190 s; fla configs reused across shapes: benchmarks/fla_configs.py);
+#         each part has its own timeout (FUSED_TESTS_TIMEOUT, FUSED_SLICE_TIMEOUT, FUSED_RANK_TIMEOUT)
 # fla-core travels as a wheel in .whl/ (not in git): python3 -m pip download fla-core==0.6.0 --no-deps -d .whl
 # Triton autotune results (fla autotunes for minutes on a fresh machine) are saved per mode to $OUT/autotune_<mode>.tgz;
 # carry them into the next call of the SAME mode as .autotune/<mode>/ (not in git):
@@ -25,7 +26,7 @@
 # Never feed tests' results to bench: fla's tuning keys omit T, so picks made at test sizes (T ~ 100) would be reused
 # at T=32768 (chunk_kda ran 1.3x slower that way on an H200).
 set -u -o pipefail          # a failing benchmark fails the script through its `| tee | tail`
-usage() { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; }
 case "${1:-}" in
   tests|bench|profile|ncu|decode|tp|fused) ;;
   -h|--help) usage; exit 0 ;;
@@ -110,7 +111,7 @@ case "$1" in
     if [ -d .autotune/tests ]; then cp -r .autotune/tests/. "$TRITON_CACHE_DIR"/; fi
     T=tests/runtime/test_cuda.py
     G=tests/plugins/test_glue.py
-    timeout "${FUSED_TESTS_TIMEOUT:-110}" python3 -m pytest -q -rs "$G::test_attn_res_norm" \
+    timeout "${FUSED_TESTS_TIMEOUT:-200}" python3 -m pytest -q -rs "$G::test_attn_res_norm" \
       "$G::test_attn_res_norm_k3_width" "$G::test_attn_res_norm_rounds_like_the_bf16_model" \
       tests/runtime/test_fused.py::test_fused_kernels_on_gpu_against_unfused_and_reference \
       "$T::test_decode_reproduces_prefill_on_gpu[kernels]" "$T::test_chunked_prefill_equals_one_shot_on_gpu[kernels]" \
@@ -124,11 +125,11 @@ case "$1" in
     if [ -d .autotune/decode ]; then cp -r .autotune/decode/. "$TRITON_CACHE_DIR"/; fi
     python3 benchmarks/fla_configs.py "$TRITON_CACHE_DIR" --out /tmp/fla_configs | tee "$OUT/fla_configs.txt"
     export FLA_CACHE_MODE=fuzzy FLA_CONFIG_DIR=/tmp/fla_configs
-    timeout "${FUSED_SLICE_TIMEOUT:-95}" python3 benchmarks/bench_decode.py --preset k3-slice --device cuda \
+    timeout "${FUSED_SLICE_TIMEOUT:-300}" python3 benchmarks/bench_decode.py --preset k3-slice --device cuda \
       --batch 1,16,64 --prompt-len 4096 --steps 16 --warmup 2 --ops kernels,kernels-unfused --cuda-graphs \
       --dense-dtype bfloat16 --kernel-profile 2 --no-progress --out "$OUT/decode.jsonl" 2>&1 \
       | tee "$OUT/decode.log" | grep -v '^{' | tail -12 || rc=1
-    timeout "${FUSED_RANK_TIMEOUT:-90}" python3 benchmarks/bench_decode.py --preset k3-tp8-rank --device cuda \
+    timeout "${FUSED_RANK_TIMEOUT:-600}" python3 benchmarks/bench_decode.py --preset k3-tp8-rank --device cuda \
       --batch 1,16,64 --prompt-len 1024 --steps 8 --warmup 2 --ops kernels --cuda-graphs --dense-dtype bfloat16 \
       --kernel-profile 2 --ttft 8192,32768 --predict-experts 896 --no-progress --out "$OUT/rank.jsonl" 2>&1 \
       | tee "$OUT/rank.log" | grep -v '^{' | tail -12 || rc=1
