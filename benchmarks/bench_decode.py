@@ -161,7 +161,7 @@ def parse_args(argv=None):
                      help="with --compare-to: also fail unless every request's greedy tokens equal the saved run's "
                           "(exact; expected with --ops reference, not with the bf16-rounding kernels)")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
-    out.add_argument("-v", "--verbose", action="store_true")
+    out.add_argument("-v", "--verbose", action="store_true", help="log every library's INFO lines too")
     a = ap.parse_args(argv)
     if any(b < 1 for b in a.batch) or any(n < 1 for n in a.ttft):
         ap.error(f"--batch {a.batch} / --ttft {a.ttft}: every value must be >= 1")

@@ -91,7 +91,7 @@ def parse_args(argv=None):
     o.add_argument("--out", type=Path, default=None, help="append JSON lines here")
     o.add_argument("--plot", type=Path, default=None, help="PNG of TTFT per conversation turn, on and off")
     o.add_argument("--label", default=None, help="free text stored in each record")
-    o.add_argument("-v", "--verbose", action="store_true")
+    o.add_argument("-v", "--verbose", action="store_true", help="log every library's INFO lines too")
     a = ap.parse_args(argv)
     for name in ("turns", "history", "reply_len", "users", "system_len", "question_len", "cold_len", "repeats",
                  "max_num_tokens", "block_size", "max_batch", "snapshot_interval", "num_snapshots"):

@@ -83,7 +83,8 @@ def main():
                     help="comma-separated kernel families to take from the file at the same position")
     ap.add_argument("--drop", action="append", default=[],
                     help="WHAT:KEY=VALUE: leave out that family's records with that field value (repeatable)")
-    ap.add_argument("--title", default="k3deploy Triton kernels on H200: memory roofline fraction")
+    ap.add_argument("--title", default="k3deploy Triton kernels on H200: memory roofline fraction",
+                    help="the figure title")
     ap.add_argument("--out", default=None, help="PNG path (default: roofline.png beside the first file)")
     a = ap.parse_args()
     try:

@@ -578,7 +578,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--write-polygraphy-data", type=Path, default=None, metavar="DIR",
                     help="write <graph id>.inputs.json / .outputs.json for `polygraphy run --load-inputs/--load-outputs`")
     ap.add_argument("--no-end-to-end", action="store_true", help="skip the whole-model comparison")
-    ap.add_argument("--log-level", default="INFO")
+    ap.add_argument("--log-level", default="INFO", help="logging level: DEBUG, INFO, WARNING, ERROR (default INFO)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     rep = verify(a.onnx_dir, a.checkpoint, a.report or a.onnx_dir / "verify_report.json", a.write_polygraphy_data,

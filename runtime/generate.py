@@ -65,7 +65,7 @@ def _main(argv: list[str] | None = None, prog: str | None = None) -> int:
                     help="an image for the prompt (repeatable, in prompt order; models with a vision tower): "
                          "--prompt-ids hold one <|media_pad|> id per image, --prompt one <|kimi_image_placeholder|>")
     ap.add_argument("--text", action="store_true", help="also print the decoded text on a second line")
-    ap.add_argument("-v", "--verbose", action="store_true")
+    ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
