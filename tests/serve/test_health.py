@@ -216,8 +216,11 @@ def test_stub_kill_fails_readiness_and_in_flight_requests_at_once(tiny_ckpt, tmp
         assert wait_metric(srv.metrics_url, "k3_kda_slots_in_use", lambda v: v >= 2) >= 2
         [stub] = [p for p in launch._stubs(srv.pid, srv._shm_prefix) if p != srv.pid and launch._stub_model(p) == "k3"]
         os.kill(stub, signal.SIGKILL)
+        killed = time.monotonic()
         t1.join(WAIT_S)
         t2.join(WAIT_S)
+        took = time.monotonic() - killed
+        assert took < 20, f"the clients got their errors {took:.1f} s after the kill (their deadlines are 60 s)"
         assert out["grpc"]["error"] and "no final response" not in out["grpc"]["error"], out["grpc"]
         status, text = out["http"]
         assert status == 503 and "stub of model 'k3'" in json.loads(text)["error"], (status, text)

@@ -244,6 +244,8 @@ def test_disconnect_mid_stream_frees_the_slot(env):
     (dict(messages=MSGS, logprobs=True, top_logprobs=30), "top_logprobs"),
     (dict(messages=MSGS, max_tokens=0), "max_tokens"),
     (dict(messages=MSGS, max_tokens=100000), "max_tokens"),
+    (dict(messages=MSGS, max_completion_tokens=100000), "max_completion_tokens"),
+    (dict(messages=MSGS, seed=2 ** 64), "seed"),
     (dict(messages=MSGS, extra_body={"chat_template_kwargs": {"thinking_effort": "medium"}}),
      "chat_template_kwargs.thinking_effort"),
     (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]),
