@@ -158,6 +158,7 @@ def machine(model):
                 return allocate(rid, snapshot)
             cache.allocate = counting_allocate
             self.prompts: dict[str, list[int]] = {}
+            self.cancelled: set[str] = set()
             self.n = 0
             self.shared = {}
 
@@ -208,6 +209,7 @@ def machine(model):
                 return
             rid = data.draw(st.sampled_from(sorted(self.on.sched.requests)))
             TOTALS["cancels"] += 1
+            self.cancelled.add(rid)
             for run in (self.on, self.off):
                 run.sched.cancel(rid)
 
@@ -244,6 +246,7 @@ def machine(model):
                 a, b = self.on.tokens[rid], self.off.tokens[rid]
                 k = min(len(a), len(b))                       # a cancel may cut the runs at different lengths
                 assert a[:k] == b[:k], f"{rid}: tokens {a} (caching on) != {b} (off)"
+                assert rid in self.cancelled or len(a) == len(b), f"{rid}: {len(a)} tokens on, {len(b)} off"
                 for i in range(k):                            # the logits that chose each token
                     pos = len(prompt) - 1 + i
                     assert torch.equal(on_l[(rid, pos)], off_l[(rid, pos)]), f"{rid}: logits at {pos} differ"
