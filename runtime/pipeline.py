@@ -116,7 +116,7 @@ class DecodePipeline:
         sampled = self._tokens[:n]
         torch.argmax(logits, dim=-1, out=sampled)
         out = self._pinned((n,), torch.long)
-        out.copy_(sampled, non_blocking=True)
+        out.copy_(torch.where(torch.isfinite(logits).all(-1), sampled, -1), non_blocking=True)   # -1: NaN/Inf row
         lp = None
         if any(t is not None for t in top_k):
             lp = tuple(self._to_host(t) for t in logprob_tensors(logits, sampled, max(t or 0 for t in top_k)))
@@ -127,9 +127,9 @@ class DecodePipeline:
         return Ticket(list(reqs), {r: i for i, r in enumerate(reqs)}, out, lp, list(top_k), event), pools
 
     def wait(self, ticket: Ticket) -> tuple[list[int], list | None]:
-        """Block until `ticket`'s step finished; returns (sampled ids per real row, per row None or (logprob,
-        [(id, logprob)]) when any row asked for logprobs, else None). Raises what the device raised (a CUDA
-        error of the step)."""
+        """Block until `ticket`'s step finished; returns (sampled ids per real row, -1 for a row whose logits are
+        not all finite; per row None or (logprob, [(id, logprob)]) when any row asked for logprobs, else None).
+        Raises what the device raised (a CUDA error of the step)."""
         if ticket.event is not None:
             ticket.event.synchronize()
         ids = ticket.ids.tolist()

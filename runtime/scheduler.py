@@ -650,7 +650,11 @@ class Scheduler:
                     self._finish(req, "error", f"{type(e).__name__}: {e}", notify_token=None)
             return booked
         for row, req in enumerate(ticket.reqs):
-            if req.status != "finished":               # stopped, cancelled or failed while this step ran
+            if req.status == "finished":               # stopped, cancelled or failed while this step ran
+                continue
+            if toks[row] < 0:                          # its logits row was NaN/Inf: this request alone fails
+                self._finish(req, "error", NON_FINITE, notify_token=None)
+            else:
                 self._emit(req, toks[row], lps[row] if lps is not None else None)
         return booked
 

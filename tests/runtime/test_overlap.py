@@ -180,6 +180,38 @@ def test_cancel_while_a_step_is_in_flight(tiny_model):
     sched.cache.check_consistent()
 
 
+def test_a_non_finite_row_fails_only_its_request(tiny_model):
+    """An overlapped step whose logits row of one request turns NaN (a bad weight reached that request): that
+    request finishes "error" naming the non-finite logits, with no token for the bad row; the other request in the
+    same steps gives its solo tokens; slots and blocks are all free afterwards."""
+    m = tiny_model
+    sched = _sched(m, True, max_batch=2)
+    fwd = sched.executor.forward_on_device
+    poisoned = {"slot": None}
+
+    def poisoning(ids, batch, pools, rows):
+        logits, pools = fwd(ids, batch, pools, rows)
+        if poisoned["slot"] is not None:
+            bad = (batch.slots[: logits.shape[0]] == poisoned["slot"]).nonzero().flatten()
+            logits = logits.clone()
+            logits[bad, 7] = float("nan")
+        return logits, pools
+    sched.executor.forward_on_device = poisoning
+    pa, pb = _prompt(8, 41), _prompt(9, 42)
+    ca, cb = _Req(), _Req()
+    ra = sched.add("a", pa, SamplingParams(max_tokens=10, ignore_eos=True), ca)
+    sched.add("b", pb, SamplingParams(max_tokens=10, ignore_eos=True), cb)
+    while sched.stats["overlapped_steps"] < 2:
+        sched.step()
+    poisoned["slot"] = sched.cache.slot("a")
+    sched.run_until_done()
+    assert ra.finish_reason == "error" and "not finite" in ra.error and ca.finished and ca.events_after_finish == 0
+    assert ca.tokens == _solo(m, pa, 10)[:len(ca.tokens)] and len(ca.tokens) < 10
+    assert cb.tokens == _solo(m, pb, 10)
+    assert sched.cache.slots_in_use == 0 and sched.cache.blocks_in_use == 0
+    sched.cache.check_consistent()
+
+
 def test_overlap_switch_and_defaults(tiny_model):
     """The CPU torch executor does not overlap by default (nothing to gain); overlap=True there runs the pipeline;
     an executor without forward_on_device is refused with a clear error; set_overlap(False) books the step in
