@@ -61,6 +61,10 @@ def default_checkpoint() -> Path:
     path = cache_dir() / f"{DEFAULT_PRESET}-seed0"
     if (path / "model.safetensors.index.json").is_file():
         log.info("using the embedded default checkpoint %s (synthetic %s)", path, DEFAULT_PRESET)
+        if not (path / "tiktoken.model").is_file():     # generated before checkpoints carried their tokenizer
+            from k3deploy.model.vocab import write_tokenizer_files
+            cfg = load_config(DEFAULT_PRESET)
+            write_tokenizer_files(path, cfg.vocab_size, cfg.max_position_embeddings)
         return path
     log.info("no --checkpoint given: generating the embedded default (synthetic %s, seed 0) into %s", DEFAULT_PRESET, path)
     path.parent.mkdir(parents=True, exist_ok=True)

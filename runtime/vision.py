@@ -174,7 +174,8 @@ def load_image(source, name: str = "image"):
         try:
             img = Image.open(io.BytesIO(data))
         except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
-            raise ImageError(f"{name}: not a decodable image ({_describe(source)}: {e}); send a PNG, JPEG, WebP, "
+            why = "not an image format Pillow reads" if isinstance(e, UnidentifiedImageError) else str(e)
+            raise ImageError(f"{name}: not a decodable image ({_describe(source)}: {why}); send a PNG, JPEG, WebP, "
                              "GIF or BMP file") from None
         _check_pixels(img.size, name)
         try:

@@ -378,7 +378,7 @@ class TritonServer:
         self.repo = pathlib.Path(repo).resolve()
         if not self.repo.is_dir():
             raise TritonLaunchError(f"--repo {self.repo} is not a directory; pass a Triton model repository "
-                                    "(e.g. one written by `python -m k3deploy.serve.repository`)")
+                                    "(e.g. one written by `k3deploy repository` or `k3deploy build`)")
         ports = [p for p in (http_port, grpc_port, metrics_port) if p is not None]
         for name, p in (("http_port", http_port), ("grpc_port", grpc_port), ("metrics_port", metrics_port)):
             if p is not None and not (0 < int(p) < 65536):
@@ -663,18 +663,20 @@ class OpenAIFront:
 
     Args:
         grpc_url: the Triton gRPC endpoint ``host:port``; port / host: where the front listens (loopback default);
-        api_key / served_model / allowed_media_hosts: passed on (``--api-key``, ``--served-model-name``,
-            ``--allowed-media-hosts``); log_path: its output (default inherited).
+        api_key / served_model / allowed_media_hosts / max_request_bytes: passed on (``--api-key``,
+            ``--served-model-name``, ``--allowed-media-hosts``, ``--max-request-bytes``; None: the front's default);
+            log_path: its output (default inherited).
     """
 
     def __init__(self, grpc_url: str, port: int, *, host: str = DEFAULT_HOST, api_key: Optional[str] = None,
                  served_model: Optional[str] = None, log_path: Optional[os.PathLike | str] = None,
-                 allowed_media_hosts: Sequence[str] = ()):
+                 allowed_media_hosts: Sequence[str] = (), max_request_bytes: Optional[int] = None):
         if not 0 < int(port) < 65536:
             raise TritonLaunchError(f"openai_port={port} is not a TCP port; pass 1..65535")
         self.grpc_url, self.port, self.host = grpc_url, int(port), host
         self.api_key, self.served_model = api_key, served_model
         self.allowed_media_hosts = [h for h in allowed_media_hosts if h]
+        self.max_request_bytes = max_request_bytes
         self.log_path = pathlib.Path(log_path) if log_path is not None else None
         self._proc: Optional[subprocess.Popen] = None
         self._log = None
@@ -698,6 +700,8 @@ class OpenAIFront:
             cmd += ["--served-model-name", self.served_model]
         if self.allowed_media_hosts:
             cmd += ["--allowed-media-hosts", ",".join(self.allowed_media_hosts)]
+        if self.max_request_bytes is not None:
+            cmd += ["--max-request-bytes", str(self.max_request_bytes)]
         if self.log_path is not None:
             self._log = open(self.log_path, "wb")
         LOGGER.info("starting the OpenAI front: %s", " ".join(c if c != self.api_key else "***" for c in cmd))
@@ -852,7 +856,8 @@ def _parse_args(argv: Optional[Sequence[str]] = None, prog: str | None = None) -
                     "refuses ports already taken (naming the process), prints the endpoints once ready, stops "
                     "cleanly on SIGINT/SIGTERM (exit 0), and exits 1 naming the reason when tritonserver or a model's "
                     "Python-backend stub dies (tritonserver never outlives this launcher). docs/OPERATIONS.md")
-    p.add_argument("--repo", required=True, help="Triton model repository (see `python -m k3deploy.serve.repository`)")
+    p.add_argument("--repo", required=True,
+                   help="Triton model repository (written by `k3deploy build` or `k3deploy repository`)")
     p.add_argument("--http-port", type=int, default=None, help="HTTP/REST port (default: a free one)")
     p.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default: a free one)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics port (omit: metrics off)")
@@ -872,6 +877,8 @@ def _parse_args(argv: Optional[Sequence[str]] = None, prog: str | None = None) -
     p.add_argument("--allowed-media-hosts", default="",
                    help="comma-separated hosts (or host:port) whose http(s) image URLs the front may fetch "
                         "(default: none; images come as data: URLs)")
+    p.add_argument("--max-request-bytes", type=int, default=None,
+                   help="largest request body the front accepts; larger ones get 413 (default 8 MiB)")
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
     p.add_argument("--log-level", default="INFO", help="launcher logging level (default %(default)s)")
     return p.parse_args(argv)
@@ -920,7 +927,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: str | None = None) -> int:
         if args.openai_port is not None:
             front = OpenAIFront(server.grpc_url, args.openai_port, host=args.openai_host, api_key=args.api_key,
                                 served_model=args.served_model_name,
-                                allowed_media_hosts=args.allowed_media_hosts.split(",")).start(timeout=args.timeout)
+                                allowed_media_hosts=args.allowed_media_hosts.split(","),
+                                max_request_bytes=args.max_request_bytes).start(timeout=args.timeout)
             print(f"openai  {front.url}", flush=True)
         print("ready", flush=True)
         while not stop_event.wait(0.5):

@@ -1012,8 +1012,10 @@ def load_front(triton_url: str, model: str = "k3", tokenizer: Optional[str] = No
     found = resolve_model_dir(params["model_path"]) if params.get("model_path") else {}
     if tokenizer is None:
         if not found.get("tokenizer"):
-            raise FileNotFoundError(f"model {model!r} ({params.get('model_path')}) has no tiktoken.model; pass "
-                                    "--tokenizer PATH")
+            raise FileNotFoundError(f"model {model!r} ({params.get('model_path')}) has no tiktoken.model: the front "
+                                    "needs the checkpoint's tokenizer (tiktoken.model + tokenizer_config.json); copy "
+                                    "them beside its weights (`k3deploy synthetic` writes them), or start the front "
+                                    "alone with `k3deploy openai --tokenizer PATH`")
         tokenizer = str(found["tokenizer"])
     tok = Tokenizer.from_file(tokenizer)
     model_cfg, vision = front_vision(params.get("model_path"), found, tok)

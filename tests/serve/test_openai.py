@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import random
 import re
 import signal
 import socket
@@ -70,10 +71,11 @@ class Env:
 @pytest.fixture(scope="module")
 def env(tiny_ckpt, tmp_path_factory):
     repo = tmp_path_factory.mktemp("openai") / "repo"
-    repo_mod.write_repository(tiny_ckpt, repo, "torch", max_batch=16, max_context=512)
+    repo_mod.write_repository(tiny_ckpt, repo, "torch", max_batch=16, max_context=512, enable_prefix_caching=True)
     metrics, port = free_ports(2)
     cmd = [sys.executable, "-m", "k3deploy.serve.launch", "--repo", str(repo), "--metrics-port", str(metrics),
-           "--openai-port", str(port), "--api-key", KEY, "--timeout", "600", "--log-level", "WARNING"]
+           "--openai-port", str(port), "--api-key", KEY, "--timeout", "600", "--log-level", "WARNING",
+           "--max-request-bytes", str(4 << 20)]
     log = open(repo.parent / "launch.log", "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
@@ -113,7 +115,7 @@ def test_models_health_metrics_and_auth(env):
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     r = httpx.get(env.urls["openai"] + "/models", headers={"Authorization": "Bearer nope"})
     assert r.status_code == 401
-    big = httpx.post(env.urls["openai"] + "/chat/completions", content=b"x" * (9 << 20),
+    big = httpx.post(env.urls["openai"] + "/chat/completions", content=b"x" * (5 << 20),     # over the 4 MiB set
                      headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}, timeout=WAIT_S)
     assert big.status_code == 413 and "error" in big.json()
     assert "k3_front_requests_total" in httpx.get(env.front_metrics).text
@@ -233,7 +235,10 @@ def test_disconnect_mid_stream_frees_the_slot(env):
                     break
             assert env.metric(env.urls["metrics"], "k3_kda_slots_in_use") >= 1
     assert env.wait_metric(env.urls["metrics"], "k3_kda_slots_in_use", lambda v: v == 0) == 0
-    assert env.wait_metric(env.urls["metrics"], "k3_latent_blocks_in_use", lambda v: v == 0) == 0
+    def cached():                                               # prefix caching is on here: blocks it holds
+        return env.metric(env.urls["metrics"], "k3_latent_blocks_cached")
+    env.wait_metric(env.urls["metrics"], "k3_latent_blocks_in_use", lambda v: v == cached())
+    assert env.metric(env.urls["metrics"], "k3_latent_blocks_in_use") == cached()     # the request's own: freed
     assert env.wait_metric(env.front_metrics, "k3_front_requests_running", lambda v: v == 0) == 0
 
 
@@ -258,6 +263,22 @@ def test_bad_chat_requests_are_400_naming_the_param(env, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         env.client.chat.completions.create(model="k3", **kw)
     assert e.value.status_code == 400 and e.value.param == param, e.value.body
+
+
+def test_cached_tokens_of_a_resumed_prompt(env):
+    """Prefix caching is on in this repository: a request of one generated token leaves its state at the end of its
+    prompt; a prompt extending it resumes there, and usage.prompt_tokens_details.cached_tokens says how many prompt
+    tokens came from the cache (the first, and a prompt differing in its first token: 0)."""
+    rnd = random.Random(5)
+    p = [rnd.randrange(3, 700) for _ in range(40)]
+    first = env.client.completions.create(**greedy(prompt=p, max_tokens=1, extra_body={"ignore_eos": True}))
+    assert first.usage.prompt_tokens == 40 and first.usage.prompt_tokens_details.cached_tokens == 0
+    longer = p + [11, 12, 13]
+    warm = env.client.completions.create(**greedy(prompt=longer, max_tokens=4, extra_body={"ignore_eos": True}))
+    assert warm.usage.prompt_tokens == 43 and warm.usage.prompt_tokens_details.cached_tokens == 40, warm.usage
+    cold = env.client.completions.create(**greedy(prompt=[7] + longer[1:], max_tokens=4,
+                                                  extra_body={"ignore_eos": True}))
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_bad_requests_leave_the_server_serving(env):
