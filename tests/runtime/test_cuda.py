@@ -61,15 +61,7 @@ def gpus(n: int):
 KERNEL_OPS = ["torch", "kernels"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """The CPU reference is many small ops: one intra-op thread is faster and steadier (as in test_runtime)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(True)
-    yield
-    torch.set_num_threads(threads)
-    torch.set_flush_denormal(False)
+pytestmark = pytest.mark.usefixtures("one_thread")          # tests/runtime/conftest.py
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------

@@ -16,12 +16,7 @@ from k3deploy.runtime.scheduler import Scheduler
 PROMPT = [5, 77, 300, 12, 999, 41, 8, 650, 23, 101]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")          # tests/runtime/conftest.py
 
 
 def reference(model, ids, n):

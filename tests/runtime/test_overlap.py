@@ -17,14 +17,7 @@ from k3deploy.runtime.sampling import SamplingParams
 from k3deploy.runtime.scheduler import Scheduler
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(True)
-    yield
-    torch.set_num_threads(threads)
-    torch.set_flush_denormal(False)
+pytestmark = pytest.mark.usefixtures("one_thread")          # tests/runtime/conftest.py
 
 
 def _prompt(n: int, seed: int) -> list[int]:

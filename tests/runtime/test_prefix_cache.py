@@ -36,15 +36,7 @@ from k3deploy.runtime.scheduler import Scheduler
 MiB = 1 << 20
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One intra-op thread (the reference is many small ops) and no denormals (the decaying KDA state)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(True)
-    yield
-    torch.set_num_threads(threads)
-    torch.set_flush_denormal(False)
+pytestmark = pytest.mark.usefixtures("one_thread")          # tests/runtime/conftest.py
 
 
 @pytest.fixture

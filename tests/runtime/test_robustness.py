@@ -23,14 +23,7 @@ from poison import poison_copy
 WAIT = 300  # hang guard for event waits (not a timing assertion)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(True)
-    yield
-    torch.set_num_threads(threads)
-    torch.set_flush_denormal(False)
+pytestmark = pytest.mark.usefixtures("one_thread")          # tests/runtime/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -30,16 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WAIT = 300  # seconds an Event wait may take before the test gives up (a hang guard, not a timing assertion)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """The reference is many small ops: one intra-op thread is much faster (and steadier) on a shared CPU;
-    flushing denormals keeps the decaying KDA state from hitting the slow path."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(True)
-    yield
-    torch.set_num_threads(threads)
-    torch.set_flush_denormal(False)
+pytestmark = pytest.mark.usefixtures("one_thread")          # tests/runtime/conftest.py
 
 
 def solo_greedy(model: K3Model, prompt: list[int], n: int, max_len: int = 512) -> list[int]:

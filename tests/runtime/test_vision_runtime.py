@@ -22,13 +22,7 @@ from k3deploy.runtime.vision import ImageError, load_processor, pack_images, pro
 PAD, BEGIN, CONTENT, END = 789, 786, 787, 788
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Many small ops: one intra-op thread is faster on a shared CPU (as tests/runtime/test_runtime.py)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")          # tests/runtime/conftest.py
 
 
 def images(ckpt, seed=0):
