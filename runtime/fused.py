@@ -256,18 +256,8 @@ class FusedModel:
         """`K3Model.check_ids`."""
         self.model.check_ids(ids)
 
-    def forward(self, ids: torch.Tensor, batch: Batch, pools: dict, logits_index: torch.Tensor | None = None,
-                image_rows: "tuple[torch.Tensor, torch.Tensor] | None" = None):
-        """`K3Model.forward` through the fused layers: validates host ids, moves ids / batch / logits_index /
-        image_rows to the device, returns (logits [M or T, vocab] fp32, pools)."""
-        self.check_ids(ids)
-        dev = self.device
-        ids, batch = ids.to(dev), batch.to(dev)
-        if logits_index is not None:
-            logits_index = logits_index.to(dev)
-        if image_rows is not None:
-            image_rows = (image_rows[0].to(dev), image_rows[1].to(dev))
-        return self.forward_on_device(ids, batch, pools, logits_index, image_rows)
+    # K3Model.forward's host side (validate host ids, move the inputs to the device) over this forward_on_device
+    forward = K3Model.forward
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         m = self.model
