@@ -2,10 +2,14 @@
 posts (any body size), HTTP clients in a child process that the test can SIGKILL, metrics polling."""
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import os
+import pathlib
 import queue
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -138,3 +142,36 @@ def wait_metric(metrics_url: str, name: str, pred, wait_s: float = WAIT_S) -> fl
         time.sleep(0.1)
         v = metric(metrics_url, name)
     return v
+
+
+@contextlib.contextmanager
+def launcher(repo, *args: str, root, timeout_s: float = 600):
+    """`python -m k3deploy.serve.launch --repo REPO ARGS...` as a user runs it: yields (process, {"http": URL,
+    "grpc": HOST:PORT, "openai": URL, ...}) once it prints "ready"; SIGTERM (then kill) on exit. Its log goes to
+    REPO/../launch.log; an exit before "ready" is an AssertionError with the log's end."""
+    log_path = pathlib.Path(repo).parent / "launch.log"
+    cmd = [sys.executable, "-m", "k3deploy.serve.launch", "--repo", str(repo), "--timeout", str(int(timeout_s)),
+           "--log-level", "WARNING", *args]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=log, text=True,
+                                env=dict(os.environ, PYTHONPATH=str(root)))
+        try:
+            urls = {}
+            deadline = time.monotonic() + timeout_s
+            for line in proc.stdout:                 # "http URL", "grpc HOST:PORT", ..., then "ready"
+                if line.strip() == "ready":
+                    break
+                key, _, value = line.strip().partition(" ")
+                urls[key] = value.strip()
+                assert time.monotonic() < deadline, "the launcher did not get ready"
+            else:
+                raise AssertionError(f"launcher exited with {proc.wait()}: {log_path.read_text()[-3000:]}")
+            yield proc, urls
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=90)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()

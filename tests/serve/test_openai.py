@@ -9,14 +9,11 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import os
 import pathlib
 import random
 import re
 import signal
 import socket
-import subprocess
-import sys
 import time
 import urllib.request
 
@@ -34,6 +31,7 @@ from k3deploy.runtime.chat import encode_chat  # noqa: E402
 from k3deploy.runtime.tokenizer import Tokenizer  # noqa: E402
 from k3deploy.serve import repository as repo_mod  # noqa: E402
 from k3deploy.serve.launch import free_ports  # noqa: E402
+from k3client import launcher  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WAIT_S = 120
@@ -73,33 +71,9 @@ def env(tiny_ckpt, tmp_path_factory):
     repo = tmp_path_factory.mktemp("openai") / "repo"
     repo_mod.write_repository(tiny_ckpt, repo, "torch", max_batch=16, max_context=512, enable_prefix_caching=True)
     metrics, port = free_ports(2)
-    cmd = [sys.executable, "-m", "k3deploy.serve.launch", "--repo", str(repo), "--metrics-port", str(metrics),
-           "--openai-port", str(port), "--api-key", KEY, "--timeout", "600", "--log-level", "WARNING",
-           "--max-request-bytes", str(4 << 20)]
-    log = open(repo.parent / "launch.log", "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    urls = {}
-    deadline = time.monotonic() + 600
-    for line in proc.stdout:                                 # "http URL", "grpc HOST:PORT", ..., then "ready"
-        if line.strip() == "ready":
-            break
-        key, _, value = line.strip().partition(" ")
-        urls[key] = value.strip()
-        assert time.monotonic() < deadline, "the launcher did not get ready"
-    else:
-        raise AssertionError(f"launcher exited with {proc.wait()}: {(repo.parent / 'launch.log').read_text()[-3000:]}")
-    try:
+    with launcher(repo, "--metrics-port", str(metrics), "--openai-port", str(port), "--api-key", KEY,
+                  "--max-request-bytes", str(4 << 20), root=ROOT) as (proc, urls):
         yield Env(proc, urls, Tokenizer.from_file(tiny_ckpt / "tiktoken.model"))
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.close()
 
 
 def greedy(**kw):

@@ -12,12 +12,8 @@ import base64
 import http.server
 import importlib.util
 import io
-import os
 import pathlib
 import queue
-import signal
-import subprocess
-import sys
 import threading
 import time
 import types
@@ -36,6 +32,7 @@ from k3deploy.runtime.chat import encode_chat_images, parse_output, text_image_s
 from k3deploy.runtime.vision import image_tokens, pack_images, process_image  # noqa: E402
 from k3deploy.serve import repository as repo_mod  # noqa: E402
 from k3deploy.serve.launch import OpenAIFront, free_ports  # noqa: E402
+from k3client import launcher  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WAIT_S = 120
@@ -103,29 +100,8 @@ def env(tiny_vl_ckpt, tmp_path_factory):
     repo = tmp_path_factory.mktemp("vision_serving") / "repo"
     repo_mod.write_repository(tiny_vl_ckpt, repo, "torch", max_batch=8, max_context=1024)
     (port,) = free_ports(1)
-    cmd = [sys.executable, "-m", "k3deploy.serve.launch", "--repo", str(repo), "--openai-port", str(port),
-           "--timeout", "600", "--log-level", "WARNING"]
-    log = open(repo.parent / "launch.log", "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    urls = {}
-    for line in proc.stdout:                                 # "http URL", "grpc HOST:PORT", "openai URL", "ready"
-        if line.strip() == "ready":
-            break
-        key, _, value = line.strip().partition(" ")
-        urls[key] = value.strip()
-    else:
-        raise AssertionError(f"launcher exited with {proc.wait()}: {(repo.parent / 'launch.log').read_text()[-3000:]}")
-    try:
+    with launcher(repo, "--openai-port", str(port), root=ROOT) as (_, urls):
         yield Env(urls, LLM(tiny_vl_ckpt, backend="torch", max_batch=4, max_context=1024))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 @pytest.fixture(scope="module")
