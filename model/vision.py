@@ -222,13 +222,15 @@ def rope_tables(grids: Sequence[tuple[int, int, int]], head_dim: int) -> tuple[n
     """Per token (cos, sin) [L, head_dim/2] float32 of the 2-D RoPE (§3.3): pair 2m turns by j·φ_m (column),
     pair 2m+1 by i·φ_m (row), φ_m = 10000^(-4m/head_dim); frames of a clip share the spatial angles."""
     phi = ROPE_THETA ** (-4.0 * np.arange(head_dim // 4) / head_dim)
-    out = []
+    cos, sin = [], []
     for t, h, w in grids:
+        n = max(h, w)                                  # cos / sin of k·φ for k < max(h, w), gathered per token
+        ang = np.arange(n)[:, None] * phi[None]
+        c, s = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
         i, j = np.divmod(np.arange(h * w), w)
-        ang = np.stack([j[:, None] * phi[None], i[:, None] * phi[None]], -1).reshape(h * w, head_dim // 2)
-        out.append(np.tile(ang, (t, 1)))
-    ang = np.concatenate(out)
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+        for tab, out in ((c, cos), (s, sin)):
+            out.append(np.tile(np.stack([tab[j], tab[i]], -1).reshape(h * w, head_dim // 2), (t, 1)))
+    return np.concatenate(cos), np.concatenate(sin)
 
 
 def merge_index(grids: Sequence[tuple[int, int, int]], offsets: Sequence[int] | None = None) -> np.ndarray:

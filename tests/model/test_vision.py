@@ -159,6 +159,23 @@ def test_rope_pairs(vl_cfg):
     assert np.allclose(cw[:, 2], np.cos(np.arange(6) * phi[1]))
 
 
+def test_rope_tables_equal_the_per_token_angles(vl_cfg):
+    """The tables gathered from per-axis cos / sin are exactly cos / sin of each token's angle (§3.3), frames of a
+    clip repeating the spatial rows, segments concatenated."""
+    Dh = vl_cfg.vision.head_dim
+    grids = [(1, 6, 10), (3, 4, 2), (1, 12, 4)]
+    phi = 10000.0 ** (-4.0 * np.arange(Dh // 4) / Dh)
+    want = []
+    for t, h, w in grids:
+        i, j = np.divmod(np.arange(h * w), w)
+        ang = np.stack([j[:, None] * phi, i[:, None] * phi], -1).reshape(h * w, Dh // 2)
+        want.append(np.tile(ang, (t, 1)))
+    ang = np.concatenate(want)
+    cos, sin = rope_tables(grids, Dh)
+    assert cos.dtype == sin.dtype == np.float32 and cos.shape == (sum(t * h * w for t, h, w in grids), Dh // 2)
+    assert np.array_equal(cos, np.cos(ang).astype(np.float32)) and np.array_equal(sin, np.sin(ang).astype(np.float32))
+
+
 def test_tower_norm_eps(vm):
     """§10.1 test 6: an all-zero row normalizes to zeros (no NaN) and the eps is 2^-23 (§4.1)."""
     from k3deploy.model.vision import _rms
