@@ -329,6 +329,47 @@ def _gelu_erf(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x.float()).to(x.dtype)
 
 
+def _attn_out_and_mlp(x, o, wo, norm1, fc0, fc1, eps: float) -> torch.Tensor:
+    """x + o·woᵀ, then + fc1(GELU-tanh(fc0(RMSNorm(·)))) (§4.1)."""
+    x = x + o @ wo.t()
+    return x + _gelu_tanh(_rms(x, norm1, eps) @ fc0.t()) @ fc1.t()
+
+
+def _block(x, cos, sin, norm0, wqkv, wo, norm1, fc0, fc1, H: int, Dh: int, eps: float, attention: str):
+    """One pre-norm tower block over B equal segments (§4): x [B, ℓ, D] in the weights' dtype, cos / sin
+    [B, ℓ, 1, Dh/2] fp32 -> [B, ℓ, D]. attention: "sdpa" (F.scaled_dot_product_attention) or "math" (explicit
+    softmax, the fp32 reference's)."""
+    B, ell = x.shape[0], x.shape[1]
+
+    def rope(u):                                                                     # [B, ℓ, H, Dh]
+        a, b = u.float().unflatten(-1, (Dh // 2, 2)).unbind(-1)
+        return torch.stack([a * cos - b * sin, a * sin + b * cos], -1).flatten(-2).to(x.dtype)
+    qkv = (_rms(x, norm0, eps) @ wqkv.t()).reshape(B, ell, 3, H, Dh)
+    q, k, val = rope(qkv[:, :, 0]).transpose(1, 2), rope(qkv[:, :, 1]).transpose(1, 2), qkv[:, :, 2].transpose(1, 2)
+    if attention == "sdpa":
+        o = F.scaled_dot_product_attention(q, k, val)
+    else:
+        o = torch.softmax((q @ k.transpose(-1, -2)) * Dh ** -0.5, -1) @ val
+    return _attn_out_and_mlp(x, o.transpose(1, 2).reshape(B, ell, H * Dh), wo, norm1, fc0, fc1, eps)
+
+
+def _compiled_block():
+    """`_block` through torch.compile; the eager `_block` (one warning) where compiling fails."""
+    compiled = torch.compile(_block)
+    state = {"fn": compiled}
+
+    def call(*args):
+        if state["fn"] is compiled:
+            try:
+                return compiled(*args)
+            except Exception as e:          # no working compiler stack here: the eager block is the same math
+                log.warning("vision tower: torch.compile failed (%s: %s); running the blocks eagerly",
+                            type(e).__name__, e)
+                state["fn"] = _block
+        return _block(*args)
+    return call
+
+
 @dataclasses.dataclass
 class _Block:
     norm0: torch.Tensor
@@ -367,6 +408,19 @@ class VisionModel:
         self.post_norm = w("mm_projector.post_norm.weight")
         self.time_table = temporal_table(v).to(self.device, dtype)               # BF16 with the module (§13 Q4)
         self.attention = "math" if dtype == torch.float32 else "sdpa"
+        # bf16 on CUDA: each block through torch.compile (its norms, RoPE, GELU and residuals fused; GEMMs and SDPA
+        # as eager), shape-generic after the second distinct input shape; elsewhere the eager block
+        self._block = _compiled_block() if dtype == torch.bfloat16 and self.device.type == "cuda" else _block
+
+    def warmup(self) -> None:
+        """Compile the bf16 CUDA blocks ahead of the first image: two calls of other segment counts and lengths,
+        after which inputs of any shape reuse one compiled graph. A no-op for the eager tower."""
+        if self._block is _block:
+            return
+        with torch.no_grad():
+            for grids in ([(1, 4, 4)], [(1, 4, 6), (1, 4, 6)]):
+                n = sum(t * h * w for t, h, w in grids)
+                self.forward(torch.zeros(n, self.v.patch_dim, device=self.device), grids)
 
     @classmethod
     def from_checkpoint(cls, path, dtype: torch.dtype = torch.float32, device="cpu") -> "VisionModel":
@@ -391,9 +445,7 @@ class VisionModel:
 
     # ---- shared pieces ----
     def _attn_out_and_mlp(self, x, b: _Block, o):
-        x = x + o @ b.wo.t()
-        y = _rms(x, b.norm1, self.v.norm_eps)
-        return x + _gelu_tanh(y @ b.fc0.t()) @ b.fc1.t()
+        return _attn_out_and_mlp(x, o, b.wo, b.norm1, b.fc0, b.fc1, self.v.norm_eps)
 
     def _project(self, m: torch.Tensor) -> torch.Tensor:
         """Merged rows [N, 4D] -> features [N, T] (§6.2: no pre-norm, erf GELU, post RMSNorm eps 1e-5)."""
@@ -416,19 +468,9 @@ class VisionModel:
         times = torch.cat([self.time_table.new_zeros(1, v.hidden_size), self.time_table])
         x = x + (pos.to(self.dtype) + times[time_idx]).to(self.dtype)
         cos, sin = rope_cos[:, :, None], rope_sin[:, :, None]                        # [B, ℓ, 1, Dh/2]
-
-        def rope(u):                                                                 # [B, ℓ, H, Dh]
-            a, b = u.float().unflatten(-1, (Dh // 2, 2)).unbind(-1)
-            return torch.stack([a * cos - b * sin, a * sin + b * cos], -1).flatten(-2).to(self.dtype)
+        block = self._block if not torch.onnx.is_in_onnx_export() else _block
         for b in self.blocks:
-            qkv = (_rms(x, b.norm0, v.norm_eps) @ b.wqkv.t()).reshape(B, ell, 3, H, Dh)
-            q, k, val = rope(qkv[:, :, 0]).transpose(1, 2), rope(qkv[:, :, 1]).transpose(1, 2), qkv[:, :, 2].transpose(1, 2)
-            if self.attention == "sdpa":
-                o = F.scaled_dot_product_attention(q, k, val)
-            else:
-                p = torch.softmax((q @ k.transpose(-1, -2)) * Dh ** -0.5, -1)
-                o = p @ val
-            x = self._attn_out_and_mlp(x, b, o.transpose(1, 2).reshape(B, ell, H * Dh))
+            x = block(x, cos, sin, b.norm0, b.wqkv, b.wo, b.norm1, b.fc0, b.fc1, H, Dh, v.norm_eps, self.attention)
         x = _rms(x, self.final_norm, v.norm_eps).reshape(B * ell, v.hidden_size)
         m = x[merge_idx].float().mean(1)                                             # [N, t, 4, D] -> mean over frames
         return self._project(m.reshape(m.shape[0], 4 * v.hidden_size))              # 2x2 concat: [N, 4D]

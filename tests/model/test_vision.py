@@ -176,6 +176,31 @@ def test_rope_tables_equal_the_per_token_angles(vl_cfg):
     assert np.array_equal(cos, np.cos(ang).astype(np.float32)) and np.array_equal(sin, np.sin(ang).astype(np.float32))
 
 
+def test_compiled_blocks_fall_back_to_eager(vl_cfg, monkeypatch, caplog):
+    """Where torch.compile cannot build the blocks, the tower warns once and runs the same eager blocks."""
+    from k3deploy.model import vision as V
+
+    def broken(fn):
+        def call(*a):
+            raise RuntimeError("no compiler here")
+        return call
+    monkeypatch.setattr(torch, "compile", broken)
+    from k3deploy.model.synthetic import synthetic_vision_weights
+    w = synthetic_vision_weights(vl_cfg)
+    eager = VisionModel(vl_cfg.vision, w, dtype=torch.bfloat16)
+    assert eager._block is V._block                          # the CPU tower is never compiled
+    eager.warmup()                                           # a no-op for it
+    tower = VisionModel(vl_cfg.vision, w, dtype=torch.bfloat16)
+    tower._block = V._compiled_block()
+    px = pixels(GRIDS[:2], seed=4)
+    with caplog.at_level("WARNING", logger="k3deploy.model.vision"):
+        got = tower.forward(px, GRIDS[:2])
+        again = tower.forward(px, GRIDS[:2])
+    assert sum("torch.compile failed" in r.getMessage() for r in caplog.records) == 1
+    want = eager.forward(px, GRIDS[:2])
+    assert torch.equal(got, want) and torch.equal(again, want)
+
+
 def test_tower_norm_eps(vm):
     """§10.1 test 6: an all-zero row normalizes to zeros (no NaN) and the eps is 2^-23 (§4.1)."""
     from k3deploy.model.vision import _rms
