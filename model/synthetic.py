@@ -180,11 +180,13 @@ def synthetic_layer_weights(cfg: K3Config, l: int, seed: int = 0, device: "str |
 
 
 def write_synthetic(cfg: K3Config, out: "str | Path", seed: int = 0, overwrite: bool = False,
-                    progress: bool = False) -> Path:
+                    progress: bool = False, device: "str | torch.device" = "cpu") -> Path:
     """Generate and write a synthetic checkpoint shard by shard (one layer in memory at most one tensor at
     a time) plus its tokenizer files (module docstring; none for a vocabulary under 512 ids). Atomic (see
-    CheckpointWriter). FileExistsError if `out` is non-empty and overwrite is False."""
-    src = SyntheticSource(cfg, seed)
+    CheckpointWriter). device: where the tensors are drawn and packed (a CUDA device is much faster for the MXFP4
+    experts; its draws differ from the CPU's, so the same seed gives another checkpoint). FileExistsError if `out`
+    is non-empty and overwrite is False."""
+    src = SyntheticSource(cfg, seed, device)
     pre = None
     if cfg.vision is not None:
         from k3deploy.model.vision import preset_processor
@@ -202,7 +204,7 @@ def write_synthetic(cfg: K3Config, out: "str | Path", seed: int = 0, overwrite: 
                        desc=f"synthetic {cfg.name}")
 
         def get(name: str) -> torch.Tensor:
-            t = src.get(name)
+            t = src.get(name).cpu()
             if bar is not None:
                 bar.update(src.specs[name].nbytes)
             return t
@@ -221,6 +223,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--out", required=True, type=Path, help="output directory (must be empty or absent unless --force)")
     ap.add_argument("--seed", type=int, default=0, help="seed (default 0); each tensor is seeded from (seed, name)")
     ap.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    ap.add_argument("--device", default="cpu",
+                    help="draw and pack the tensors here (default cpu; cuda is faster, with other draws than cpu)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
@@ -240,7 +244,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
               "choose another --out or a smaller preset (k3-tiny, k3-slice)", file=sys.stderr)
         return 2
     print(f"writing {cfg.name} (seed {a.seed}, {total / 2**30:.2f} GiB, {cfg.num_hidden_layers + 1} shards) to {a.out}")
-    write_synthetic(cfg, a.out, seed=a.seed, overwrite=a.force, progress=True)
+    write_synthetic(cfg, a.out, seed=a.seed, overwrite=a.force, progress=True, device=a.device)
     print(f"done: {a.out}")
     return 0
 
