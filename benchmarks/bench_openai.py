@@ -7,7 +7,8 @@
 What it does:
 1. writes a Triton repository for the checkpoint (serve/repository.py; max_batch = the largest --streams) and starts
    tritonserver + the front (serve/launch.py: TritonServer, OpenAIFront), bound to 127.0.0.1;
-2. for each concurrency C in --streams, alternating the two paths --rounds times (the median round is reported):
+2. for each concurrency C in --streams, one untimed request per client on each path (first prefills of that batch
+   shape), then the two paths alternating --rounds times (the round of median ITL p50 is reported):
    * grpc: C concurrent clients, each sending --requests requests one after the other straight to the `k3` model over
      gRPC streaming (tritonclient.grpc.aio, TensorRT-LLM's tensors), P prompt tokens, T generated tokens
      (end_id -1: exactly T), return_log_probs;
@@ -21,8 +22,8 @@ What it does:
 
 Output: one JSON line per (path, C) on stdout and appended to --out: {"path": "grpc" | "front" | "guidellm",
 "streams", "requests", "req_per_s", "tok_per_s", "ttft_ms_p50", "ttft_ms_p90", "itl_ms_p50", "itl_ms_mean"}, and
-per C a "front_vs_grpc" line: itl_overhead_ms (front - grpc, per token), itl_overhead_pct (% of the gRPC path's
-ITL, the bound the front cannot beat), ttft_overhead_ms, and front_cpu_ms_per_token (the front process's own CPU
+per C a "front_vs_grpc" line: itl_overhead_ms (front - grpc, per token, p50), itl_overhead_pct (% of the gRPC path's
+ITL p50, the bound the front cannot beat), itl_overhead_pct_mean (the same from the mean ITLs), ttft_overhead_ms, and front_cpu_ms_per_token (the front process's own CPU
 time, /proc, per generated token) with front_cpu_pct_of_itl: on a machine whose cores the model also uses (a
 2-core CPU box) the front's CPU time slows the model itself, so the ITL difference there is contention; the CPU
 time is what the front costs wherever it runs. --plot draws ITL and TTFT per C for both paths.
@@ -211,7 +212,8 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="checkpoint directory (with tiktoken.model)")
-    src.add_argument("--preset", help="write this preset's synthetic checkpoint to a temporary directory first")
+    src.add_argument("--preset", help="write this preset's synthetic checkpoint to a temporary directory first "
+                                      "(drawn on --device)")
     ap.add_argument("--streams", default="1,8,32", help="concurrencies, comma-separated (default %(default)s)")
     ap.add_argument("--requests", type=int, default=2, help="requests per stream and round (default %(default)s)")
     ap.add_argument("--rounds", type=int, default=2, help="alternating grpc/front rounds; the median is reported")
@@ -239,7 +241,7 @@ def main(argv=None) -> int:
         from k3deploy.model.config import load_config
         from k3deploy.model.synthetic import write_synthetic
         LOG.info("writing the %s synthetic checkpoint to %s", a.preset, ckpt)
-        write_synthetic(load_config(a.preset), ckpt, progress=True)
+        write_synthetic(load_config(a.preset), ckpt, progress=True, device=a.device or "cpu")
     tok = Tokenizer.from_file(ckpt / "tiktoken.model")
     rng = random.Random(0)
     words = "the quick brown fox jumps over a lazy dog while models think and answer questions".split()
@@ -260,6 +262,8 @@ def main(argv=None) -> int:
         for c in streams:
             first = len(rows)
             per = {"grpc": [], "front": []}
+            for path in ("grpc", "front"):            # untimed: first prefills of this batch shape, graph replays
+                asyncio.run(run_path(path, c, prompts, a.output_tokens, 1, srv.grpc_url, front.url))
             for _ in range(a.rounds):
                 for path in ("grpc", "front"):
                     cpu0 = cpu_seconds(front.pid)
@@ -279,6 +283,7 @@ def main(argv=None) -> int:
                          "front_cpu_pct_of_itl": 100 * f_["front_cpu_ms_per_token"] / g_["itl_ms_p50"],
                          "itl_overhead_ms": f_["itl_ms_p50"] - g_["itl_ms_p50"],
                          "itl_overhead_pct": 100 * (f_["itl_ms_p50"] / g_["itl_ms_p50"] - 1),
+                         "itl_overhead_pct_mean": 100 * (f_["itl_ms_mean"] / g_["itl_ms_mean"] - 1),
                          "ttft_overhead_ms": f_["ttft_ms_p50"] - g_["ttft_ms_p50"], **meta})
             if a.guidellm:
                 gl = run_guidellm(a.guidellm, front.url, c, texts, a.output_tokens, a.requests, work)
