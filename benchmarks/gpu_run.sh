@@ -18,7 +18,8 @@
 #         ~150 s with .autotune/tests carried), k3-slice fused vs unfused at B=1/16/64 and 4K prompts (-> decode.jsonl;
 #         ~45 s per batch size after a 25 s prefill, more at B=64), k3-tp8-rank at B=1/16/64 (1K prompts) and TTFT
 #         8K / 32K (-> rank.jsonl; more than 190 s; fla configs reused across shapes: benchmarks/fla_configs.py);
-#         each part has its own timeout (FUSED_TESTS_TIMEOUT, FUSED_SLICE_TIMEOUT, FUSED_RANK_TIMEOUT)
+#         each part has its own timeout (FUSED_TESTS_TIMEOUT, FUSED_SLICE_TIMEOUT, FUSED_RANK_TIMEOUT); FUSED_PARTS
+#         (default "tests slice rank") picks parts, FUSED_BATCH (default 1,16,64) the k3-slice batch sizes
 # fla-core travels as a wheel in .whl/ (not in git): python3 -m pip download fla-core==0.6.0 --no-deps -d .whl
 # Triton autotune results (fla autotunes for minutes on a fresh machine) are saved per mode to $OUT/autotune_<mode>.tgz;
 # carry them into the next call of the SAME mode as .autotune/<mode>/ (not in git):
@@ -106,32 +107,35 @@ case "$1" in
     exit $rc ;;
   fused)
     rc=0
+    PARTS=" ${FUSED_PARTS:-tests slice rank} "
     export TRITON_CACHE_DIR=/tmp/triton_cache_fused_tests             # tests' tuning apart from the benchmarks'
     mkdir -p "$TRITON_CACHE_DIR"
     if [ -d .autotune/tests ]; then cp -r .autotune/tests/. "$TRITON_CACHE_DIR"/; fi
     T=tests/runtime/test_cuda.py
-    G=tests/plugins/test_glue.py
-    timeout "${FUSED_TESTS_TIMEOUT:-200}" python3 -m pytest -q -rs "$G::test_attn_res_norm" \
-      "$G::test_attn_res_norm_k3_width" "$G::test_attn_res_norm_rounds_like_the_bf16_model" \
-      tests/runtime/test_fused.py::test_fused_kernels_on_gpu_against_unfused_and_reference \
-      "$T::test_decode_reproduces_prefill_on_gpu[kernels]" "$T::test_chunked_prefill_equals_one_shot_on_gpu[kernels]" \
-      "$T::test_cuda_graph_decode_equals_eager_on_gpu" --junitxml="$OUT/junit.xml" 2>&1 | tail -40 \
-      | tee "$OUT/pytest.log"
-    prc=${PIPESTATUS[0]}
-    echo "PYTEST_RC=$prc" | tee -a "$OUT/pytest.log"
-    [ "$prc" = 0 ] || rc=1
+    if [[ $PARTS == *" tests "* ]]; then
+      G=tests/plugins/test_glue.py
+      timeout "${FUSED_TESTS_TIMEOUT:-200}" python3 -m pytest -q -rs "$G::test_attn_res_norm" \
+        "$G::test_attn_res_norm_k3_width" "$G::test_attn_res_norm_rounds_like_the_bf16_model" \
+        tests/runtime/test_fused.py::test_fused_kernels_on_gpu_against_unfused_and_reference \
+        "$T::test_decode_reproduces_prefill_on_gpu[kernels]" "$T::test_chunked_prefill_equals_one_shot_on_gpu[kernels]" \
+        "$T::test_cuda_graph_decode_equals_eager_on_gpu" --junitxml="$OUT/junit.xml" 2>&1 | tail -40 \
+        | tee "$OUT/pytest.log"
+      prc=${PIPESTATUS[0]}
+      echo "PYTEST_RC=$prc" | tee -a "$OUT/pytest.log"
+      [ "$prc" = 0 ] || rc=1
+    fi
     export TRITON_CACHE_DIR=/tmp/triton_cache_decode
     mkdir -p "$TRITON_CACHE_DIR"
     if [ -d .autotune/decode ]; then cp -r .autotune/decode/. "$TRITON_CACHE_DIR"/; fi
     python3 benchmarks/fla_configs.py "$TRITON_CACHE_DIR" --out /tmp/fla_configs | tee "$OUT/fla_configs.txt"
     export FLA_CACHE_MODE=fuzzy FLA_CONFIG_DIR=/tmp/fla_configs
-    timeout "${FUSED_SLICE_TIMEOUT:-300}" python3 benchmarks/bench_decode.py --preset k3-slice --device cuda \
-      --batch 1,16,64 --prompt-len 4096 --steps 16 --warmup 2 --ops kernels,kernels-unfused --cuda-graphs \
+    [[ $PARTS == *" slice "* ]] && { timeout "${FUSED_SLICE_TIMEOUT:-300}" python3 benchmarks/bench_decode.py \
+      --preset k3-slice --device cuda --batch "${FUSED_BATCH:-1,16,64}" --prompt-len 4096 --steps 16 --warmup 2 --ops kernels,kernels-unfused --cuda-graphs \
       --dense-dtype bfloat16 --kernel-profile 2 --no-progress --out "$OUT/decode.jsonl" 2>&1 \
-      | tee "$OUT/decode.log" | grep -v '^{' | tail -12 || rc=1
-    timeout "${FUSED_RANK_TIMEOUT:-600}" python3 benchmarks/bench_decode.py --preset k3-tp8-rank --device cuda \
+      | tee "$OUT/decode.log" | grep -v '^{' | tail -12 || rc=1; }
+    [[ $PARTS == *" rank "* ]] && { timeout "${FUSED_RANK_TIMEOUT:-600}" python3 benchmarks/bench_decode.py --preset k3-tp8-rank --device cuda \
       --batch 1,16,64 --prompt-len 1024 --steps 8 --warmup 2 --ops kernels --cuda-graphs --dense-dtype bfloat16 \
       --kernel-profile 2 --ttft 8192,32768 --predict-experts 896 --no-progress --out "$OUT/rank.jsonl" 2>&1 \
-      | tee "$OUT/rank.log" | grep -v '^{' | tail -12 || rc=1
+      | tee "$OUT/rank.log" | grep -v '^{' | tail -12 || rc=1; }
     exit $rc ;;
 esac
