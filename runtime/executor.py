@@ -243,7 +243,8 @@ class TorchExecutor(Executor):
                 from k3deploy.model.vision import VisionModel
                 vdt = torch.bfloat16 if self.device.type == "cuda" else torch.float32
                 self.vision = VisionModel.from_checkpoint(model, dtype=vdt, device=self.device)
-                self.vision.warmup()                   # compiles the CUDA tower now, not at the first image
+        if self.vision is not None:
+            self.vision.warmup()                       # compiles a CUDA tower now, not at the first image
         if profile_comm:
             self.model.comm.profile = True
         self.cfg, self.tp, self.rank = self.model.cfg, self.model.comm.size, self.model.comm.rank
