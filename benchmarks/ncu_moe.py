@@ -6,8 +6,8 @@ runs both.
       --section SchedulerStats --metrics <METRICS below> python3 benchmarks/ncu_moe.py --tokens 64 > ncu.txt
   python3 benchmarks/ncu_moe.py --summarize ncu.txt
 
-The problem is the benchmark's (benchmarks/bench_kernels.py "moe"): 112 local experts, latent 3584, expert width
-3072, top-16, random E2M1 bytes, E8M0 exponents 118..125, x ~ N(0, 0.01) bf16. `--clock-control none` keeps the
+The problem is the benchmark's (benchmarks/bench_kernels.py "moe"): 112 local experts (`--experts`; 64 is
+k3-slice), latent 3584, expert width 3072, top-16, random E2M1 bytes, E8M0 exponents 118..125, x ~ N(0, 0.01) bf16. `--clock-control none` keeps the
 boost clocks (ncu locks the base clock by default, which turns these kernels compute bound). Summary per kernel:
 duration (us), DRAM throughput (% of peak), issue rate, warps, stall reasons (cycles per issued instruction) and
 pipe utilization (% of peak).
@@ -58,9 +58,9 @@ def summarize(text: str) -> list[dict]:
 IMPLS = ("legacy", "gluon")      # mxfp4_moe's two sets of grouped GEMMs (its `_pick_impl`), forced one per call
 
 
-def drive(tokens: int, impls: list[str]) -> None:
+def drive(tokens: int, impls: list[str], experts: int = 112) -> None:
     """One `mxfp4_moe` call per set of kernels in `impls` (IMPLS; forced through `_pick_impl`) on the benchmark's
-    problem with `tokens` tokens. SystemExit without CUDA."""
+    problem with `tokens` tokens and `experts` local experts (every choice local). SystemExit without CUDA."""
     import torch
 
     if not torch.cuda.is_available():     # exit 2 with one line, like the other benchmarks
@@ -73,7 +73,7 @@ def drive(tokens: int, impls: list[str]) -> None:
     from k3deploy.plugins.moe import kernels as moe_k
 
     dev = "cuda"
-    E, D, I, K = 112, 3584, 3072, 16
+    E, D, I, K = experts, 3584, 3072, 16
     g = torch.Generator(device=dev).manual_seed(0)
     w13p = torch.randint(0, 256, (E, 2 * I, D // 2), device=dev, dtype=torch.uint8, generator=g)
     w13s = torch.randint(118, 126, (E, 2 * I, D // 32), device=dev, dtype=torch.uint8, generator=g)
@@ -92,6 +92,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="METRICS (ncu --metrics): " + METRICS)
     ap.add_argument("--tokens", type=int, default=64, help="tokens T (default 64)")
+    ap.add_argument("--experts", type=int, default=112,
+                    help="local experts, every choice among them (default 112: K3 at EP=8; 64: k3-slice)")
     ap.add_argument("--impls", default=",".join(IMPLS),
                     help="comma-separated kernels to call, one call each, in order (default: %(default)s)")
     ap.add_argument("--summarize", metavar="NCU_TXT", help="print one JSON line per kernel of this ncu report instead")
@@ -105,7 +107,9 @@ def main(argv=None) -> int:
     impls = [i for i in a.impls.split(",") if i]
     if not impls or set(impls) - set(IMPLS):
         ap.error(f"--impls {a.impls!r}: choose from {', '.join(IMPLS)}")
-    drive(a.tokens, impls)
+    if a.experts < 16:
+        ap.error(f"--experts {a.experts}: top-16 routing needs at least 16")
+    drive(a.tokens, impls, a.experts)
     return 0
 
 

@@ -18,3 +18,11 @@ def test_ncu_summary_reads_a_real_report():
     assert recs[2]["Duration"] == 525.28 and recs[2]["DRAM Throughput"] == 53.42
     assert recs[2]["stalls"]["long_scoreboard"] == 1.85 and recs[2]["pipes"]["alu"] == 48.66
     assert recs[0]["grid"] == "(24, 112, 1)x(128, 1, 1)"
+
+
+def test_ncu_driver_rejects_too_few_experts(capsys):
+    """--experts below the top-16 routing is one argparse error naming the flag (before any GPU is needed)."""
+    import pytest
+    with pytest.raises(SystemExit) as e:
+        ncu_moe.main(["--experts", "8"])
+    assert e.value.code == 2 and "--experts 8: top-16 routing needs at least 16" in capsys.readouterr().err
