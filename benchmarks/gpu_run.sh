@@ -10,7 +10,8 @@
 # profile: benchmarks/profile_kda_prefill.py: per-kernel GPU time of KDA prefill, ours vs chunk_kda -> $OUT/profile.jsonl
 #         (PROFILE_ARGS overrides its arguments)
 # ncu   : Nsight Compute on the MXFP4 MoE GEMMs at boost clocks, T in NCU_TOKENS (default "64 1"), configurations
-#         NCU_IMPLS (default legacy,gluon) -> $OUT/ncu_moe_T<T>.txt + $OUT/ncu_summary.jsonl
+#         NCU_IMPLS (default legacy,gluon), NCU_EXPERTS local experts (default 112; 64: k3-slice)
+#         -> $OUT/ncu_moe_T<T>.txt + $OUT/ncu_summary.jsonl
 # decode: benchmarks/bench_decode.py on k3-slice, B=16 (synthetic weights on the device; DECODE_ARGS overrides)
 # tp    : (several GPUs) bench_decode TP=1 on cuda:0 saved, then TP=EP=N over NCCL for N = 2, 4, .. <= GPUs compared
 #         with it (logits, greedy tokens) -> $OUT/decode_tp.jsonl (TP_ARGS overrides the model/run arguments)
@@ -27,7 +28,7 @@
 # Never feed tests' results to bench: fla's tuning keys omit T, so picks made at test sizes (T ~ 100) would be reused
 # at T=32768 (chunk_kda ran 1.3x slower that way on an H200).
 set -u -o pipefail          # a failing benchmark fails the script through its `| tee | tail`
-usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,/^set -u/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 case "${1:-}" in
   tests|bench|profile|ncu|decode|tp|fused) ;;
   -h|--help) usage; exit 0 ;;
@@ -81,7 +82,7 @@ case "$1" in
     for T in ${NCU_TOKENS:-64 1}; do
       timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none --kernel-name regex:'moe_w13|moe_w2' --section SpeedOfLight \
         --section Occupancy --section SchedulerStats --metrics "$M" python3 benchmarks/ncu_moe.py --tokens "$T" \
-        ${NCU_IMPLS:+--impls "$NCU_IMPLS"} > "$OUT/ncu_moe_T$T.txt" 2>&1 \
+        ${NCU_IMPLS:+--impls "$NCU_IMPLS"} ${NCU_EXPERTS:+--experts "$NCU_EXPERTS"} > "$OUT/ncu_moe_T$T.txt" 2>&1 \
         || { echo "error: ncu failed for T=$T; the end of $OUT/ncu_moe_T$T.txt:" >&2
              tail -5 "$OUT/ncu_moe_T$T.txt" >&2; rc=1; continue; }
       python3 benchmarks/ncu_moe.py --summarize "$OUT/ncu_moe_T$T.txt" | sed "s/^{/{\"T\": $T, /" \
