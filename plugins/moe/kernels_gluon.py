@@ -190,11 +190,19 @@ def _mma_step(acc, p, sc, x00, x01, x10, x11, x20, x21, x30, x31, FOLDED: gl.con
 
 
 @gluon.jit
-def _copy_slot(wbuf, xbuf, slot, wptr, aptr, n, SUB: gl.constexpr):
+def _copy_slot(wbuf, xbuf, slot, wptr, aptr, n, nv, SUB: gl.constexpr, LXC: gl.constexpr):
     """Start the cp.async copies of slot n (SUB 128-column steps: weight words and activation tile) into ring slot
-    `slot`, as one commit group."""
+    `slot`, as one commit group. In 32-row tiles only the tile's first nv activation rows (its pairs) are read and
+    the rows past them zero-filled (no global read: the activation copies of a 32-row tile cost as much L2 traffic
+    as its weights, and a tile is often half padding); 8- and 16-row tiles read every row (padding rows repeat a
+    real one: L2 hits), which is faster there (H200)."""
+    BM: gl.constexpr = aptr.shape[0]
     _async_load(wbuf.index(slot), wptr + n * (32 * SUB))
-    _async_load(xbuf.index(slot), aptr + n * (128 * SUB))
+    if BM >= 32:
+        rows = gl.arange(0, BM, layout=gl.SliceLayout(1, LXC))
+        _async_load(xbuf.index(slot), aptr + n * (128 * SUB), mask=(rows < nv)[:, None])
+    else:
+        _async_load(xbuf.index(slot), aptr + n * (128 * SUB))
     async_copy.commit_group()
 
 
@@ -212,23 +220,24 @@ def _ring(BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, SUB: gl.cons
 
 
 @gluon.jit
-def _fill(wbuf, xbuf, wptr, a_ptr, arows, stride_a, nslots, STAGES: gl.constexpr, SUB: gl.constexpr,
+def _fill(wbuf, xbuf, wptr, a_ptr, arows, nv, stride_a, nslots, STAGES: gl.constexpr, SUB: gl.constexpr,
           LXC: gl.constexpr):
     """Start a token tile: the activation pointers aptr [BM, 128 SUB] of rows arows (SliceLayout(1, LXC)) of A
-    (bf16 [*, K], `permute_columns` order; padding rows read a real row of A — token 0 for x, the expert's last
-    pair for h —: L2 hits) and the ring's first
+    (bf16 [*, K], `permute_columns` order; of its nv pairs: `_copy_slot` reads only those in 32-row tiles, and in
+    smaller ones the padding rows read a real row of A — token 0 for x, the expert's last pair for h —: L2 hits)
+    and the ring's first
     STAGES - 1 copies (past the last copy: repeats of it, L2 hits). Returns aptr."""
     kk = gl.arange(0, 128 * SUB, layout=gl.SliceLayout(0, LXC))
     aptr = a_ptr + arows[:, None] * stride_a + kk[None, :]
     for s in gl.static_range(STAGES - 1):
-        _copy_slot(wbuf, xbuf, s, wptr, aptr, gl.minimum(s, nslots - 1), SUB)
+        _copy_slot(wbuf, xbuf, s, wptr, aptr, gl.minimum(s, nslots - 1), nv, SUB, LXC)
     return aptr
 
 
 @gluon.jit
-def _gemm(wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots,
+def _gemm(wbuf, xbuf, wptr, aptr, nv, sp, wrows, stride_s, nslots,
           BM: gl.constexpr, BN: gl.constexpr, FOLDED: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr,
-          LXL: gl.constexpr, LW: gl.constexpr, LS: gl.constexpr, MMA: gl.constexpr):
+          LXL: gl.constexpr, LW: gl.constexpr, LS: gl.constexpr, MMA: gl.constexpr, LXC: gl.constexpr):
     """fp32 [BN, BM] = W[wrows] · A[arows]ᵀ over K = nslots x 128 SUB columns, for a token tile `_fill` started
     (wbuf, xbuf: `_ring`; wptr: `_start`; aptr: `_fill`; W the int16 view of one expert's packed E2M1 rows; sp its
     E8M0 rows, wrows SliceLayout(1, LW)). BM (LXL: `layouts(.., BM, ..)`) may be less than the ring's rows: the
@@ -243,7 +252,8 @@ def _gemm(wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots,
     acc = gl.zeros([BN, BM], gl.float32, MMA)
     sb = _scale_load(sp, srows, 0, stride_s, 4 * SUB, LS)
     for i in range(nslots):
-        _copy_slot(wbuf, xbuf, (i + STAGES - 1) % STAGES, wptr, aptr, gl.minimum(i + STAGES - 1, nslots - 1), SUB)
+        _copy_slot(wbuf, xbuf, (i + STAGES - 1) % STAGES, wptr, aptr, gl.minimum(i + STAGES - 1, nslots - 1), nv,
+                   SUB, LXC)
         sb_n = _scale_load(sp, srows, gl.minimum(i + 1, nslots - 1) * (4 * SUB), stride_s, 4 * SUB, LS)
         async_copy.wait_group(STAGES - 1)
         cur = i % STAGES
@@ -262,17 +272,17 @@ def _gemm(wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots,
 
 
 @gluon.jit
-def _gemm_fold(fold, wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots,
+def _gemm_fold(fold, wbuf, xbuf, wptr, aptr, nv, sp, wrows, stride_s, nslots,
                BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, LXL: gl.constexpr,
-               LW: gl.constexpr, LS: gl.constexpr, MMA: gl.constexpr):
+               LW: gl.constexpr, LS: gl.constexpr, MMA: gl.constexpr, LXC: gl.constexpr):
     """`_gemm` with one multiply per weight pair when `fold` (every factor of the program's rows <= 2^1: a uniform
     branch), else two."""
     if fold:
-        acc = _gemm(wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, BM, BN, True, STAGES, SUB, LXL, LW,
-                    LS, MMA)
+        acc = _gemm(wbuf, xbuf, wptr, aptr, nv, sp, wrows, stride_s, nslots, BM, BN, True, STAGES, SUB, LXL, LW,
+                    LS, MMA, LXC)
     else:
-        acc = _gemm(wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, BM, BN, False, STAGES, SUB, LXL,
-                    LW, LS, MMA)
+        acc = _gemm(wbuf, xbuf, wptr, aptr, nv, sp, wrows, stride_s, nslots, BM, BN, False, STAGES, SUB, LXL,
+                    LW, LS, MMA, LXC)
     return acc
 
 
@@ -319,7 +329,8 @@ def _pair_rows(m0, hi_off, BM: gl.constexpr, LXC: gl.constexpr):
 
 
 @gluon.jit
-def _start(wbuf, xbuf, w_ptr, s_ptr, e, stride_we, stride_se, wrows, stride_w, stride_s, K, a_ptr, arows, stride_a,
+def _start(wbuf, xbuf, w_ptr, s_ptr, e, stride_we, stride_se, wrows, stride_w, stride_s, K, a_ptr, arows, nv,
+           stride_a,
            BN: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, NW: gl.constexpr, NG: gl.constexpr,
            LXC: gl.constexpr, LWC: gl.constexpr):
     """A program's start on expert e (packed words w_ptr int16 [E, *, K/4], E8M0 s_ptr uint8 [E, *, K/32]) for
@@ -332,7 +343,7 @@ def _start(wbuf, xbuf, w_ptr, s_ptr, e, stride_we, stride_se, wrows, stride_w, s
     jj = gl.arange(0, 32 * SUB, layout=gl.SliceLayout(0, LWC))
     wptr = wp + gl.convert_layout(wrows, gl.SliceLayout(1, LWC))[:, None] * stride_w + jj[None, :]
     nslots = K // (128 * SUB)
-    aptr = _fill(wbuf, xbuf, wptr, a_ptr, arows, stride_a, nslots, STAGES, SUB, LXC)
+    aptr = _fill(wbuf, xbuf, wptr, a_ptr, arows, nv, stride_a, nslots, STAGES, SUB, LXC)
     fold = _scale_max(sp, wrows, stride_s, NG, BN, NW) <= 128
     return sp, wptr, aptr, nslots, fold
 
@@ -346,10 +357,11 @@ def _w13_tile(fold, wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, x_ptr, 
     ..)`): the GEMM, the next tile's first copies (issued before this tile's epilogue, so they overlap it), SiTU
     and the store of h. Returns the next tile's aptr."""
     HN: gl.constexpr = BN // 2
-    acc = _gemm_fold(fold, wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, BMC, BN, STAGES, SUB, LXL,
-                     LW, LS, MMA)
+    acc = _gemm_fold(fold, wbuf, xbuf, wptr, aptr, hi_off - m0, sp, wrows, stride_s, nslots, BMC, BN, STAGES, SUB,
+                     LXL, LW, LS, MMA, LXC)
     if m0 + BM < hi_off:
-        aptr = _fill(wbuf, xbuf, wptr, x_ptr, _token_rows(tok_ptr, m0 + BM, hi_off, BM, LXC), stride_x, nslots,
+        aptr = _fill(wbuf, xbuf, wptr, x_ptr, _token_rows(tok_ptr, m0 + BM, hi_off, BM, LXC), hi_off - m0 - BM,
+                     stride_x, nslots,
                      STAGES, SUB, LXC)
     g, u = acc.reshape([BN // 16, 2, 8, BMC]).permute([0, 2, 3, 1]).split()
     hval = _situ(g.reshape([HN, BMC]), u.reshape([HN, BMC]), beta, lbeta)   # [HN, BMC]: h transposed
@@ -389,7 +401,8 @@ def moe_w13_kernel(x_ptr, tok_ptr, offs_ptr, w_ptr, s_ptr, h_ptr,
         wrows = (pid_n * HN + (c // 16) * 8 + c % 8 + gl.where((c // 8) % 2 == 1, I, 0)).to(gl.int64)
         sp, wptr, aptr, nslots, fold = _start(
             wbuf, xbuf, w_ptr, s_ptr, e, stride_we, stride_se, wrows, stride_w, stride_s, RL, x_ptr,
-            _token_rows(tok_ptr, lo_off, hi_off, BM, LXC), stride_x, BN, STAGES, SUB, NW, NG, LXC, LWC)
+            _token_rows(tok_ptr, lo_off, hi_off, BM, LXC), hi_off - lo_off, stride_x, BN, STAGES, SUB, NW, NG, LXC,
+            LWC)
         for m0 in range(lo_off, hi_off, BM):
             if SPLIT_M and hi_off - m0 <= 8:
                 aptr = _w13_tile(fold, wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, x_ptr, tok_ptr, stride_x,
@@ -412,11 +425,11 @@ def _w2_tile(fold, wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, h_ptr, s
              LS: gl.constexpr, MMA: gl.constexpr):
     """One token tile of moe_w2_kernel (pairs m0 .. m0 + BMC, as `_w13_tile`): the GEMM, the next tile's first
     copies, the routing weights and the store of the pair rows. Returns the next tile's aptr."""
-    acc = _gemm_fold(fold, wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, BMC, BN, STAGES, SUB, LXL,
-                     LW, LS, MMA)
+    acc = _gemm_fold(fold, wbuf, xbuf, wptr, aptr, hi_off - m0, sp, wrows, stride_s, nslots, BMC, BN, STAGES, SUB,
+                     LXL, LW, LS, MMA, LXC)
     if m0 + BM < hi_off:
-        aptr = _fill(wbuf, xbuf, wptr, h_ptr, _pair_rows(m0 + BM, hi_off, BM, LXC), stride_h, nslots, STAGES, SUB,
-                     LXC)
+        aptr = _fill(wbuf, xbuf, wptr, h_ptr, _pair_rows(m0 + BM, hi_off, BM, LXC), hi_off - m0 - BM, stride_h,
+                     nslots, STAGES, SUB, LXC)
     mo = m0 + gl.arange(0, BMC, layout=gl.SliceLayout(0, MMA))
     omask = mo < hi_off
     pair = gl.load(pair_ptr + mo, mask=omask, other=0).to(gl.int64)
@@ -448,7 +461,7 @@ def moe_w2_kernel(h_ptr, pair_ptr, wts_ptr, offs_ptr, w_ptr, s_ptr, y_ptr,
         wrows = (pid_n * BN + c).to(gl.int64)
         sp, wptr, aptr, nslots, fold = _start(
             wbuf, xbuf, w_ptr, s_ptr, e, stride_we, stride_se, wrows, stride_w, stride_s, I, h_ptr,
-            _pair_rows(lo_off, hi_off, BM, LXC), stride_h, BN, STAGES, SUB, NW, NG, LXC, LWC)
+            _pair_rows(lo_off, hi_off, BM, LXC), hi_off - lo_off, stride_h, BN, STAGES, SUB, NW, NG, LXC, LWC)
         for m0 in range(lo_off, hi_off, BM):
             if SPLIT_M and hi_off - m0 <= 8:
                 aptr = _w2_tile(fold, wbuf, xbuf, wptr, aptr, sp, wrows, stride_s, nslots, h_ptr, stride_h, pair_ptr,
