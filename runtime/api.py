@@ -201,7 +201,8 @@ class AsyncEngine:
             return self._sched.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        """Stop the thread; requests still in flight finish as "cancelled". Idempotent."""
+        """Stop the thread; requests still in flight finish as "cancelled", and an overlapped step in flight is booked
+        (unless called from a callback on the scheduler thread). Idempotent."""
         with self._turn():
             self._stop = True
         if threading.current_thread() is not self._thread:
@@ -209,6 +210,8 @@ class AsyncEngine:
         with self._cv:
             for rid in list(self._sched.requests):
                 self._sched.cancel(rid)
+            if threading.current_thread() is not self._thread:     # not from inside a step (a callback)
+                self._sched.run_until_done()
 
     def _loop(self) -> None:
         try:

@@ -204,6 +204,20 @@ class _Alloc:
         self.blocks += ids
 
 
+@dataclasses.dataclass(eq=False)
+class StagedSnapshot:
+    """A snapshot taken but not published yet (`HybridCache.stage`): KDA rows in snapshot-pool row `row` (copied,
+    or written by the step in progress), `blocks` held for tokens [0, length) of the request `rid` (`alloc`), its
+    key chain `chain`. `HybridCache.confirm` publishes it, `HybridCache.drop` gives row and blocks back."""
+
+    rid: str
+    alloc: _Alloc
+    chain: PrefixChain
+    length: int
+    row: int
+    blocks: tuple[int, ...]
+
+
 class HybridCache:
     """KDA slot pools + paged MLA latent pools of one rank, with per-request allocations, and (num_snapshots > 0)
     the prefix cache: a snapshot pool of KDA rows and an index of published prefixes.
@@ -217,10 +231,12 @@ class HybridCache:
 
     Prefix caching: `lookup` finds the deepest published snapshot of a request's tokens, `allocate(rid, snapshot)`
     restores it into the new slot (copy-on-restore; full blocks shared, a partial block copied), `publish` adds the
-    request's current position (block aligned while it runs, any position when it finishes); snapshot_interval
-    (tokens, default runtime.prefix_cache.default_snapshot_interval) is where periodic snapshots go
-    (`chunk_end` cuts prefill chunks there). Blocks held only by snapshots are `available`: taking one evicts snapshots, least recently
-    used first; `reset_prefix_cache` evicts them all.
+    request's state after a given number of its tokens (block aligned while it runs, any position when it
+    finishes); `stage` takes such a snapshot for a state that a step not completed yet computes, `confirm` publishes
+    it after that step, `drop` gives it back. snapshot_interval (tokens, default
+    runtime.prefix_cache.default_snapshot_interval) is where periodic snapshots go (`chunk_end` cuts prefill chunks
+    there). Blocks held only by snapshots are `available`: taking one evicts snapshots, least recently used first;
+    `reset_prefix_cache` evicts them all.
     """
 
     def __init__(self, cfg: K3Config, num_slots: int, num_blocks: int, block_size: int, tp: int = 1,
@@ -258,6 +274,7 @@ class HybridCache:
             self.index = PrefixIndex(block_size)
             self._free_rows = list(range(num_snapshots))
             self._chains: dict[str, PrefixChain] = {}
+            self._staged: set[StagedSnapshot] = set()
             self._valid = [0] * num_blocks                 # tokens of a snapshot-held block that snapshots cover
             self._cached_tokens = 0
 
@@ -431,40 +448,126 @@ class HybridCache:
         a.add_blocks(ids)
         a.num_tokens = a.last_snapshot = snap.length
 
-    def publish(self, rid: str, tokens: TokenSlice, final: bool = False, keys=()) -> bool:
-        """Snapshot `rid` at its current length (its written tokens, `tokens(start, stop)` gives them): copy its KDA
-        slot into a snapshot row (evicting the least recently used snapshot when none is free) and hold its latent
-        blocks. Call only after the step that wrote those tokens completed. A running request publishes block-
-        aligned lengths only (it still appends to its partial block); `final` (the request is finishing and will
-        not write again) allows any length. Returns False (nothing done) without prefix caching, for a length
-        inside a content span, or when the same prefix is already published (then it becomes the most recent).
-        keys: the request's content keys (as given to `lookup`, which already recorded them)."""
+    def publish(self, rid: str, tokens: TokenSlice, final: bool = False, keys=(), length: int | None = None) -> bool:
+        """Snapshot `rid` after its first `length` tokens (default num_tokens(rid)): copy its KDA slot into a snapshot
+        row (evicting the least recently used snapshot when none is free) and hold the latent blocks of those tokens.
+
+        Args:
+            tokens: `tokens(start, stop)` gives the request's token ids.
+            final: the request is finishing and will not write again (any length; else block-aligned only: a
+                running request still appends to its partial block).
+            keys: the request's content keys (as given to `lookup`, which already recorded them).
+            length: 0 < length <= num_tokens(rid). Call only when the slot holds the state after exactly `length`
+                tokens and the step that wrote them completed.
+        Returns:
+            False (nothing done) without prefix caching, for a length it cannot take (0, past num_tokens, not block
+            aligned while running, inside a content span), when no row can be freed, or when the same prefix is
+            already published (then it becomes the most recent); True when published.
+        """
         if self.index is None:
             return False
-        a = self._allocs[rid]
-        length, chain = a.num_tokens, self._chain(rid, keys)
-        k, r = divmod(length, self.block_size)
-        if length == 0 or (r and not final) or inside_span(length, chain.keys):
+        a, chain = self._allocs[rid], self._chain(rid, keys)
+        length = a.num_tokens if length is None else length
+        if not self._snapshottable(a, length, final, chain.keys):
             return False
         key, base = chain.key(length, tokens)
-        a.last_snapshot = length
+        a.last_snapshot = max(a.last_snapshot, length)
         if key in self.index:
             self.index.touch(key)
             return False
-        if not self._free_rows and not self._evict_lru():
+        row = self._take_row()
+        if row is None:
             return False
-        self._free_rows.sort()
-        row = self._free_rows.pop(0)
         self.snapshots.save(self.pools, a.slot, row)
-        blocks = tuple(a.blocks[: k + (1 if r else 0)])
+        blocks = tuple(a.blocks[: math.ceil(length / self.block_size)])
+        self._hold_snapshot_blocks(blocks, length)
+        self.index.add(Snapshot(key, base, length, row, blocks))
+        self.prefix_stats["snapshots_taken"] += 1
+        return True
+
+    def stage(self, rid: str, length: int, final: bool = False, keys=(), copy: bool = True) -> StagedSnapshot | None:
+        """Take a snapshot of `rid` after its first `length` tokens without publishing it: a snapshot row (evicting the
+        least recently used snapshot when none is free) and holds on the latent blocks of those tokens, which stay
+        out of reach of every request until `confirm` or `drop`. For a state that a step in flight (or the step
+        about to run) computes: `confirm` once that step completed, `drop` when it failed.
+
+        Args:
+            length, final, keys: as for `publish`.
+            copy: copy the slot's KDA rows into the row now (in stream order: after the steps enqueued so far);
+                False when the next forward writes them itself (`model.reference.KdaSnapshot`).
+        Returns:
+            The staged snapshot, or None (nothing done) where `publish` would do nothing for the length or the row.
+        """
+        if self.index is None:
+            return None
+        a, chain = self._allocs[rid], self._chain(rid, keys)
+        if not self._snapshottable(a, length, final, chain.keys):
+            return None
+        row = self._take_row()
+        if row is None:
+            return None
+        if copy:
+            self.snapshots.save(self.pools, a.slot, row)
+        blocks = tuple(a.blocks[: math.ceil(length / self.block_size)])
+        for b in blocks:
+            self._hold(b, +1)                         # held like a request's table: neither free nor evictable
+        staged = StagedSnapshot(rid, a, chain, length, row, blocks)
+        self._staged.add(staged)
+        return staged
+
+    def confirm(self, staged: StagedSnapshot, tokens: TokenSlice) -> bool:
+        """Publish a staged snapshot (its step completed); `tokens(start, stop)` gives the request's token ids.
+        Returns False (its row and blocks given back) when it was dropped already (`reset_prefix_cache`), for a
+        prefix already published (that one becomes the most recent) or a length inside a content span."""
+        if staged not in self._staged:
+            return False
+        self._staged.discard(staged)
+        key, base = staged.chain.key(staged.length, tokens)
+        if self._allocs.get(staged.rid) is staged.alloc:
+            staged.alloc.last_snapshot = max(staged.alloc.last_snapshot, staged.length)
+        if key in self.index:
+            self.index.touch(key)
+            self._release(staged)
+            return False
+        self._hold_snapshot_blocks(staged.blocks, staged.length)
+        for b in staged.blocks:
+            self._hold(b, -1)
+        self.index.add(Snapshot(key, base, staged.length, staged.row, staged.blocks))
+        self.prefix_stats["snapshots_taken"] += 1
+        return True
+
+    def drop(self, staged: StagedSnapshot) -> None:
+        """Give back a staged snapshot's row and blocks (its step failed); no-op when confirmed or dropped already."""
+        if staged in self._staged:
+            self._staged.discard(staged)
+            self._release(staged)
+
+    def _release(self, staged: StagedSnapshot) -> None:
+        self._free_rows.append(staged.row)
+        for b in staged.blocks:
+            self._hold(b, -1)
+
+    def _snapshottable(self, a: _Alloc, length: int, final: bool, keys) -> bool:
+        """A snapshot of `a` after `length` tokens can be taken: tokens it holds, block aligned unless final, not
+        inside a content span."""
+        return 0 < length <= a.num_tokens and (final or length % self.block_size == 0) and not inside_span(length, keys)
+
+    def _take_row(self) -> int | None:
+        """The lowest free snapshot row, evicting the least recently used snapshot when none is; None when all rows
+        are staged."""
+        if not self._free_rows and not self._evict_lru():
+            return None
+        self._free_rows.sort()
+        return self._free_rows.pop(0)
+
+    def _hold_snapshot_blocks(self, blocks: tuple[int, ...], length: int) -> None:
+        """One more snapshot hold on each of `blocks`, the blocks of tokens [0, length)."""
+        k, r = divmod(length, self.block_size)
         for i, b in enumerate(blocks):
             if not self._cached[b]:
                 self._valid[b] = r if i == k else self.block_size
                 self._cached_tokens += self._valid[b]
             self._hold(b, +1, snapshot=True)
-        self.index.add(Snapshot(key, base, length, row, blocks))
-        self.prefix_stats["snapshots_taken"] += 1
-        return True
 
     def _evict_lru(self, count: bool = True) -> bool:
         """Drop the least recently used snapshot (its row and its holds on blocks); False when there is none."""
@@ -481,7 +584,10 @@ class HybridCache:
         return True
 
     def reset_prefix_cache(self) -> int:
-        """Drop every snapshot (their rows and blocks go back to the free lists); returns how many."""
+        """Drop every snapshot, staged ones too (their rows and blocks go back to the free lists); returns how many
+        published ones."""
+        for staged in list(self._staged if self.index is not None else ()):
+            self.drop(staged)
         n = 0
         while self._evict_lru(count=False):
             n += 1
@@ -560,10 +666,10 @@ class HybridCache:
 
     def check_consistent(self) -> None:
         """Assert the bookkeeping invariants (between steps): every slot >= 1 is free or owned by exactly one
-        request; every block >= 1 is free or held, and its hold counts equal the request tables and snapshots that
-        list it; no request lists a block twice; a block a request will still write into (from its partial block
-        on) is held by that request alone; a snapshot's partial block by that snapshot alone; snapshot rows are free
-        or used by exactly one snapshot."""
+        request; every block >= 1 is free or held, and its hold counts equal the request tables, staged snapshots
+        and snapshots that list it; no request lists a block twice; a block a request will still write into (from
+        its partial block on) is held by that request alone; a snapshot's partial block by that snapshot alone;
+        snapshot rows are free or used by exactly one snapshot or staged snapshot."""
         slots = list(self._free_slots) + [a.slot for a in self._allocs.values()]
         if sorted(slots) != list(range(1, self.num_slots)):
             raise AssertionError("cache bookkeeping broken: slots leaked or doubly owned")
@@ -573,6 +679,12 @@ class HybridCache:
             if len(set(a.blocks)) != len(a.blocks) or a.num_tokens > len(a.blocks) * B:
                 raise AssertionError(f"request {rid}: block table {a.blocks} repeats a block or is too short")
             for b in a.blocks:
+                holders[b] += 1
+        staged = list(self._staged) if self.index is not None else []
+        for st in staged:
+            if len(st.blocks) != math.ceil(st.length / B):
+                raise AssertionError(f"staged snapshot at {st.length}: {len(st.blocks)} blocks")
+            for b in st.blocks:
                 holders[b] += 1
         snaps = list(self.index.entries.values()) if self.index is not None else []
         for s in snaps:
@@ -598,7 +710,7 @@ class HybridCache:
             if s.length % B and (holders[s.blocks[-1]] or cached[s.blocks[-1]] != 1):
                 raise AssertionError(f"snapshot at {s.length}: its partial block {s.blocks[-1]} is shared")
         if self.index is not None:
-            rows = list(self._free_rows) + [s.row for s in snaps]
+            rows = list(self._free_rows) + [s.row for s in snaps] + [st.row for st in staged]
             if sorted(rows) != list(range(self.snapshots.rows)):
                 raise AssertionError("cache bookkeeping broken: snapshot rows leaked or doubly used")
             if self._cached_tokens != sum(self._valid[b] for b in range(self.num_blocks) if cached[b]):

@@ -36,7 +36,8 @@ from k3deploy.runtime.sampling import logprob_lists, logprob_tensors
 @dataclasses.dataclass(eq=False)
 class Ticket:
     """One launched decode step: `reqs` its requests (row order; padding rows not included), `rows` each request's
-    row, and the host buffers its sampled ids (and logprobs) land in once `event` completed."""
+    row, and the host buffers its sampled ids (and logprobs) land in once `event` completed. `staged`: the
+    scheduler's (request, runtime.cache.StagedSnapshot) of states this step computes, published once it completed."""
 
     reqs: list
     rows: dict
@@ -44,6 +45,7 @@ class Ticket:
     logprobs: tuple | None
     top_k: list
     event: "torch.cuda.Event | None"
+    staged: list = dataclasses.field(default_factory=list)
 
 
 class DecodePipeline:

@@ -304,22 +304,42 @@ class Scheduler:
         self.stats["preemptions"] += 1
 
     def _cache_finished(self, req: Request) -> None:
-        """Snapshot a request that finished normally at its last computed token (prompt + reply but the last
-        sampled token): where the next turn of the conversation resumes. Cancelled or failed requests are not, nor
-        is one with a row in the overlapped step in flight (its state already holds one more token)."""
-        if self._inflight is not None and req in self._inflight.rows:
+        """Snapshot a request that finished normally (stop or length) after the tokens its steps computed, where the
+        next turn of the conversation resumes: prompt + reply but the last sampled token, published now (its last
+        step completed; a row reserved for a step not launched holds nothing); with a row in the overlapped step in
+        flight, prompt + the whole reply (that row computes the last token), staged now and published when that step
+        completed (`_drain`). Cancelled or failed requests are not snapshotted, nor requests waiting for readmission."""
+        if not (self.cache.prefix_caching and req.status == "running" and req.request_id in self.cache):
             return
-        if self.cache.prefix_caching and req.status == "running" and req.request_id in self.cache:
-            self.cache.publish(req.request_id, req.token_slice, final=True, keys=req.content_keys)
+        ticket = self._inflight
+        if ticket is None or req not in ticket.rows:
+            self.cache.publish(req.request_id, req.token_slice, final=True, keys=req.content_keys,
+                               length=req.num_computed)
+        elif not any(r is req for r, _ in ticket.staged):       # else a periodic snapshot of that step is this one
+            staged = self.cache.stage(req.request_id, req.num_computed, final=True, keys=req.content_keys)
+            if staged is not None:
+                ticket.staged.append((req, staged))
 
     def _publish_snapshots(self, group: list[tuple[Request, int]]) -> None:
-        """After a step completed: snapshot every running request of `group` that stands at a periodic snapshot
-        position (its chunk was cut there by `_align_chunk`)."""
+        """After a synchronous step completed: snapshot every running request of `group` that stands at a periodic
+        snapshot position (its chunk was cut there by `_align_chunk`, or a decode step reached it)."""
         if not self.cache.prefix_caching:
             return
         for req, _ in group:
             if req.status == "running" and req.num_computed % self.cache.snapshot_interval == 0:
-                self.cache.publish(req.request_id, req.token_slice, keys=req.content_keys)
+                self.cache.publish(req.request_id, req.token_slice, keys=req.content_keys, length=req.num_computed)
+
+    def _stage_periodic(self, ticket, group: list[tuple[Request, int]]) -> None:
+        """After launching an overlapped step: stage a snapshot of every request of `group` that it brings to a
+        periodic snapshot position (the slot copy is ordered after the step, before the next one is launched);
+        `_drain` publishes them once the step completed."""
+        if not self.cache.prefix_caching:
+            return
+        for req, _ in group:
+            if req.num_computed % self.cache.snapshot_interval == 0:
+                staged = self.cache.stage(req.request_id, req.num_computed, keys=req.content_keys)
+                if staged is not None:
+                    ticket.staged.append((req, staged))
 
     def _align_chunk(self, req: Request, n: int) -> int:
         """The request's next prefill chunk of at most n tokens, cut at a periodic snapshot position (prefix caching,
@@ -630,6 +650,7 @@ class Scheduler:
         self.cache.set_pools(pools)
         for r, _ in group:
             r.num_computed += 1
+        self._stage_periodic(ticket, group)
         return ticket
 
     def _drain(self, ticket=None) -> list[str]:
@@ -645,6 +666,8 @@ class Scheduler:
             toks, lps = self.pipeline.wait(ticket)
         except Exception as e:
             log.exception("overlapped decode step failed; finishing its %d requests with an error", len(ticket.reqs))
+            for _, staged in ticket.staged:
+                self.cache.drop(staged)
             for req in ticket.reqs:
                 if req.status != "finished":
                     self._finish(req, "error", f"{type(e).__name__}: {e}", notify_token=None)
@@ -656,6 +679,11 @@ class Scheduler:
                 self._finish(req, "error", NON_FINITE, notify_token=None)
             else:
                 self._emit(req, toks[row], lps[row] if lps is not None else None)
+        for req, staged in ticket.staged:              # the step completed: its snapshots are the states it left
+            if toks[ticket.rows[req]] < 0:
+                self.cache.drop(staged)
+            else:
+                self.cache.confirm(staged, req.token_slice)
         return booked
 
     def _step_overlapped(self, plan: list[tuple[Request, int]]) -> list[str]:

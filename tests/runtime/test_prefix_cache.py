@@ -8,7 +8,8 @@ with caching off in the last bits. The equality tests' executor therefore runs e
 its sequence: each token's logits are then a function of its id, its position and the state before it, and a
 hit that restores the right state (KDA recurrent state + conv history, latent blocks) gives bit-identical logits,
 while a wrong snapshot position, a stale conv history, a mis-copied partial block or an overwritten shared block
-changes them. The scheduler, the cache and the prefix index do not know the executor is serial (`RecordingExecutor`). The batched
+changes them. The scheduler, the cache and the prefix index do not know the executor is serial (`RecordingExecutor`;
+its `forward_on_device` runs the same path, so overlapped decode steps are compared the same way). The batched
 executor is compared too (tokens equal, logits close).
 """
 from __future__ import annotations
@@ -58,7 +59,8 @@ def fast_dequant(monkeypatch):
 class RecordingExecutor:
     """`TorchExecutor` on the CPU reference that records the logits of every sequence's last token by (request id,
     position) (the scheduler's cache maps slots to requests: `self.sched`, set after the scheduler is built).
-    serial: run every token alone, as a one-token prefill of its sequence, in order (see the module docstring)."""
+    serial: run every token alone, as a one-token prefill of its sequence, in order (see the module docstring).
+    `forward_on_device` (the overlapped decode steps) runs the same path."""
 
     def __init__(self, model, serial: bool = True):
         self.inner, self.serial = TorchExecutor(model), serial
@@ -70,6 +72,9 @@ class RecordingExecutor:
         if self.serial and (rid, pos) in self.logits:      # a recompute after preemption: the same bits
             assert torch.equal(self.logits[(rid, pos)], row), (rid, pos)
         self.logits[(rid, pos)] = row
+
+    def forward_on_device(self, ids, batch, pools, logits_index):
+        return self.forward(ids, batch, pools, logits_index)
 
     def forward(self, ids, batch, pools, logits_index, image_rows=None):
         assert image_rows is None, "text only"
@@ -96,11 +101,11 @@ class RecordingExecutor:
 
 
 def make(model, *, caching: bool, serial: bool = True, max_batch=3, block_size=4, num_blocks=65, interval=8,
-         snapshots=8, max_context=96, max_num_tokens=16):
+         snapshots=8, max_context=96, max_num_tokens=16, overlap=False):
     cache = HybridCache(model.cfg, max_batch + 1, num_blocks, block_size, max_context=max_context,
                         num_snapshots=snapshots if caching else 0, snapshot_interval=interval if caching else None)
     ex = RecordingExecutor(model, serial)
-    sched = Scheduler(ex, cache, max_batch, max_num_tokens, eos_token_id=-1)
+    sched = Scheduler(ex, cache, max_batch, max_num_tokens, eos_token_id=-1, overlap=overlap)
     ex.sched = sched
     return sched
 
@@ -109,16 +114,18 @@ class Run:
     """The tokens every request of one scheduler generated."""
 
     def __init__(self, sched):
-        self.sched, self.tokens = sched, {}
+        self.sched, self.tokens, self.reqs = sched, {}, {}
 
-    def add(self, rid, prompt, n, keys=None):
+    def add(self, rid, prompt, n, keys=None, stop=()):
         self.tokens[rid] = []
 
         def on_token(tok, finished, error):
             assert error is None, error
             if tok is not None:
                 self.tokens[rid].append(tok)
-        return self.sched.add(rid, prompt, SamplingParams(max_tokens=n, ignore_eos=True), on_token, content_keys=keys)
+        params = SamplingParams(max_tokens=n, ignore_eos=True, stop_token_ids=tuple(stop))
+        self.reqs[rid] = self.sched.add(rid, prompt, params, on_token, content_keys=keys)
+        return self.reqs[rid]
 
 
 def shared_contents(cache: HybridCache) -> dict:
@@ -133,16 +140,18 @@ def shared_contents(cache: HybridCache) -> dict:
 
 
 MAX_PROMPT = 40
-TOTALS = {"hit_tokens": 0, "partial_hits": 0, "evictions": 0, "preemptions": 0, "cancels": 0}
+TOTALS = {"hit_tokens": 0, "partial_hits": 0, "evictions": 0, "preemptions": 0, "cancels": 0, "stops": 0}
 
 
-def machine(model):
-    """The conversation-tree state machine over `model` (caching on vs off, both with the serial RecordingExecutor)."""
+def machine(model, overlap: bool = False):
+    """The conversation-tree state machine over `model` (caching on vs off, both with the serial RecordingExecutor,
+    both with overlapped decode steps or both without)."""
 
     class PrefixCacheMachine(RuleBasedStateMachine):
         def __init__(self):
             super().__init__()
-            self.on, self.off = Run(make(model, caching=True)), Run(make(model, caching=False))
+            kw = dict(overlap=overlap)
+            self.on, self.off = Run(make(model, caching=True, **kw)), Run(make(model, caching=False, **kw))
             cache, allocate = self.on.sched.cache, self.on.sched.cache.allocate
 
             def counting_allocate(rid, snapshot=None):        # count restores that copy a partial block
@@ -154,17 +163,21 @@ def machine(model):
             self.n = 0
             self.shared = {}
 
-        def _submit(self, data, parent: list[int]):
+        def _submit(self, data, parent: list[int], steps: int | None = None):
             rnd = random.Random(data.draw(st.integers(0, 2 ** 16), label="seed"))
             fresh = [rnd.randrange(3, model.cfg.vocab_size) for _ in range(data.draw(st.integers(1, 12), label="new"))]
-            prompt = (parent + fresh)[-MAX_PROMPT:] if len(parent) < MAX_PROMPT else parent[:MAX_PROMPT - 1] + fresh[:1]
+            prompt = (parent + fresh)[:MAX_PROMPT] if len(parent) < MAX_PROMPT else parent[:MAX_PROMPT - 1] + fresh[:1]
             rid = f"r{self.n}"
             self.n += 1
             self.prompts[rid] = prompt
             n = data.draw(st.integers(1, 5), label="max_tokens")
+            share = data.draw(st.sampled_from([0.0, 0.0, 0.3, 0.6]), label="stop share")   # of the vocabulary
+            stop = [t for t in range(model.cfg.vocab_size) if rnd.random() < share]
             for run in (self.on, self.off):
-                run.add(rid, prompt, n)
-            self.step(data.draw(st.integers(1, 12), label="budget"), data.draw(st.integers(0, 6), label="steps"))
+                run.add(rid, prompt, n, stop=stop)
+            if steps is None:
+                steps = data.draw(st.integers(0, 6), label="steps")
+            self.step(data.draw(st.integers(1, 12), label="budget"), steps)
 
         def _finished(self) -> list[str]:
             return [r for r in self.prompts if r not in self.on.sched.requests]
@@ -176,8 +189,8 @@ def machine(model):
         @precondition(lambda self: len(self.on.sched.requests) < 5 and self._finished())
         @rule(data=st.data())
         def next_turn(self, data):
-            """The next turn of a finished conversation: its prompt + reply + new tokens."""
-            rid = data.draw(st.sampled_from(self._finished()))
+            """The next turn of a finished conversation (the latest ones first): its prompt + reply + new tokens."""
+            rid = data.draw(st.sampled_from(self._finished()[::-1]))
             self._submit(data, self.prompts[rid] + self.on.tokens[rid])
 
         @precondition(lambda self: len(self.on.sched.requests) < 5)
@@ -188,11 +201,32 @@ def machine(model):
             parent = data.draw(st.sampled_from(seqs))
             self._submit(data, parent[:data.draw(st.integers(0, len(parent)), label="cut")])
 
+        def _stopping(self) -> list[str]:
+            """Requests whose stop token is in the overlapped step in flight (caching on; on the CPU it already ran)."""
+            t = self.on.sched._inflight
+            return [] if t is None else [r.request_id for r, tok in zip(t.reqs, t.ids.tolist())
+                                         if tok in r.params.stop_token_ids]
+
+        @precondition(lambda self: len(self.on.sched.requests) < 4 and self._stopping())
+        @rule(data=st.data())
+        def arrive_on_a_stop(self, data):
+            """A request arrives while a request's stop token is in flight, one step runs (it admits the newcomer, so
+            it books the step in flight before running synchronously), then the next turn of that conversation."""
+            stopping = self._stopping()
+            seqs = [p for p in self.prompts.values()] + [self.prompts[r] + t for r, t in self.on.tokens.items()]
+            parent = data.draw(st.sampled_from(seqs))
+            self._submit(data, parent[:data.draw(st.integers(0, len(parent)), label="cut")], steps=1)
+            for rid in stopping:
+                if rid not in self.on.sched.requests and len(self.on.sched.requests) < 5:
+                    self._submit(data, self.prompts[rid] + self.on.tokens[rid])
+
         @rule(budget=st.integers(1, 12), steps=st.integers(1, 4))
         def step(self, budget, steps):
             for _ in range(steps):
                 for run in (self.on, self.off):
                     run.sched.step(token_budget=budget)
+                if self._stopping():
+                    break                                    # the next rule may land in that window
 
         @precondition(lambda self: self.on.sched.requests)
         @rule(data=st.data())
@@ -249,6 +283,7 @@ def machine(model):
             TOTALS["hit_tokens"] += st_["hit_tokens"]
             TOTALS["evictions"] += st_["evictions"]
             TOTALS["preemptions"] += self.on.sched.stats["preemptions"]
+            TOTALS["stops"] += sum(1 for r in self.on.reqs.values() if r.finish_reason == "stop")
             assert cache.slots_in_use == 0 and self.off.sched.cache.blocks_in_use == 0
             cache.reset_prefix_cache()
             assert cache.blocks_in_use == 0 and not len(cache.index) and cache.prefix_metrics()["prefix_cache_tokens"] == 0
@@ -257,18 +292,130 @@ def machine(model):
     return PrefixCacheMachine
 
 
-def test_caching_on_equals_off_bit_exact_random_conversation_trees(micro_model, fast_dequant):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_caching_on_equals_off_bit_exact_random_conversation_trees(micro_model, fast_dequant, overlap):
     """Random conversation trees (prompts sharing prefixes of random lengths with earlier prompts and replies),
-    random chunk budgets, preemptions and cancels: caching on gives every request the tokens and logits of caching
-    off, bit for bit; after every step the cache invariants hold and no snapshot's blocks or KDA rows changed; the
-    pools are empty once the requests ended and the cache is reset."""
+    random chunk budgets, stop tokens (landing while other requests arrive), preemptions and cancels, with decode
+    steps synchronous or overlapped: caching on gives every request the tokens and logits of caching off, bit for bit; after every step the cache invariants
+    hold and no snapshot's blocks or KDA rows changed; the pools are empty once the requests ended and the cache is
+    reset."""
     for k in TOTALS:
         TOTALS[k] = 0
-    run_state_machine_as_test(machine(micro_model), settings=settings(
+    run_state_machine_as_test(machine(micro_model, overlap), settings=settings(
         max_examples=8, stateful_step_count=30, deadline=None, derandomize=True, database=None,
         suppress_health_check=list(HealthCheck)))
     # the examples exercised what they are for
     assert all(TOTALS.values()), TOTALS
+
+
+def _stop_under_overlap(model, caching: bool, prompt: list[int], stop: int, at: int, arrival: bool):
+    """Request "a" (stop token `stop`, its output token `at`) runs with overlapped decode steps until that token is in
+    flight; with `arrival`, request "b" arrives then (the next step admits it, so it books the step in flight first).
+    After both ended, "c" (fresh tokens: the slot "a" left) and "a2" (a's next turn) run. Returns (run, slots by
+    request, prompts)."""
+    sched = make(model, caching=caching, overlap=True, max_batch=2, max_context=64)
+    run, slots, allocate = Run(sched), {}, sched.cache.allocate
+
+    def recording_allocate(rid, snapshot=None):
+        slots[rid] = allocate(rid, snapshot)
+        return slots[rid]
+    sched.cache.allocate = recording_allocate
+    a = run.add("a", prompt, 8, stop=[stop])
+    while not (len(a.output_ids) == at and sched._inflight is not None and a in sched._inflight.rows):
+        assert a.status != "finished"
+        sched.step()
+    prompts = {"a": prompt, "c": [12, 13, 14, 15]}
+    if arrival:
+        prompts["b"] = [7, 8, 9, 10, 11]
+        run.add("b", prompts["b"], 3)
+    sched.run_until_done()
+    assert a.finish_reason == "stop" and run.tokens["a"][-1] == stop
+    run.add("c", prompts["c"], 3)
+    sched.run_until_done()
+    prompts["a2"] = prompt + run.tokens["a"] + [20, 21]
+    run.add("a2", prompts["a2"], 3)
+    sched.run_until_done()
+    sched.cache.check_consistent()
+    return run, slots, prompts
+
+
+@pytest.mark.parametrize("arrival", [True, False], ids=["request-arrives", "step-in-flight"])
+def test_a_stop_under_overlap_snapshots_the_state_it_computed(micro_model, fast_dequant, arrival):
+    """A request that stops on a token read while another step is in flight: when a request arrives in that window
+    (the step booked before a synchronous one), its end snapshot is at prompt + reply minus the stop token, the
+    state its last completed step computed; when the next overlapped step holds its dropped row, the snapshot is at
+    prompt + the whole reply, published once that step completed. Its next turn resumes there with caching off's
+    tokens and logits bit for bit, and the request admitted into the slot it left behaves like one in a fresh
+    slot."""
+    rng = random.Random(3)
+    prompt = [rng.randrange(3, 1000) for _ in range(10)]
+    probe = make(micro_model, caching=False, max_batch=2, max_context=64)
+    probe_run = Run(probe)
+    probe_run.add("p", prompt, 8)
+    probe.run_until_done()
+    reply = probe_run.tokens["p"]
+    at = next(i for i in range(2, 8) if reply[i] not in reply[:i])     # a stop token after two decode steps
+    (on, slots, prompts), (off, _, _) = (_stop_under_overlap(micro_model, c, prompt, reply[at], at, arrival)
+                                         for c in (True, False))
+    assert on.tokens == off.tokens and on.tokens["a"] == reply[:at + 1]
+    on_l, off_l = on.sched.executor.logits, off.sched.executor.logits
+    for rid, p in prompts.items():
+        for i in range(len(on.tokens[rid])):
+            pos = len(p) - 1 + i
+            assert torch.equal(on_l[(rid, pos)], off_l[(rid, pos)]), (rid, pos)
+    assert slots["c"] == slots["a"]
+    want = len(prompt) + at if arrival else len(prompt) + at + 1
+    assert on.reqs["a2"].num_cached_tokens == want, (on.reqs["a2"].num_cached_tokens, want)
+    cache = on.sched.cache
+    assert cache.reset_prefix_cache() and cache.blocks_in_use == 0 and cache.slots_in_use == 0
+
+
+def test_periodic_snapshots_during_overlapped_decode(micro_model, fast_dequant):
+    """Decode steps that reach a multiple of snapshot_interval: overlapped, the snapshots are staged after the step
+    that computes the state and published once it completed, at the same positions and with the same KDA rows as
+    with synchronous steps (bit for bit); a request branching from the reply resumes at the last one with caching
+    off's logits. A step that fails publishes nothing it staged, and gives back its rows and blocks."""
+    rng = random.Random(4)
+    prompt = [rng.randrange(3, 1000) for _ in range(6)]
+    rows = {}
+    for overlap in (False, True):
+        sched = make(micro_model, caching=True, overlap=overlap, max_batch=2, max_context=64)
+        run = Run(sched)
+        run.add("a", prompt, 14)
+        sched.run_until_done()
+        cache = sched.cache
+        rows[overlap] = {snap.length: [cache.snapshots.pools[l][n][snap.row].clone() for l in cache.kda_layers
+                                       for n in ("state", "conv")] for snap in cache.index.entries.values()}
+        assert sorted(rows[overlap]) == [8, 16, 19], sorted(rows[overlap])
+        if overlap:
+            assert sched.stats["overlapped_steps"] >= 10
+            branch = prompt + run.tokens["a"][:12] + [5, 6]
+            b = run.add("b", branch, 3)
+            sched.run_until_done()
+            off = make(micro_model, caching=False, max_batch=2, max_context=64)
+            off_run = Run(off)
+            off_run.add("b", branch, 3)
+            off.run_until_done()
+            assert b.num_cached_tokens == 16 and run.tokens["b"] == off_run.tokens["b"]
+            for i in range(3):
+                pos = len(branch) - 1 + i
+                assert torch.equal(sched.executor.logits[("b", pos)], off.executor.logits[("b", pos)]), pos
+    for length, want in rows[False].items():
+        assert all(torch.equal(x, y) for x, y in zip(rows[True][length], want)), length
+    # a failing step: the snapshot it staged (at 8) is dropped, nothing leaks
+    sched = make(micro_model, caching=True, overlap=True, max_batch=2, max_context=64)
+    req = sched.add("a", prompt, SamplingParams(max_tokens=14, ignore_eos=True))
+    wait = sched.pipeline.wait
+
+    def failing(ticket):
+        if any(staged.length == 8 for _, staged in ticket.staged):
+            raise RuntimeError("device error")
+        return wait(ticket)
+    sched.pipeline.wait = failing
+    sched.run_until_done()
+    assert req.finish_reason == "error" and "device error" in req.error
+    assert not len(sched.cache.index) and sched.cache.blocks_in_use == 0 and sched.cache.slots_in_use == 0
+    sched.cache.check_consistent()
 
 
 # ---- keys, chain and content keys (the image hook) ------------------------------------------------------------
