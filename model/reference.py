@@ -28,13 +28,67 @@ from k3deploy.plugins.moe import reference as moe_ref
 
 # ---- batch metadata and decode-state declaration -------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class KdaSnapshot:
+    """KDA states to copy from inside a prefill forward (`Batch.kda_snapshot`): for each (seq, offset, row) of `at`,
+    every KDA layer's recurrent state and conv history of batch sequence `seq` after its first `offset` tokens of
+    this batch go to row `row` of `pools` ({KDA layer: {"state" [R, H, V, K] f32, "conv" [R, 3P, W-1]}},
+    runtime.prefix_cache.SnapshotPool.pools; written in place). Build it with `KdaSnapshot.of`; the index tensors
+    split the packed tokens into the snapshotted sequences' first pieces (`first`, packed as `first_cu` over batch
+    sequences `first_seqs`) and everything else (`rest`, `rest_cu`, `rest_seqs`)."""
+
+    at: tuple[tuple[int, int, int], ...]
+    pools: dict = dataclasses.field(repr=False)
+    first: torch.Tensor
+    first_cu: torch.Tensor
+    first_seqs: torch.Tensor
+    rows: torch.Tensor
+    rest: torch.Tensor
+    rest_cu: torch.Tensor
+    rest_seqs: torch.Tensor
+
+    @classmethod
+    def of(cls, cu_seqlens: list[int], at, pools: dict) -> "KdaSnapshot":
+        """Args: cu_seqlens: the batch's packed offsets (host ints); at: (seq, offset, row) triples, one per
+        sequence at most, 0 < offset <= that sequence's length; pools: the destination rows' tensors.
+        Raises ValueError for a sequence named twice or an offset outside its sequence."""
+        at = tuple(sorted((int(q), int(o), int(r)) for q, o, r in at))
+        if len({q for q, _, _ in at}) != len(at):
+            raise ValueError(f"kda_snapshot {at}: one snapshot per sequence")
+        first, first_cu, rest, rest_cu, rest_seqs = [], [0], [], [0], []
+        cut = {q: o for q, o, _ in at}
+        for q in range(len(cu_seqlens) - 1):
+            a, b = cu_seqlens[q], cu_seqlens[q + 1]
+            o = cut.get(q, 0)
+            if q in cut and not 0 < o <= b - a:
+                raise ValueError(f"kda_snapshot: offset {o} outside sequence {q} of {b - a} tokens")
+            if o:
+                first += range(a, a + o)
+                first_cu.append(len(first))
+            if a + o < b:
+                rest += range(a + o, b)
+                rest_cu.append(len(rest))
+                rest_seqs.append(q)
+
+        def t(x, dtype=torch.long):
+            return torch.tensor(x, dtype=dtype)
+        return cls(at, pools, t(first), t(first_cu, torch.int32), t([q for q, _, _ in at]), t([r for _, _, r in at]),
+                   t(rest), t(rest_cu, torch.int32), t(rest_seqs))
+
+    def to(self, device: "str | torch.device") -> "KdaSnapshot":
+        """The same snapshot with its index tensors on `device` (the pools stay where they are)."""
+        return dataclasses.replace(self, **{f: getattr(self, f).to(device) for f in (
+            "first", "first_cu", "first_seqs", "rows", "rest", "rest_cu", "rest_seqs")})
+
+
 @dataclasses.dataclass
 class Batch:
     """Attention metadata of one forward over N sequences packed into T tokens.
 
     cu_seqlens [N+1] int32; slots [N] int32 (KDA slot of each sequence, >= 1; 0 = padding sentinel);
     block_tables [N, MB] int32; context_lens [N] int32 (tokens already cached); decode: every sequence
-    contributes exactly one token and continues a cached context (uses the decode ops).
+    contributes exactly one token and continues a cached context (uses the decode ops). kda_snapshot (prefill
+    only): KDA states to copy at positions inside the sequences (`KdaSnapshot`), or None.
     """
 
     cu_seqlens: torch.Tensor
@@ -42,6 +96,7 @@ class Batch:
     block_tables: torch.Tensor
     context_lens: torch.Tensor
     decode: bool = False
+    kda_snapshot: KdaSnapshot | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -56,9 +111,11 @@ class Batch:
         """The same metadata with every tensor on `device` (self when they already are; None fields stay None)."""
         device = torch.device(device)
         ts = (self.cu_seqlens, self.slots, self.block_tables, self.context_lens)
-        if all(t is None or t.device == device for t in ts):
+        snap = self.kda_snapshot
+        if all(t is None or t.device == device for t in ts + ((snap.first,) if snap is not None else ())):
             return self
-        return Batch(*(None if t is None else t.to(device) for t in ts), decode=self.decode)
+        return Batch(*(None if t is None else t.to(device) for t in ts), decode=self.decode,
+                     kda_snapshot=snap.to(device) if snap is not None else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,10 +180,43 @@ class ReferenceOps:
 
 # ---- attention and feed-forward modules -----------------------------------------------------------
 
-class KDAAttention:
-    """KDA layer (§4): q/k/v/f/b/g projections, then the fused `KdaPrefill`/`KdaDecode` op, then o_proj."""
+def kda_prefill_snapshotting(kda_prefill, args: tuple, state: torch.Tensor, conv: torch.Tensor, batch: Batch,
+                             layer: int, **kw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`kda_prefill(*args, state, conv, batch.cu_seqlens, batch.slots, **kw)` (an ops' KdaPrefill, args its inputs
+    0..7) that also takes the in-step snapshots of `batch.kda_snapshot` for KDA layer `layer`: the first pieces of
+    the snapshotted sequences run first, their slots' state and conv history are copied into the snapshot rows,
+    then the rest of every sequence runs from there. Each piece continues from its slot as a prefill chunk that
+    starts there does, so out and the pools are those of the batch cut at the snapshot offsets.
 
-    def __init__(self, cfg: K3Config, w: dict[str, torch.Tensor]):
+    Returns:
+        (out [T, P], state, conv) as kda_prefill returns them.
+    """
+    s = batch.kda_snapshot
+    acts, weights = args[:4], args[4:]
+    first = [a.index_select(0, s.first) for a in acts]
+    out, state, conv = kda_prefill(*first, *weights, state, conv, s.first_cu, batch.slots.index_select(0, s.first_seqs),
+                                   **kw)
+    slots = batch.slots.index_select(0, s.first_seqs).long()
+    dst = s.pools[layer]
+    dst["state"].index_copy_(0, s.rows, state.index_select(0, slots))
+    dst["conv"].index_copy_(0, s.rows, conv.index_select(0, slots).to(dst["conv"].dtype))
+    if not s.rest.numel():
+        return out, state, conv
+    whole = out.new_empty(acts[0].shape[0], out.shape[1])
+    whole.index_copy_(0, s.first, out)
+    rest = [a.index_select(0, s.rest) for a in acts]
+    out, state, conv = kda_prefill(*rest, *weights, state, conv, s.rest_cu, batch.slots.index_select(0, s.rest_seqs),
+                                   **kw)
+    whole.index_copy_(0, s.rest, out)
+    return whole, state, conv
+
+
+class KDAAttention:
+    """KDA layer (§4): q/k/v/f/b/g projections, then the fused `KdaPrefill`/`KdaDecode` op, then o_proj. `layer`:
+    its index in the model (the key of its rows in a `KdaSnapshot`'s pools)."""
+
+    def __init__(self, cfg: K3Config, w: dict[str, torch.Tensor], layer: int):
+        self.layer = layer
         a = "self_attn."
         self.K = cfg.kda_head_dim
         self.H = w[a + "q_proj.weight"].shape[0] // self.K
@@ -152,6 +242,9 @@ class KDAAttention:
         kw = dict(num_heads=self.H, head_dim=self.K, lower_bound=self.lower_bound, norm_eps=self.eps)
         if batch.decode:
             out, st, cv = ops.kda_decode(*args, pools["state"], pools["conv"], batch.slots, **kw)
+        elif batch.kda_snapshot is not None:
+            out, st, cv = kda_prefill_snapshotting(ops.kda_prefill, args, pools["state"], pools["conv"], batch,
+                                                   self.layer, **kw)
         else:
             out, st, cv = ops.kda_prefill(*args, pools["state"], pools["conv"], batch.cu_seqlens, batch.slots, **kw)
         return self.o(out, comm), {"state": st, "conv": cv}
@@ -281,7 +374,7 @@ class DecoderLayer:
         self.in_norm, self.post_norm = f("input_layernorm.weight"), f("post_attention_layernorm.weight")
         self.attn_res_w = (f("self_attention_res_norm.weight"), f("self_attention_res_proj.weight"))
         self.mlp_res_w = (f("mlp_res_norm.weight"), f("mlp_res_proj.weight"))
-        self.attn = KDAAttention(cfg, w) if cfg.layer_kind(l) == "kda" else MLAAttention(cfg, w)
+        self.attn = KDAAttention(cfg, w, l) if cfg.layer_kind(l) == "kda" else MLAAttention(cfg, w)
         self.mlp = LatentMoE(cfg, w) if cfg.is_moe(l) else DenseMLP(cfg, w, "mlp.")
 
     def linears(self) -> list[Linear]:

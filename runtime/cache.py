@@ -234,9 +234,9 @@ class HybridCache:
     request's state after a given number of its tokens (block aligned while it runs, any position when it
     finishes); `stage` takes such a snapshot for a state that a step not completed yet computes, `confirm` publishes
     it after that step, `drop` gives it back. snapshot_interval (tokens, default
-    runtime.prefix_cache.default_snapshot_interval) is where periodic snapshots go (`chunk_end` cuts prefill chunks
-    there). Blocks held only by snapshots are `available`: taking one evicts snapshots, least recently used first;
-    `reset_prefix_cache` evicts them all.
+    runtime.prefix_cache.default_snapshot_interval) is where periodic snapshots go (`snapshot_position`; `chunk_end`
+    cuts prefill chunks there for executors that cannot snapshot inside a step). Blocks held only by snapshots are
+    `available`: taking one evicts snapshots, least recently used first; `reset_prefix_cache` evicts them all.
     """
 
     def __init__(self, cfg: K3Config, num_slots: int, num_blocks: int, block_size: int, tp: int = 1,
@@ -593,23 +593,29 @@ class HybridCache:
             n += 1
         return n
 
-    def chunk_end(self, rid: str, n: int, keys=()) -> int:
-        """Tokens of `rid`'s next prefill chunk when `n` are asked (it starts at num_tokens(rid)): with prefix
-        caching, cut at the last periodic snapshot position (a multiple of snapshot_interval outside every content
-        span) strictly inside it, so that the step ends there and the state can be snapshotted after it — unless
-        the chunk already ends on one, or `rid` holds a snapshot position less than snapshot_interval tokens before
-        it (restored from or published: one more would cost a step for little). At most one cut per chunk: a chunk
-        crossing several positions is snapshotted at the last."""
+    def snapshot_position(self, rid: str, start: int, end: int, keys=()) -> int | None:
+        """Where a periodic snapshot goes strictly inside `rid`'s prefill chunk of tokens [start, end): the last
+        multiple of snapshot_interval outside every content span in it — unless the chunk ends on one (a snapshot
+        after the step), or `rid` holds a snapshot position less than snapshot_interval tokens before it (restored
+        from or published: one more row for little). At most one per chunk. None without prefix caching or such a
+        position."""
         if self.index is None:
-            return n
-        a, step = self._allocs[rid], self.snapshot_interval
-        start, end = a.num_tokens, a.num_tokens + n
+            return None
+        step = self.snapshot_interval
         if end % step == 0 and not inside_span(end, keys):
-            return n
+            return None
         cut = (end - 1) // step * step
         while cut > start and inside_span(cut, keys):
             cut -= step
-        return n if cut <= start or cut - a.last_snapshot < step else cut - start
+        return None if cut <= start or cut - self._allocs[rid].last_snapshot < step else cut
+
+    def chunk_end(self, rid: str, n: int, keys=()) -> int:
+        """Tokens of `rid`'s next prefill chunk when `n` are asked (it starts at num_tokens(rid)): cut at its
+        `snapshot_position`, so that a step ends there and the state can be snapshotted after it (executors that
+        cannot snapshot inside a step)."""
+        start = self.num_tokens(rid)
+        pos = self.snapshot_position(rid, start, start + n, keys)
+        return n if pos is None else pos - start
 
     def record_admission(self, num_tokens: int, cached: int) -> None:
         """Count one admitted request of `num_tokens` tokens of which `cached` came from the prefix cache."""

@@ -9,7 +9,9 @@ Common interface (what `runtime.scheduler.Scheduler` calls)::
 ids [T] int64 packed tokens; batch: `model.reference.Batch` (decode=True: one token per sequence, decode graphs);
 pools: {layer: {"state", "conv"} | {"cache"}} as allocated by `runtime.cache.HybridCache` (slot 0 / block 0
 sentinels); logits_index [M] int64 rows whose logits are wanted. Returns logits [M, vocab] fp32 and the updated
-pools (new tensors or the same ones updated in place; the caller writes them back either way).
+pools (new tensors or the same ones updated in place; the caller writes them back either way). An executor whose
+`snapshot_in_step` is True takes prefill batches with `batch.kda_snapshot` (`model.reference.KdaSnapshot`: KDA
+states copied into prefix-cache snapshot rows at positions inside the step); the others never get one.
 
 Backends:
 * `TorchExecutor`: `model.reference.K3Model` on the CPU (fp32 reference ops) or on a CUDA GPU (fp32 weights and
@@ -171,6 +173,8 @@ class Executor:
 
     overlap_decode: bool = False        # the scheduler overlaps decode steps with its host work by default
 
+    snapshot_in_step: bool = False      # prefill forwards take `Batch.kda_snapshot` (else the scheduler cuts chunks)
+
     forward_on_device = None            # executors that enqueue a decode forward without host reads define it
 
     def encode_images(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
@@ -295,6 +299,8 @@ class TorchExecutor(Executor):
             with torch.no_grad():
                 return self.runner.forward(ids, batch, pools, logits_index, image_rows=image_rows)
 
+    snapshot_in_step = True             # K3Model / FusedModel copy KDA states inside a prefill (model.reference)
+
     @property
     def overlap_decode(self) -> bool:
         """Whether the scheduler overlaps decode steps with its host work by default (runtime/pipeline.py): on CUDA
@@ -409,8 +415,12 @@ class GraphExecutor(Executor):
     def forward(self, ids, batch, pools, logits_index, image_rows=None):
         """ids [T] int64, batch (model.reference.Batch), pools (per layer), image_rows -> (logits [M, vocab] fp32 on
         the CPU, new pools). The graphs' function bodies cannot raise, so the batch is validated here: ValueError for
-        a zero-length sequence or offsets that do not cover the T tokens."""
+        a zero-length sequence, offsets that do not cover the T tokens, or a `kda_snapshot` (the graphs cannot copy
+        a state from inside a prefill: `snapshot_in_step` is False)."""
         from k3deploy.plugins.kda.reference import check_cu_seqlens
+        if batch.kda_snapshot is not None:
+            raise ValueError("batch.kda_snapshot: this executor cannot snapshot inside a prefill step; cut the chunk "
+                             "at the snapshot position instead (Executor.snapshot_in_step is False)")
         if not batch.decode:
             check_cu_seqlens(batch.cu_seqlens, int(ids.shape[0]))
         meta = {"cu_seqlens": batch.cu_seqlens, "slots": batch.slots, "block_tables": batch.block_tables,

@@ -37,7 +37,7 @@ import weakref
 
 import torch
 
-from k3deploy.model.reference import Batch, K3Model
+from k3deploy.model.reference import Batch, K3Model, kda_prefill_snapshotting
 from k3deploy.plugins.glue import kernels as glue
 from k3deploy.plugins.glue.reference import attn_res_query
 
@@ -109,6 +109,9 @@ class _KDA:
         args = (qkv, f, b, g, m.conv_w, m.A_log, m.dt_bias, m.o_norm_w)
         if batch.decode:
             out, st, cv = ops.kda_decode(*args, pools["state"], pools["conv"], batch.slots, **self.kw)
+        elif batch.kda_snapshot is not None:
+            out, st, cv = kda_prefill_snapshotting(ops.kda_prefill, args, pools["state"], pools["conv"], batch,
+                                                   m.layer, **self.kw)
         else:
             out, st, cv = ops.kda_prefill(*args, pools["state"], pools["conv"], batch.cu_seqlens, batch.slots,
                                           **self.kw)

@@ -34,12 +34,16 @@ the step in flight first and runs synchronously, as does a step whose launch fai
 it launched; their tokens arrive with the next step (`run_until_done` books the last one).
 
 With prefix caching (`HybridCache(num_snapshots > 0)`, docs/PREFIX_CACHING.md) admission first restores the
-deepest published snapshot of the request's tokens (`_admit`), prefill chunks end at the periodic snapshot
-positions (`_align_chunk`), and after a completed step the requests standing at one are snapshotted
-(`_publish_snapshots`), as is every request that finishes normally (`_cache_finished`), at the end of its prompt +
-reply, where the next turn of a conversation resumes. An image's rows are keyed by its content hash (its span of
-pad positions is a content key); a restored prefix that holds an image never runs the tower for it. Requests
-asking for prompt logprobs compute their whole prompt (no lookup).
+deepest published snapshot of the request's tokens (`_admit`). A prefill chunk that holds a periodic snapshot
+position has the executor copy the KDA state there inside the step (`_stage_in_step`, `Batch.kda_snapshot`, when
+`executor.snapshot_in_step`), or is cut there (`_align_chunk`) so that a step ends on it. Snapshots are published
+only once the step that computed their state completed: after a synchronous step (`_publish_snapshots`, the staged
+in-step ones), after booking an overlapped step (`_drain`: the ones `_stage_periodic` staged when it was launched).
+Every request that finishes normally is snapshotted after the tokens its steps computed (`_cache_finished`): prompt
++ reply but the last token, or the whole reply when its dropped row is in the overlapped step in flight; that is
+where the next turn of a conversation resumes. An image's rows are keyed by its content hash (its span of pad
+positions is a content key); a restored prefix that holds an image never runs the tower for it. Requests asking
+for prompt logprobs compute their whole prompt (no lookup).
 
 Events go to each request's `on_token(token_id | None, finished, error)` callback. When the params ask for
 them, a token's logprob (and top alternatives) is on the Request (`logprobs[-1]`, `top_logprobs[-1]`) before its
@@ -55,7 +59,7 @@ from typing import Callable
 
 import torch
 
-from k3deploy.model.reference import Batch
+from k3deploy.model.reference import Batch, KdaSnapshot
 from k3deploy.runtime.cache import HybridCache
 from k3deploy.runtime.prefix_cache import check_content_keys
 from k3deploy.runtime.sampling import (NON_FINITE, SamplingParams, ban, make_generator, sample, sample_batch,
@@ -169,6 +173,7 @@ class Scheduler:
         self.stats = {"tokens_generated": 0, "preemptions": 0, "steps": 0, "max_requests_per_step": 0,
                       "images_encoded": 0, "overlapped_steps": 0}
         self.last_step_requests: list[str] = []
+        self.snapshot_in_step = bool(getattr(executor, "snapshot_in_step", False))
         self.pipeline = None                      # runtime.pipeline.DecodePipeline while overlap is on
         self._inflight = None                     # the launched, not yet booked overlapped step (its Ticket)
         if getattr(executor, "overlap_decode", False) if overlap is None else overlap:
@@ -342,9 +347,25 @@ class Scheduler:
                     ticket.staged.append((req, staged))
 
     def _align_chunk(self, req: Request, n: int) -> int:
-        """The request's next prefill chunk of at most n tokens, cut at a periodic snapshot position (prefix caching,
-        `HybridCache.chunk_end`) so that a step ends exactly there."""
-        return self.cache.chunk_end(req.request_id, n, req.content_keys)
+        """The request's next prefill chunk of at most n tokens: with prefix caching and an executor that cannot
+        snapshot inside a step, cut at a periodic snapshot position (`HybridCache.chunk_end`) so that a step ends
+        exactly there."""
+        return n if self.snapshot_in_step else self.cache.chunk_end(req.request_id, n, req.content_keys)
+
+    def _stage_in_step(self, group: list[tuple[Request, int]]) -> list[tuple[int, Request, object]]:
+        """Before a prefill step of an executor that snapshots inside it: stage a snapshot for every chunk that holds
+        a periodic snapshot position (`HybridCache.snapshot_position`), its KDA rows to be written by the forward.
+        Returns [(row in group, request, runtime.cache.StagedSnapshot)]."""
+        if not (self.snapshot_in_step and self.cache.prefix_caching):
+            return []
+        out = []
+        for row, (req, n) in enumerate(group):
+            rid = req.request_id
+            pos = self.cache.snapshot_position(rid, req.num_computed, req.num_computed + n, req.content_keys)
+            staged = None if pos is None else self.cache.stage(rid, pos, keys=req.content_keys, copy=False)
+            if staged is not None:
+                out.append((row, req, staged))
+        return out
 
     def _admit(self, req: Request, budget: int) -> int:
         """Give the first waiting request `req` a slot, restoring its deepest cached prefix (prefix caching; not for
@@ -418,10 +439,11 @@ class Scheduler:
         return (req.num_computed == req.num_tokens and req.status == "running"
                 and (len(req.output_ids) + 1 >= req.params.max_tokens or req.num_tokens + 1 >= self.max_context))
 
-    def _batch(self, group: list[tuple[Request, int]], decode: bool
+    def _batch(self, group: list[tuple[Request, int]], decode: bool, staged=()
                ) -> tuple[torch.Tensor, Batch, torch.Tensor, list[int]]:
         """(ids, batch, logits_index, first logits row of each request): one row per request (its last token),
-        or one per chunk position for a prefill whose prompt logprobs are wanted."""
+        or one per chunk position for a prefill whose prompt logprobs are wanted; `staged` (`_stage_in_step`)
+        become the batch's `kda_snapshot`."""
         rids: list[str | None] = [r.request_id for r, _ in group]
         ids = [t for r, n in group for t in r.token_slice(r.num_computed, r.num_computed + n)]
         lens = [n for _, n in group]
@@ -436,8 +458,12 @@ class Scheduler:
             ctx += [0] * pad
         cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
+        snap = None
+        if staged:
+            snap = KdaSnapshot.of(cu.tolist(), [(row, st.length - r.num_computed, st.row) for row, r, st in staged],
+                                  self.cache.snapshots.pools)
         batch = Batch(cu, torch.tensor(slots, dtype=torch.int32), self.cache.block_tables(rids),
-                      torch.tensor(ctx, dtype=torch.int32), decode=decode)
+                      torch.tensor(ctx, dtype=torch.int32), decode=decode, kda_snapshot=snap)
         index, first = [], []
         for row, (r, n) in enumerate(group):
             first.append(len(index))
@@ -528,13 +554,16 @@ class Scheduler:
             if not group:
                 return
             image_rows = self._image_rows(group)
-        ids, batch, index, first = self._batch(group, decode)
+        staged = [] if decode else self._stage_in_step(group)
+        ids, batch, index, first = self._batch(group, decode, staged)
         try:
             kw = {"image_rows": image_rows} if image_rows is not None else {}
             logits, pools = self.executor.forward(ids, batch, self.cache.pools, index, **kw)
             self.cache.set_pools(pools)
         except Exception as e:
             log.exception("forward failed; finishing the %d requests of this batch with an error", len(group))
+            for _, _, st in staged:
+                self.cache.drop(st)
             for req, _ in group:
                 if req.status != "finished":           # an earlier row's error callback may have cancelled it
                     self._finish(req, "error", f"{type(e).__name__}: {e}", notify_token=None)
@@ -561,6 +590,11 @@ class Scheduler:
                 log.exception("finishing request %s failed", req.request_id)
                 if req.status != "finished":
                     self._finish(req, "error", f"{type(e).__name__}: {e}", notify_token=None)
+        for _, req, st in staged:                      # the step completed: the states it copied are valid
+            if req.finish_reason == "error":
+                self.cache.drop(st)
+            else:
+                self.cache.confirm(st, req.token_slice)
         self._publish_snapshots(group)
 
     def _sample(self, group: list[tuple[Request, int]], rows: list[int], last: list[int], logits

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from k3deploy.model.config import load_config
-from k3deploy.model.reference import (Batch, K3Model, SequenceState, allocate_pools, forward, state_spec)
+from k3deploy.model.reference import (Batch, K3Model, KdaSnapshot, SequenceState, allocate_pools, forward,
+                                      kda_prefill_snapshotting, state_spec)
 from k3deploy.plugins.common import compute_dtype
 from k3deploy.plugins.kda import reference as kda_ref
 from k3deploy.plugins.mla import reference as mla_ref
@@ -125,6 +126,97 @@ def test_packed_sequences_equal_separate_runs(tiny_model, tiny_cfg):
         alone, _ = forward(tiny_model, s, SequenceState(cfg, 16))
         assert torch.isfinite(logits[i]).all()
         assert (logits[i] - alone[-1]).abs().max() <= FP32_REL * alone.abs().max()
+
+
+def _kda_case(lens, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    H, K = 2, 16
+    P, T = H * K, sum(lens)
+    args = (torch.randn(T, 3 * P, generator=g), torch.randn(T, P, generator=g), torch.randn(T, H, generator=g),
+            torch.randn(T, P, generator=g), torch.randn(3 * P, 4, generator=g), torch.randn(H, generator=g),
+            torch.randn(P, generator=g), torch.randn(K, generator=g))
+    state, conv = torch.randn(6, H, K, K, generator=g), torch.randn(6, 3 * P, 3, generator=g)   # cached contexts
+    rows = {5: {"state": torch.zeros(3, H, K, K), "conv": torch.zeros(3, 3 * P, 3)}}
+    return args, state, conv, rows, dict(num_heads=H, head_dim=K)
+
+
+def _i32(x):
+    return torch.tensor(x, dtype=torch.int32)
+
+
+def test_kda_snapshot_inside_a_prefill_equals_the_chunk_cut():
+    """KdaSnapshot on the reference KdaPrefill. One sequence continuing a cached state, snapshot after 3 of its 7
+    tokens: output, pools and the snapshot row equal, bit for bit, the chunk cut there (a prefill of 3 tokens, the
+    slot copied, a prefill of 4). Three packed sequences, snapshots after 3 of the first one's 7 tokens and after
+    all 12 of the second's: equal to the batch run as those two steps (first pieces, then the rest), and close to
+    the prefill without snapshots (the reference's elementwise ops round by packed size); rows not named stay
+    untouched."""
+    args, state, conv, rows, kw = _kda_case([7])
+    batch = Batch(_i32([0, 7]), _i32([4]), torch.zeros(1, 1, dtype=torch.int32), _i32([0]),
+                  kda_snapshot=KdaSnapshot.of([0, 7], [(0, 3, 1)], rows))
+    out, st, cv = kda_prefill_snapshotting(kda_ref.kda_prefill, args, state, conv, batch, 5, **kw)
+    o1, st1, cv1 = kda_ref.kda_prefill(*(a[:3] for a in args[:4]), *args[4:], state, conv, _i32([0, 3]), _i32([4]),
+                                       **kw)
+    o2, st2, cv2 = kda_ref.kda_prefill(*(a[3:] for a in args[:4]), *args[4:], st1, cv1, _i32([0, 4]), _i32([4]), **kw)
+    assert torch.equal(out, torch.cat([o1, o2])) and torch.equal(st, st2) and torch.equal(cv, cv2)
+    assert torch.equal(rows[5]["state"][1], st1[4]) and torch.equal(rows[5]["conv"][1], cv1[4])
+    assert not rows[5]["state"][[0, 2]].any() and not rows[5]["conv"][[0, 2]].any()
+
+    args, state, conv, rows, kw = _kda_case([7, 12, 5], seed=6)
+    cu, slots = [0, 7, 19, 24], _i32([4, 1, 3])
+    batch = Batch(_i32(cu), slots, torch.zeros(3, 1, dtype=torch.int32), torch.zeros(3, dtype=torch.int32),
+                  kda_snapshot=KdaSnapshot.of(cu, [(1, 12, 0), (0, 3, 2)], rows))
+    out, st, cv = kda_prefill_snapshotting(kda_ref.kda_prefill, args, state, conv, batch, 5, **kw)
+    first, rest = list(range(0, 3)) + list(range(7, 19)), list(range(3, 7)) + list(range(19, 24))
+    o1, st1, cv1 = kda_ref.kda_prefill(*(a[first] for a in args[:4]), *args[4:], state, conv, _i32([0, 3, 15]),
+                                       _i32([4, 1]), **kw)
+    o2, st2, cv2 = kda_ref.kda_prefill(*(a[rest] for a in args[:4]), *args[4:], st1, cv1, _i32([0, 4, 9]),
+                                       _i32([4, 3]), **kw)
+    want = torch.empty_like(out)
+    want[first] = o1
+    want[rest] = o2
+    assert torch.equal(out, want) and torch.equal(st, st2) and torch.equal(cv, cv2)
+    for name, pool in (("state", st1), ("conv", cv1)):
+        assert torch.equal(rows[5][name][0], pool[1]) and torch.equal(rows[5][name][2], pool[4])
+        assert not rows[5][name][1].any()
+    o, s_, c_ = kda_ref.kda_prefill(*args, state, conv, batch.cu_seqlens, batch.slots, **kw)
+    torch.testing.assert_close(out, o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(st, s_, rtol=1e-5, atol=1e-5)
+    assert torch.equal(cv, c_)                               # the conv history is a copy of raw inputs
+    with pytest.raises(ValueError, match="offset 8 outside sequence 0"):
+        KdaSnapshot.of(cu, [(0, 8, 0)], rows)
+    with pytest.raises(ValueError, match="one snapshot per sequence"):
+        KdaSnapshot.of(cu, [(0, 2, 0), (0, 3, 1)], rows)
+
+
+def test_model_forward_with_a_kda_snapshot(tiny_model, tiny_cfg):
+    """K3Model.forward with `Batch.kda_snapshot` (two packed prompts, one snapshot inside the first): the logits and
+    pools of the same forward without it, and in every KDA layer's snapshot row the state and conv history a
+    forward of the first 9 tokens alone leaves (to fp32 rounding: other packed sizes); other rows untouched."""
+    cfg = tiny_cfg
+    a, b = _ids(cfg, 20, seed=3), _ids(cfg, 6, seed=4)
+    kda = [l for l in range(cfg.num_hidden_layers) if cfg.layer_kind(l) == "kda"]
+
+    def run(snap):
+        pools = allocate_pools(cfg, 4, 4, 16)
+        batch = Batch(torch.tensor([0, 20, 26], dtype=torch.int32), torch.tensor([2, 1], dtype=torch.int32),
+                      torch.tensor([[1, 2], [3, 0]], dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
+                      kda_snapshot=snap)
+        return tiny_model.forward(torch.cat([a, b]), batch, pools, logits_index=batch.last_token_index)
+    rows = {l: {"state": torch.zeros((2,) + allocate_pools(cfg, 1, 1, 1)[l]["state"].shape[1:]),
+                "conv": torch.zeros((2,) + allocate_pools(cfg, 1, 1, 1)[l]["conv"].shape[1:])} for l in kda}
+    logits, pools = run(KdaSnapshot.of([0, 20, 26], [(0, 9, 1)], rows))
+    want_logits, want_pools = run(None)
+    assert (logits - want_logits).abs().max() <= FP32_REL * want_logits.abs().max()
+    for l in pools:
+        for n in pools[l]:
+            torch.testing.assert_close(pools[l][n], want_pools[l][n], rtol=FP32_REL, atol=FP32_REL)
+    _, st = forward(tiny_model, a[:9], SequenceState(cfg, 16))
+    for l in kda:
+        for n in ("state", "conv"):
+            ref = st.pools[l][n][1]
+            assert (rows[l][n][1] - ref).abs().max() <= FP32_REL * max(1.0, ref.abs().max()), (l, n)
+            assert not rows[l][n][0].any()
 
 
 def test_kda_chunked_equals_recurrent_fp64():

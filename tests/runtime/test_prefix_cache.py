@@ -27,7 +27,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  run_state_machine_as_test)
 
 from k3deploy.model.config import load_config
-from k3deploy.model.reference import Batch
+from k3deploy.model.reference import Batch, KdaSnapshot
 from k3deploy.runtime.cache import HybridCache, plan_memory
 from k3deploy.runtime.executor import TorchExecutor
 from k3deploy.runtime.prefix_cache import PrefixChain, check_content_keys
@@ -59,12 +59,15 @@ def fast_dequant(monkeypatch):
 class RecordingExecutor:
     """`TorchExecutor` on the CPU reference that records the logits of every sequence's last token by (request id,
     position) (the scheduler's cache maps slots to requests: `self.sched`, set after the scheduler is built).
-    serial: run every token alone, as a one-token prefill of its sequence, in order (see the module docstring).
+    serial: run every token alone, as a one-token prefill of its sequence, in order (see the module docstring);
+    an in-step KDA snapshot (`Batch.kda_snapshot`) is then taken by the one-token forward that ends at its position.
+    snapshot_in_step: whether the scheduler snapshots inside prefill steps (else it cuts the chunks there).
     `forward_on_device` (the overlapped decode steps) runs the same path."""
 
-    def __init__(self, model, serial: bool = True):
+    def __init__(self, model, serial: bool = True, snapshot_in_step: bool = False):
         self.inner, self.serial = TorchExecutor(model), serial
         self.cfg, self.tp, self.act_dtype, self.device = model.cfg, 1, torch.float32, model.device
+        self.snapshot_in_step = snapshot_in_step
         self.sched = None
         self.logits: dict[tuple[str, int], torch.Tensor] = {}
 
@@ -86,12 +89,17 @@ class RecordingExecutor:
             for n, row in enumerate(logits):               # the scheduler asks for each sequence's last token
                 self._record(owner[int(batch.slots[n])], int(batch.context_lens[n]) + cu[n + 1] - cu[n] - 1, row)
             return logits, pools
+        snap = batch.kda_snapshot
+        at = {seq: (offset, row) for seq, offset, row in snap.at} if snap is not None else {}
         last = []
         for n in range(len(cu) - 1):
             rid, ctx = owner[int(batch.slots[n])], int(batch.context_lens[n])
             for j in range(cu[n + 1] - cu[n]):
+                here = None
+                if n in at and at[n][0] == j + 1:          # the state after this token is the snapshot's
+                    here = KdaSnapshot.of([0, 1], [(0, 1, at[n][1])], snap.pools)
                 one = Batch(torch.tensor([0, 1], dtype=torch.int32), batch.slots[n:n + 1],
-                            batch.block_tables[n:n + 1], torch.tensor([ctx + j], dtype=torch.int32))
+                            batch.block_tables[n:n + 1], torch.tensor([ctx + j], dtype=torch.int32), kda_snapshot=here)
                 logits, pools = self.inner.forward(ids[cu[n] + j: cu[n] + j + 1], one, pools,
                                                    torch.zeros(1, dtype=torch.long))
                 self._record(rid, ctx + j, logits[0])
@@ -101,10 +109,10 @@ class RecordingExecutor:
 
 
 def make(model, *, caching: bool, serial: bool = True, max_batch=3, block_size=4, num_blocks=65, interval=8,
-         snapshots=8, max_context=96, max_num_tokens=16, overlap=False):
+         snapshots=8, max_context=96, max_num_tokens=16, overlap=False, in_step=False):
     cache = HybridCache(model.cfg, max_batch + 1, num_blocks, block_size, max_context=max_context,
                         num_snapshots=snapshots if caching else 0, snapshot_interval=interval if caching else None)
-    ex = RecordingExecutor(model, serial)
+    ex = RecordingExecutor(model, serial, in_step)
     sched = Scheduler(ex, cache, max_batch, max_num_tokens, eos_token_id=-1, overlap=overlap)
     ex.sched = sched
     return sched
@@ -140,17 +148,18 @@ def shared_contents(cache: HybridCache) -> dict:
 
 
 MAX_PROMPT = 40
-TOTALS = {"hit_tokens": 0, "partial_hits": 0, "evictions": 0, "preemptions": 0, "cancels": 0, "stops": 0}
+TOTALS = {"hit_tokens": 0, "partial_hits": 0, "evictions": 0, "preemptions": 0, "cancels": 0, "stops": 0,
+          "in_step": 0}
 
 
-def machine(model, overlap: bool = False):
+def machine(model, overlap: bool = False, in_step: bool = False):
     """The conversation-tree state machine over `model` (caching on vs off, both with the serial RecordingExecutor,
-    both with overlapped decode steps or both without)."""
+    both with overlapped decode steps or both without; in_step: the executor snapshots inside prefill steps)."""
 
     class PrefixCacheMachine(RuleBasedStateMachine):
         def __init__(self):
             super().__init__()
-            kw = dict(overlap=overlap)
+            kw = dict(overlap=overlap, in_step=in_step)
             self.on, self.off = Run(make(model, caching=True, **kw)), Run(make(model, caching=False, **kw))
             cache, allocate = self.on.sched.cache, self.on.sched.cache.allocate
 
@@ -158,6 +167,13 @@ def machine(model, overlap: bool = False):
                 TOTALS["partial_hits"] += snapshot is not None and snapshot.length % cache.block_size != 0
                 return allocate(rid, snapshot)
             cache.allocate = counting_allocate
+            stage_in_step = self.on.sched._stage_in_step
+
+            def counting_stage_in_step(group):                # count the snapshots taken inside prefill steps
+                out = stage_in_step(group)
+                TOTALS["in_step"] += len(out)
+                return out
+            self.on.sched._stage_in_step = counting_stage_in_step
             self.prompts: dict[str, list[int]] = {}
             self.cancelled: set[str] = set()
             self.n = 0
@@ -292,20 +308,22 @@ def machine(model, overlap: bool = False):
     return PrefixCacheMachine
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-def test_caching_on_equals_off_bit_exact_random_conversation_trees(micro_model, fast_dequant, overlap):
+@pytest.mark.parametrize("overlap, in_step", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["sync-cut", "overlap-cut", "sync-in-step", "overlap-in-step"])
+def test_caching_on_equals_off_bit_exact_random_conversation_trees(micro_model, fast_dequant, overlap, in_step):
     """Random conversation trees (prompts sharing prefixes of random lengths with earlier prompts and replies),
     random chunk budgets, stop tokens (landing while other requests arrive), preemptions and cancels, with decode
-    steps synchronous or overlapped: caching on gives every request the tokens and logits of caching off, bit for bit; after every step the cache invariants
+    steps synchronous or overlapped, and periodic snapshots taken at a chunk cut or inside the prefill step: caching
+    on gives every request the tokens and logits of caching off, bit for bit; after every step the cache invariants
     hold and no snapshot's blocks or KDA rows changed; the pools are empty once the requests ended and the cache is
     reset."""
     for k in TOTALS:
         TOTALS[k] = 0
-    run_state_machine_as_test(machine(micro_model, overlap), settings=settings(
+    run_state_machine_as_test(machine(micro_model, overlap, in_step), settings=settings(
         max_examples=8, stateful_step_count=30, deadline=None, derandomize=True, database=None,
         suppress_health_check=list(HealthCheck)))
-    # the examples exercised what they are for
-    assert all(TOTALS.values()), TOTALS
+    # the examples exercised what they are for (snapshots inside prefill steps only where the executor takes them)
+    assert all(v for k, v in TOTALS.items() if k != "in_step") and bool(TOTALS["in_step"]) == in_step, TOTALS
 
 
 def _stop_under_overlap(model, caching: bool, prompt: list[int], stop: int, at: int, arrival: bool):
@@ -568,25 +586,50 @@ def conversations(sched) -> tuple[Run, dict[str, list[int]]]:
 
 @pytest.mark.parametrize("serial", [True, False], ids=["serial-bit-exact", "batched"])
 def test_conversations_on_k3_tiny(tiny_model, fast_dequant, serial):
-    """k3-tiny (9 layers, AttnRes, grouped top-k MoE): caching on gives the tokens of caching off; the logits that
-    chose them are bit-identical with the serial executor and within fp32 rounding batched; the later turns
-    reused the system prompt (periodic snapshot at 16) and the first turns' replies (end snapshots)."""
+    """k3-tiny (9 layers, AttnRes, grouped top-k MoE), periodic snapshots taken at a chunk cut or inside the prefill
+    step: caching on gives the tokens of caching off; the logits that chose them are bit-identical with the serial
+    executor and within fp32 rounding batched; the later turns reused the system prompt (periodic snapshot at 16)
+    and the first turns' replies (end snapshots). Inside the step, the snapshots are the chunk cut's (their pool
+    rows bit for bit with the serial executor), taken with fewer prefill steps."""
     kw = dict(serial=serial, max_batch=3, block_size=8, num_blocks=1 + 3 * 8, interval=16, snapshots=12,
               max_context=64, max_num_tokens=20)
-    on, off = make(tiny_model, caching=True, **kw), make(tiny_model, caching=False, **kw)
-    (a, prompts), (b, _) = conversations(on), conversations(off)
-    assert a.tokens == b.tokens
-    for rid, p in prompts.items():
-        for i in range(len(a.tokens[rid])):
-            x, y = on.executor.logits[(rid, len(p) - 1 + i)], off.executor.logits[(rid, len(p) - 1 + i)]
+    off = make(tiny_model, caching=False, **kw)
+    b, prompts = conversations(off)
+    snaps, prefill_steps = {}, {}
+    for in_step in (False, True):
+        on = make(tiny_model, caching=True, in_step=in_step, **kw)
+        batches, forward = [], on.executor.forward
+
+        def recording(ids, batch, *args, **kwargs):
+            batches.append(batch)
+            return forward(ids, batch, *args, **kwargs)
+        on.executor.forward = recording
+        a, _ = conversations(on)
+        assert a.tokens == b.tokens
+        for rid, p in prompts.items():
+            for i in range(len(a.tokens[rid])):
+                x, y = on.executor.logits[(rid, len(p) - 1 + i)], off.executor.logits[(rid, len(p) - 1 + i)]
+                if serial:
+                    assert torch.equal(x, y), (rid, i)
+                else:
+                    torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+        st_ = on.cache.prefix_stats      # u1, u2 and the branch resume at 16, each second turn after its first reply
+        assert (st_["hits"], st_["hit_tokens"]) == (6, 3 * 16 + sum(len(prompts[f"u{u}"]) + 3 for u in range(3)))
+        prefill_steps[in_step] = sum(not x.decode for x in batches)
+        assert any(x.kda_snapshot is not None for x in batches) == in_step
+        cache = on.cache
+        snaps[in_step] = {s.key: (s.length, [cache.snapshots.pools[l][n][s.row].clone() for l in cache.kda_layers
+                                             for n in ("state", "conv")]) for s in cache.index.entries.values()}
+        cache.check_consistent()
+        assert cache.reset_prefix_cache() and cache.blocks_in_use == 0 and cache.slots_in_use == 0
+    assert prefill_steps[True] < prefill_steps[False], prefill_steps
+    assert {k: n for k, (n, _) in snaps[True].items()} == {k: n for k, (n, _) in snaps[False].items()}
+    for key, (length, got) in snaps[True].items():
+        for x, y in zip(got, snaps[False][key][1]):
             if serial:
-                assert torch.equal(x, y), (rid, i)
+                assert torch.equal(x, y), length
             else:
                 torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
-    st_ = on.cache.prefix_stats      # u1, u2 and the branch resume at 16, each second turn after its first reply
-    assert (st_["hits"], st_["hit_tokens"]) == (6, 3 * 16 + sum(len(prompts[f"u{u}"]) + 3 for u in range(3)))
-    on.cache.check_consistent()
-    assert on.cache.reset_prefix_cache() and on.cache.blocks_in_use == 0 and on.cache.slots_in_use == 0
 
 
 # ---- the API, the onnxruntime backend, TP ---------------------------------------------------------------------
