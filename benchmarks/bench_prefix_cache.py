@@ -19,9 +19,11 @@ tokens; `--num-snapshots`, default 2 x max batch), after an untimed warm-up (Tri
    leaves snapshots every `--snapshot-interval` tokens), then the others arrive together. TTFT median / p90 and
    max of the others, wall time and generated tokens/s of the whole scenario;
 3. snapshot cost: a cold `--cold-len`-token prompt (nothing to reuse) prefilled with caching off and on, `--repeats`
-   times each alternately: the median extra prefill time with caching on (the chunk cut at its last snapshot
-   position: one more step, the KDA copies into the snapshot pool, the hash chain) as a share of the off time
-   (target < 3 %), and the time of the snapshot copies alone (synchronized around each, in a separate run).
+   times each alternately: the median extra prefill time with caching on (the KDA copies into the snapshot pool,
+   taken inside the prefill step at each snapshot position, and the hash chain) as a share of the off time
+   (target < 3 %), the prefill steps each took (the same number: a snapshot costs no step of its own), and the
+   time of the copies made between steps alone (synchronized around each, in a separate run; the copies inside a
+   step are part of that step's time).
 
 Output: one JSON line per scenario on stdout (and appended to `--out`): the run's settings, {"scenario":
 "conversation", "turns": [...], "ttft_ratio_first_turn_at_8k": ...}, {"scenario": "shared", "off": {...}, "on": {...}},
@@ -84,8 +86,8 @@ def parse_args(argv=None):
     s.add_argument("--system-len", type=int, default=4096, help="shared system prompt tokens (default %(default)s)")
     s.add_argument("--question-len", type=int, default=128, help="each user's own tokens (default %(default)s)")
     s.add_argument("--cold-len", type=int, default=6000,
-                   help="snapshot cost: prompt tokens (default %(default)s: one chunk of --max-num-tokens 8192 cut once, "
-                        "at 5120)")
+                   help="snapshot cost: prompt tokens (default %(default)s: one chunk of --max-num-tokens 8192 with a "
+                        "snapshot inside it, at 5120)")
     s.add_argument("--repeats", type=int, default=3, help="snapshot cost: runs per mode (default %(default)s)")
     o = ap.add_argument_group("output")
     o.add_argument("--out", type=Path, default=None, help="append JSON lines here")
@@ -140,10 +142,16 @@ class Bench:
         return Scheduler(self.ex, cache, self.max_batch, a.max_num_tokens, eos_token_id=-1)
 
     def run(self, sched, prompts: dict[str, list[int]], n: int, arrive: dict[str, float] | None = None) -> dict:
-        """Submit `prompts` (all now), step until done. Returns {rid: {"ttft_s", "tokens", "cached"}} and
-        "wall_s"."""
+        """Submit `prompts` (all now), step until done. Returns {rid: {"ttft_s", "tokens", "cached"}}, "wall_s" and
+        "prefill_steps" (prefill forwards)."""
         from k3deploy.runtime.sampling import SamplingParams
         out, reqs, first, errors = {}, {}, {}, []
+        prefills, forward = [], self.ex.forward
+
+        def counting(ids, batch, *args, **kw):
+            prefills.append(not batch.decode)
+            return forward(ids, batch, *args, **kw)
+        self.ex.forward = counting
         self.sync()
         t0 = time.perf_counter()
 
@@ -159,14 +167,17 @@ class Bench:
             return on_token
         for rid, p in prompts.items():
             reqs[rid] = sched.add(rid, p, SamplingParams(max_tokens=n, ignore_eos=True), cb(rid))
-        sched.run_until_done()
-        self.sync()
+        try:
+            sched.run_until_done()
+            self.sync()
+        finally:
+            del self.ex.forward                   # the executor's own method again
         wall = time.perf_counter() - t0
         if errors:
             raise RuntimeError(f"a request failed: {errors[0]}")
         res = {rid: {"ttft_s": first[rid] - t0, "tokens": out[rid], "cached": reqs[rid].num_cached_tokens}
                for rid in prompts}
-        res["wall_s"] = wall
+        res["wall_s"], res["prefill_steps"] = wall, sum(prefills)
         return res
 
     def close(self, sched) -> None:
@@ -247,33 +258,37 @@ def shared(b: Bench) -> dict:
 def snapshot_cost(b: Bench) -> dict:
     a = b.a
     times = {False: [], True: []}
-    snaps = 0
+    snaps, steps = 0, {}
     for i in range(a.repeats):
         p = b.tokens(a.cold_len)                     # fresh tokens: nothing to reuse
         for caching in (False, True):
             sched = b.scheduler(caching)
-            times[caching].append(b.run(sched, {"c": p}, 1)["c"]["ttft_s"])
+            r = b.run(sched, {"c": p}, 1)
+            times[caching].append(r["c"]["ttft_s"])
+            steps[caching] = r["prefill_steps"]
             if caching:
                 snaps = sched.cache.prefix_stats["snapshots_taken"]
             b.close(sched)
-    # the copies alone: synchronized around each snapshot of one more cold prefill
+    # the copies between steps alone: synchronized around each of one more cold prefill
     sched, copy_s = b.scheduler(True), []
-    publish = sched.cache.publish
 
-    def timed_publish(*args, **kw):
-        b.sync()
-        t = time.perf_counter()
-        out = publish(*args, **kw)
-        b.sync()
-        copy_s.append(time.perf_counter() - t)
-        return out
-    sched.cache.publish = timed_publish
+    def timed(fn):
+        def call(*args, **kw):
+            b.sync()
+            t = time.perf_counter()
+            out = fn(*args, **kw)
+            b.sync()
+            copy_s.append(time.perf_counter() - t)
+            return out
+        return call
+    sched.cache.publish, sched.cache.stage = timed(sched.cache.publish), timed(sched.cache.stage)
     b.run(sched, {"c": b.tokens(a.cold_len)}, 1)
     b.close(sched)
     off, on = statistics.median(times[False]), statistics.median(times[True])
     return {"scenario": "snapshot_cost", "cold_tokens": a.cold_len, "repeats": a.repeats,
             "prefill_s_off": round(off, 5), "prefill_s_on": round(on, 5),
             "overhead_pct": round(100 * (on - off) / off, 2), "snapshots_per_prefill": snaps,
+            "prefill_steps_off": steps[False], "prefill_steps_on": steps[True],
             "snapshot_copy_ms_total": round(1e3 * sum(copy_s), 4),
             "snapshot_copy_pct": round(100 * sum(copy_s) / off, 2), "target_pct": 3.0}
 
