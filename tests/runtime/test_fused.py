@@ -209,6 +209,32 @@ def test_fused_kernel_ops_decode_reproduces_prefill_under_the_interpreter(micro_
         torch.testing.assert_close(pools[l]["cache"], rpools[l]["cache"], rtol=TOL, atol=TOL)
 
 
+def test_fused_prefill_takes_a_kda_snapshot_inside_the_step(micro_ckpt, micro_cfg):
+    """`Batch.kda_snapshot` through the fused forward's KDA (`kda_prefill_snapshotting` around the in-place
+    kda_prefill kernel; on the CPU under TRITON_INTERPRET=1, fp32): two packed prompts of 8 and 5 tokens, a snapshot
+    after 5 tokens of the first: the logits and pools of the same forward without it, and in the snapshot row the
+    state and conv history of a prefill of those 5 tokens alone, within TOL; the other row stays untouched."""
+    from k3deploy.model.reference import KdaSnapshot
+    from k3deploy.plugins.torch_ops import KernelOps
+    fused = FusedModel.of(_copy_model(micro_ckpt, ops=KernelOps))
+    ids, batch = _prefill(micro_cfg, [8, 5], seed=4)
+    like = _pools(micro_cfg, 2)
+    rows = {l: {n: torch.zeros((2,) + like[l][n].shape[1:], dtype=like[l][n].dtype, device=DEV)
+                for n in ("state", "conv")} for l in micro_cfg.kda_layers}
+    with torch.no_grad():
+        got, got_pools = fused.forward(ids, Batch(batch.cu_seqlens, batch.slots, batch.block_tables, batch.context_lens,
+                                                  kda_snapshot=KdaSnapshot.of([0, 8, 13], [(0, 5, 1)], rows)),
+                                       _pools(micro_cfg, 2))
+        want, want_pools = fused.forward(ids, batch, _pools(micro_cfg, 2))
+        _, alone = fused.forward(ids[:5], _prefill(micro_cfg, [5])[1], _pools(micro_cfg, 1))
+    assert float(_rel(got, want).max()) < TOL
+    for l in micro_cfg.kda_layers:
+        for n in ("state", "conv"):
+            torch.testing.assert_close(got_pools[l][n], want_pools[l][n], rtol=TOL, atol=TOL)
+            torch.testing.assert_close(rows[l][n][1], alone[l][n][1], rtol=TOL, atol=TOL)
+            assert not rows[l][n][0].any()
+
+
 def _gpu_pair(ckpt, dense_dtype):
     from k3deploy.plugins.torch_ops import KernelOps
     m = K3Model.from_checkpoint(ckpt, ops=KernelOps, device="cuda", dense_dtype=dense_dtype)
