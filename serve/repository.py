@@ -206,6 +206,18 @@ def render_text_config(name: str, parameters: Mapping[str, Any], instance_count:
                    "one text per request, passed on to the token model")
 
 
+def _model_config_proto():
+    """(google.protobuf.text_format, tritonclient's model_config_pb2). RepositoryError naming the extra to install
+    when tritonclient is missing (it comes with k3deploy[serve])."""
+    try:
+        from google.protobuf import text_format
+        from tritonclient.grpc import model_config_pb2
+    except ImportError as e:
+        raise RepositoryError(f"checking config.pbtxt needs tritonclient's ModelConfig protobuf ({e}); install the "
+                              "serving extra: pip install 'k3deploy[serve]'") from e
+    return text_format, model_config_pb2
+
+
 def validate_config(text: str, expect_name: Optional[str] = None, *, where: str = "config.pbtxt",
                     text_model: bool = False):
     """Parse ``text`` with tritonclient's ``ModelConfig`` protobuf and check what ``k3`` (or, with ``text_model``,
@@ -217,9 +229,7 @@ def validate_config(text: str, expect_name: Optional[str] = None, *, where: str 
         RepositoryError: the text does not parse, or the model is not a decoupled Python-backend model with
             max_batch_size > 0 and the required inputs/outputs.
     """
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
-
+    text_format, model_config_pb2 = _model_config_proto()
     cfg = model_config_pb2.ModelConfig()
     try:
         text_format.Parse(text, cfg)
@@ -269,10 +279,11 @@ def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backe
     ``enable_prefix_caching`` becomes ``LLM(enable_prefix_caching=True)`` (every backend; docs/PREFIX_CACHING.md).
 
     Raises:
-        RepositoryError: ``engines`` is not a directory, the backend is unknown, a limit is < 1, ``device`` is
-            malformed (or not "cpu" for onnxruntime), ``ops`` / ``cuda_graphs`` / ``dense_dtype`` are given for a
-            backend other than torch, ``dense_dtype`` is not "float32" or "bfloat16", ``cuda_graphs`` lacks a CUDA
-            ``device`` and ``ops="kernels"``, or ``out/<name>`` exists and ``overwrite`` is false.
+        RepositoryError: tritonclient is missing (the serve extra), ``engines`` is not a directory, the backend
+            is unknown, a limit is < 1, ``device`` is malformed (or not "cpu" for onnxruntime), ``ops`` /
+            ``cuda_graphs`` / ``dense_dtype`` are given for a backend other than torch, ``dense_dtype`` is not
+            "float32" or "bfloat16", ``cuda_graphs`` lacks a CUDA ``device`` and ``ops="kernels"``, or
+            ``out/<name>`` exists and ``overwrite`` is false.
     """
     engines = pathlib.Path(engines).resolve()
     out = pathlib.Path(out).resolve()
@@ -311,6 +322,7 @@ def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backe
     except (OSError, ValueError) as e:
         raise RepositoryError(f"--engines {engines}: {e}") from e
     model_dir, text_dir = out / name, out / TEXT_MODEL_NAME
+    _model_config_proto()           # before anything is written: no half-written repository without tritonclient
     for d in (model_dir, text_dir) if tokenizer is not None else (model_dir,):
         if d.exists():
             if not overwrite:
@@ -351,8 +363,7 @@ def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backe
 
 def validate_repository(repo: str | pathlib.Path) -> list[pathlib.Path]:
     """Validate every ``<repo>/<model>/config.pbtxt`` that names a Python-backend model; return the paths checked."""
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
+    text_format, model_config_pb2 = _model_config_proto()
 
     checked = []
     for cfg_path in sorted(pathlib.Path(repo).glob("*/config.pbtxt")):

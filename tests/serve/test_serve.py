@@ -382,6 +382,20 @@ def test_cli_sigterm_shutdown(echo_repo):
 # --------------------------------------------------------------------------------------------------
 # repository writer + config validation
 # --------------------------------------------------------------------------------------------------
+def test_repository_without_tritonclient_names_the_extra_and_writes_nothing(tmp_path, monkeypatch):
+    """Without tritonclient (a plain `pip install k3deploy`) the writer fails before writing anything, naming the
+    serve extra; the same call succeeds once tritonclient imports."""
+    engines = tmp_path / "ckpt"
+    engines.mkdir()
+    (engines / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 321}}))
+    monkeypatch.setitem(sys.modules, "tritonclient.grpc", None)      # import -> ImportError
+    with pytest.raises(repo_mod.RepositoryError, match=r"pip install 'k3deploy\[serve\]'"):
+        repo_mod.write_repository(engines, tmp_path / "repo", "onnxruntime")
+    assert not (tmp_path / "repo").exists()
+    monkeypatch.delitem(sys.modules, "tritonclient.grpc")
+    assert repo_mod.write_repository(engines, tmp_path / "repo", "onnxruntime").is_file()
+
+
 def test_repository_writer_config_validates(tmp_path):
     engines = tmp_path / "ckpt"
     engines.mkdir()
