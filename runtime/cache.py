@@ -265,7 +265,7 @@ class HybridCache:
         self.prefix_stats = dict.fromkeys(("queries", "query_tokens", "hits", "hit_tokens", "snapshots_taken",
                                            "evictions"), 0)
         if num_snapshots:
-            interval = snapshot_interval or default_snapshot_interval(block_size)
+            interval = default_snapshot_interval(block_size) if snapshot_interval is None else snapshot_interval
             if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1 or interval % block_size:
                 raise ValueError(f"snapshot_interval = {snapshot_interval!r}: must be a positive multiple of the "
                                  f"latent block size {block_size} (tokens between KDA snapshots)")

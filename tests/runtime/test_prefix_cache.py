@@ -532,6 +532,8 @@ def test_restore_copies_state_and_partial_block_and_evicts_lru(micro_cfg):
 def test_snapshot_interval_and_sizes_are_validated(micro_cfg):
     with pytest.raises(ValueError, match="snapshot_interval = 6: must be a positive multiple of the latent block size 4"):
         HybridCache(micro_cfg, 3, 9, 4, num_snapshots=2, snapshot_interval=6)
+    with pytest.raises(ValueError, match="snapshot_interval = 0: must be a positive multiple"):   # not the default
+        HybridCache(micro_cfg, 3, 9, 4, num_snapshots=2, snapshot_interval=0)
     with pytest.raises(ValueError, match="num_snapshots = -1"):
         HybridCache(micro_cfg, 3, 9, 4, num_snapshots=-1)
     assert HybridCache(micro_cfg, 3, 9, 64, num_snapshots=1).snapshot_interval == 1024
