@@ -29,56 +29,89 @@ from k3deploy.plugins.moe import reference as moe_ref
 # ---- batch metadata and decode-state declaration -------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
+class SnapshotRound:
+    """One round of a `KdaSnapshot` split: the next piece of every sequence that has one, packed.
+
+    tokens [Tj] int64: the batch's packed rows of the pieces, in order; cu [Nj+1] int32: their offsets in that
+    packing; seqs [Nj] int64: the batch sequence of each piece; starts [Nj] int32: where each piece starts in its
+    sequence; snap [Cj] int64 and rows [Cj] int64: the batch sequences whose KDA state after this round (their
+    piece ends on a snapshot offset) goes to which snapshot row."""
+
+    tokens: torch.Tensor
+    cu: torch.Tensor
+    seqs: torch.Tensor
+    starts: torch.Tensor
+    snap: torch.Tensor
+    rows: torch.Tensor
+
+    def to(self, device: "str | torch.device") -> "SnapshotRound":
+        return SnapshotRound(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
+
+
+@dataclasses.dataclass(frozen=True)
 class KdaSnapshot:
     """KDA states to copy from inside a prefill forward (`Batch.kda_snapshot`): for each (seq, offset, row) of `at`,
     every KDA layer's recurrent state and conv history of batch sequence `seq` after its first `offset` tokens of
     this batch go to row `row` of `pools` ({KDA layer: {"state" [R, H, V, K] f32, "conv" [R, 3P, W-1]}},
-    runtime.prefix_cache.SnapshotPool.pools; written in place). Build it with `KdaSnapshot.of`; the index tensors
-    split the packed tokens into the snapshotted sequences' first pieces (`first`, packed as `first_cu` over batch
-    sequences `first_seqs`) and everything else (`rest`, `rest_cu`, `rest_seqs`)."""
+    runtime.prefix_cache.SnapshotPool.pools; written in place). A sequence may have several offsets. Build it with
+    `KdaSnapshot.of`: `rounds` cut every sequence at its offsets and run piece j of every sequence in round j
+    (a sequence without offsets runs whole in round 0)."""
 
     at: tuple[tuple[int, int, int], ...]
     pools: dict = dataclasses.field(repr=False)
-    first: torch.Tensor
-    first_cu: torch.Tensor
-    first_seqs: torch.Tensor
-    rows: torch.Tensor
-    rest: torch.Tensor
-    rest_cu: torch.Tensor
-    rest_seqs: torch.Tensor
+    rounds: tuple[SnapshotRound, ...]
 
     @classmethod
     def of(cls, cu_seqlens: list[int], at, pools: dict) -> "KdaSnapshot":
-        """Args: cu_seqlens: the batch's packed offsets (host ints); at: (seq, offset, row) triples, one per
-        sequence at most, 0 < offset <= that sequence's length; pools: the destination rows' tensors.
-        Raises ValueError for a sequence named twice or an offset outside its sequence."""
+        """Args: cu_seqlens: the batch's packed offsets (host ints); at: (seq, offset, row) triples,
+        0 < offset <= that sequence's length, distinct offsets per sequence and distinct rows; pools: the
+        destination rows' tensors.
+        Raises ValueError for an offset outside its sequence, an offset or a row named twice."""
         at = tuple(sorted((int(q), int(o), int(r)) for q, o, r in at))
-        if len({q for q, _, _ in at}) != len(at):
-            raise ValueError(f"kda_snapshot {at}: one snapshot per sequence")
-        first, first_cu, rest, rest_cu, rest_seqs = [], [0], [], [0], []
-        cut = {q: o for q, o, _ in at}
+        if len({(q, o) for q, o, _ in at}) != len(at) or len({r for _, _, r in at}) != len(at):
+            raise ValueError(f"kda_snapshot {at}: an offset of a sequence or a row named twice")
+        cuts: dict[int, list[tuple[int, int]]] = {}
+        for q, o, r in at:
+            if not 0 <= q < len(cu_seqlens) - 1 or not 0 < o <= cu_seqlens[q + 1] - cu_seqlens[q]:
+                raise ValueError(f"kda_snapshot: offset {o} outside sequence {q}")
+            cuts.setdefault(q, []).append((o, r))
+        pieces: list[list[tuple[int, int, int, int | None]]] = []      # round -> (seq, start, end, row)
         for q in range(len(cu_seqlens) - 1):
-            a, b = cu_seqlens[q], cu_seqlens[q + 1]
-            o = cut.get(q, 0)
-            if q in cut and not 0 < o <= b - a:
-                raise ValueError(f"kda_snapshot: offset {o} outside sequence {q} of {b - a} tokens")
-            if o:
-                first += range(a, a + o)
-                first_cu.append(len(first))
-            if a + o < b:
-                rest += range(a + o, b)
-                rest_cu.append(len(rest))
-                rest_seqs.append(q)
+            n, start = cu_seqlens[q + 1] - cu_seqlens[q], 0
+            ends = cuts.get(q, []) + ([(n, None)] if not cuts.get(q) or cuts[q][-1][0] < n else [])
+            for j, (end, row) in enumerate(ends):
+                if len(pieces) <= j:
+                    pieces.append([])
+                pieces[j].append((q, start, end, row))
+                start = end
 
         def t(x, dtype=torch.long):
             return torch.tensor(x, dtype=dtype)
-        return cls(at, pools, t(first), t(first_cu, torch.int32), t([q for q, _, _ in at]), t([r for _, _, r in at]),
-                   t(rest), t(rest_cu, torch.int32), t(rest_seqs))
+        rounds = []
+        for piece in pieces:
+            tokens = [cu_seqlens[q] + i for q, a, b, _ in piece for i in range(a, b)]
+            cu = [0]
+            for _, a, b, _ in piece:
+                cu.append(cu[-1] + b - a)
+            rounds.append(SnapshotRound(t(tokens), t(cu, torch.int32), t([q for q, _, _, _ in piece]),
+                                        t([a for _, a, _, _ in piece], torch.int32),
+                                        t([q for q, _, _, r in piece if r is not None]),
+                                        t([r for _, _, _, r in piece if r is not None])))
+        return cls(at, pools, tuple(rounds))
 
     def to(self, device: "str | torch.device") -> "KdaSnapshot":
         """The same snapshot with its index tensors on `device` (the pools stay where they are)."""
-        return dataclasses.replace(self, **{f: getattr(self, f).to(device) for f in (
-            "first", "first_cu", "first_seqs", "rows", "rest", "rest_cu", "rest_seqs")})
+        return dataclasses.replace(self, rounds=tuple(r.to(device) for r in self.rounds))
+
+    def save(self, rnd: SnapshotRound, pools: dict, slots: torch.Tensor, layers) -> None:
+        """Copy the KDA state and conv history that `pools` ({layer: {"state", "conv"}}) hold after round `rnd` for
+        its snapshotted sequences (batch slots `slots` [N]) into their rows, for each of `layers`."""
+        if not rnd.rows.numel():
+            return
+        src = slots.index_select(0, rnd.snap.to(slots.device)).long()
+        for l in layers:
+            for name, dst in self.pools[l].items():
+                dst.index_copy_(0, rnd.rows.to(dst.device), pools[l][name].index_select(0, src).to(dst))
 
 
 @dataclasses.dataclass
@@ -112,7 +145,7 @@ class Batch:
         device = torch.device(device)
         ts = (self.cu_seqlens, self.slots, self.block_tables, self.context_lens)
         snap = self.kda_snapshot
-        if all(t is None or t.device == device for t in ts + ((snap.first,) if snap is not None else ())):
+        if all(t is None or t.device == device for t in ts + ((snap.rounds[0].tokens,) if snap is not None else ())):
             return self
         return Batch(*(None if t is None else t.to(device) for t in ts), decode=self.decode,
                      kda_snapshot=snap.to(device) if snap is not None else None)
@@ -183,31 +216,27 @@ class ReferenceOps:
 def kda_prefill_snapshotting(kda_prefill, args: tuple, state: torch.Tensor, conv: torch.Tensor, batch: Batch,
                              layer: int, **kw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`kda_prefill(*args, state, conv, batch.cu_seqlens, batch.slots, **kw)` (an ops' KdaPrefill, args its inputs
-    0..7) that also takes the in-step snapshots of `batch.kda_snapshot` for KDA layer `layer`: the first pieces of
-    the snapshotted sequences run first, their slots' state and conv history are copied into the snapshot rows,
-    then the rest of every sequence runs from there. Each piece continues from its slot as a prefill chunk that
-    starts there does, so out and the pools are those of the batch cut at the snapshot offsets.
+    0..7) that also takes the in-step snapshots of `batch.kda_snapshot` for KDA layer `layer`: the sequences run in
+    the snapshot's rounds, piece after piece, and after each round the slots of the sequences that stand at a
+    snapshot offset are copied into their rows. Each piece continues from its slot as a prefill chunk that starts
+    there does, so out and the pools are those of the batch cut at the snapshot offsets.
 
     Returns:
         (out [T, P], state, conv) as kda_prefill returns them.
     """
     s = batch.kda_snapshot
     acts, weights = args[:4], args[4:]
-    first = [a.index_select(0, s.first) for a in acts]
-    out, state, conv = kda_prefill(*first, *weights, state, conv, s.first_cu, batch.slots.index_select(0, s.first_seqs),
-                                   **kw)
-    slots = batch.slots.index_select(0, s.first_seqs).long()
-    dst = s.pools[layer]
-    dst["state"].index_copy_(0, s.rows, state.index_select(0, slots))
-    dst["conv"].index_copy_(0, s.rows, conv.index_select(0, slots).to(dst["conv"].dtype))
-    if not s.rest.numel():
-        return out, state, conv
-    whole = out.new_empty(acts[0].shape[0], out.shape[1])
-    whole.index_copy_(0, s.first, out)
-    rest = [a.index_select(0, s.rest) for a in acts]
-    out, state, conv = kda_prefill(*rest, *weights, state, conv, s.rest_cu, batch.slots.index_select(0, s.rest_seqs),
-                                   **kw)
-    whole.index_copy_(0, s.rest, out)
+    whole = None
+    for rnd in s.rounds:
+        piece = [a.index_select(0, rnd.tokens) for a in acts]
+        out, state, conv = kda_prefill(*piece, *weights, state, conv, rnd.cu, batch.slots.index_select(0, rnd.seqs),
+                                       **kw)
+        s.save(rnd, {layer: {"state": state, "conv": conv}}, batch.slots, (layer,))
+        if len(s.rounds) == 1:                        # every sequence whole: the pieces are the batch
+            return out, state, conv
+        if whole is None:
+            whole = out.new_empty(acts[0].shape[0], out.shape[1])
+        whole.index_copy_(0, rnd.tokens, out)
     return whole, state, conv
 
 

@@ -185,8 +185,32 @@ def test_kda_snapshot_inside_a_prefill_equals_the_chunk_cut():
     assert torch.equal(cv, c_)                               # the conv history is a copy of raw inputs
     with pytest.raises(ValueError, match="offset 8 outside sequence 0"):
         KdaSnapshot.of(cu, [(0, 8, 0)], rows)
-    with pytest.raises(ValueError, match="one snapshot per sequence"):
-        KdaSnapshot.of(cu, [(0, 2, 0), (0, 3, 1)], rows)
+    with pytest.raises(ValueError, match="named twice"):
+        KdaSnapshot.of(cu, [(0, 2, 0), (0, 2, 1)], rows)
+    with pytest.raises(ValueError, match="named twice"):
+        KdaSnapshot.of(cu, [(0, 2, 0), (1, 3, 0)], rows)
+
+
+def test_kda_snapshot_at_several_offsets_of_a_sequence_equals_its_chunk_cuts():
+    """Snapshots after 2 and 5 of one sequence's 9 tokens (packed after a sequence without any): out, pools and both
+    rows equal, bit for bit, the prefills of its pieces 2 + 3 + 4 one after another (the other sequence with the
+    first)."""
+    args, state, conv, rows, kw = _kda_case([4, 9], seed=8)
+    cu, slots = [0, 4, 13], _i32([2, 4])
+    batch = Batch(_i32(cu), slots, torch.zeros(2, 1, dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
+                  kda_snapshot=KdaSnapshot.of(cu, [(1, 5, 0), (1, 2, 2)], rows))
+    out, st, cv = kda_prefill_snapshotting(kda_ref.kda_prefill, args, state, conv, batch, 5, **kw)
+    pieces = [(list(range(0, 4)) + [4, 5], [0, 4, 6], [2, 4]), ([6, 7, 8], [0, 3], [4]), ([9, 10, 11, 12], [0, 4], [4])]
+    want, s_, c_ = torch.empty_like(out), state, conv
+    after = []
+    for tok, pcu, psl in pieces:
+        o, s_, c_ = kda_ref.kda_prefill(*(a[tok] for a in args[:4]), *args[4:], s_, c_, _i32(pcu), _i32(psl), **kw)
+        want[tok] = o
+        after.append((s_[4].clone(), c_[4].clone()))
+    assert torch.equal(out, want) and torch.equal(st, s_) and torch.equal(cv, c_)
+    for row, (s4, c4) in zip((2, 0), after[:2]):
+        assert torch.equal(rows[5]["state"][row], s4) and torch.equal(rows[5]["conv"][row], c4)
+    assert not rows[5]["state"][1].any()
 
 
 def test_model_forward_with_a_kda_snapshot(tiny_model, tiny_cfg):
