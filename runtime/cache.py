@@ -234,8 +234,8 @@ class HybridCache:
     request's state after a given number of its tokens (block aligned while it runs, any position when it
     finishes); `stage` takes such a snapshot for a state that a step not completed yet computes, `confirm` publishes
     it after that step, `drop` gives it back. snapshot_interval (tokens, default
-    runtime.prefix_cache.default_snapshot_interval) is where periodic snapshots go (`snapshot_position`; `chunk_end`
-    cuts prefill chunks there for executors that cannot snapshot inside a step). Blocks held only by snapshots are
+    runtime.prefix_cache.default_snapshot_interval) is where periodic snapshots go (`snapshot_positions`: the executor
+    copies them from inside a prefill step, `model.reference.KdaSnapshot`). Blocks held only by snapshots are
     `available`: taking one evicts snapshots, least recently used first; `reset_prefix_cache` evicts them all.
     """
 
@@ -593,29 +593,19 @@ class HybridCache:
             n += 1
         return n
 
-    def snapshot_position(self, rid: str, start: int, end: int, keys=()) -> int | None:
-        """Where a periodic snapshot goes strictly inside `rid`'s prefill chunk of tokens [start, end): the last
-        multiple of snapshot_interval outside every content span in it — unless the chunk ends on one (a snapshot
-        after the step), or `rid` holds a snapshot position less than snapshot_interval tokens before it (restored
-        from or published: one more row for little). At most one per chunk. None without prefix caching or such a
-        position."""
+    def snapshot_positions(self, rid: str, start: int, end: int, keys=()) -> list[int]:
+        """Where periodic snapshots go strictly inside `rid`'s prefill chunk of tokens [start, end): every multiple of
+        snapshot_interval outside every content span, but those less than snapshot_interval tokens after the
+        snapshot before them (restored from or published: one more row for little). A chunk that ends on a multiple
+        is snapshotted after its step instead. [] without prefix caching."""
         if self.index is None:
-            return None
-        step = self.snapshot_interval
-        if end % step == 0 and not inside_span(end, keys):
-            return None
-        cut = (end - 1) // step * step
-        while cut > start and inside_span(cut, keys):
-            cut -= step
-        return None if cut <= start or cut - self._allocs[rid].last_snapshot < step else cut
-
-    def chunk_end(self, rid: str, n: int, keys=()) -> int:
-        """Tokens of `rid`'s next prefill chunk when `n` are asked (it starts at num_tokens(rid)): cut at its
-        `snapshot_position`, so that a step ends there and the state can be snapshotted after it (executors that
-        cannot snapshot inside a step)."""
-        start = self.num_tokens(rid)
-        pos = self.snapshot_position(rid, start, start + n, keys)
-        return n if pos is None else pos - start
+            return []
+        step, last, out = self.snapshot_interval, self._allocs[rid].last_snapshot, []
+        for cut in range((start // step + 1) * step, end, step):
+            if not inside_span(cut, keys) and cut - last >= step:
+                out.append(cut)
+                last = cut
+        return out
 
     def record_admission(self, num_tokens: int, cached: int) -> None:
         """Count one admitted request of `num_tokens` tokens of which `cached` came from the prefix cache."""

@@ -9,9 +9,10 @@ Common interface (what `runtime.scheduler.Scheduler` calls)::
 ids [T] int64 packed tokens; batch: `model.reference.Batch` (decode=True: one token per sequence, decode graphs);
 pools: {layer: {"state", "conv"} | {"cache"}} as allocated by `runtime.cache.HybridCache` (slot 0 / block 0
 sentinels); logits_index [M] int64 rows whose logits are wanted. Returns logits [M, vocab] fp32 and the updated
-pools (new tensors or the same ones updated in place; the caller writes them back either way). An executor whose
-`snapshot_in_step` is True takes prefill batches with `batch.kda_snapshot` (`model.reference.KdaSnapshot`: KDA
-states copied into prefix-cache snapshot rows at positions inside the step); the others never get one.
+pools (new tensors or the same ones updated in place; the caller writes them back either way). A prefill batch may
+carry `batch.kda_snapshot` (`model.reference.KdaSnapshot`: KDA states copied into prefix-cache snapshot rows at
+positions inside the step): the torch backend copies them inside each KDA layer, the graph backends run the batch
+as one forward per snapshot round (`Executor.forward_in_rounds`).
 
 Backends:
 * `TorchExecutor`: `model.reference.K3Model` on the CPU (fp32 reference ops) or on a CUDA GPU (fp32 weights and
@@ -173,9 +174,41 @@ class Executor:
 
     overlap_decode: bool = False        # the scheduler overlaps decode steps with its host work by default
 
-    snapshot_in_step: bool = False      # prefill forwards take `Batch.kda_snapshot` (else the scheduler cuts chunks)
-
     forward_on_device = None            # executors that enqueue a decode forward without host reads define it
+
+    def forward_in_rounds(self, ids: torch.Tensor, batch: Batch, pools: dict, logits_index: torch.Tensor,
+                          image_rows=None):
+        """`forward` of a prefill batch with `batch.kda_snapshot`, for a forward that cannot copy a state from inside
+        itself: one forward per snapshot round (`model.reference.SnapshotRound`: each piece continues its sequence's
+        cache from where the previous round left it), the KDA states saved into the snapshot rows after each round.
+        Arguments, returns and errors as `forward`; no content span crosses a snapshot offset (the scheduler places
+        none inside one), so every image row lies in one round."""
+        snap = batch.kda_snapshot
+        where = {}                                     # packed row -> (round, row in that round)
+        for j, rnd in enumerate(snap.rounds):
+            where.update((g, (j, i)) for i, g in enumerate(rnd.tokens.tolist()))
+        index = [where[g] for g in logits_index.tolist()]
+        images = [] if image_rows is None else [where[g] for g in image_rows[0].tolist()]
+        kda = [l for l in pools if "state" in pools[l]]
+        out = None
+        for j, rnd in enumerate(snap.rounds):
+            want = [k for k, (r, _) in enumerate(index) if r == j]
+            local = [index[k][1] for k in want] or [int(rnd.cu[-1]) - 1]      # a forward wants one logits row
+            rows = None
+            keep = [k for k, (r, _) in enumerate(images) if r == j]
+            if keep:
+                rows = (torch.tensor([images[k][1] for k in keep], dtype=torch.long), image_rows[1][keep])
+            seqs = rnd.seqs.to(batch.slots.device)
+            sub = Batch(rnd.cu.to(batch.cu_seqlens.device), batch.slots[seqs], batch.block_tables[seqs],
+                        batch.context_lens[seqs] + rnd.starts.to(batch.context_lens.device))
+            logits, pools = self.forward(ids[rnd.tokens.to(ids.device)], sub, pools,
+                                         torch.tensor(local, dtype=torch.long, device=logits_index.device), rows)
+            snap.save(rnd, pools, batch.slots, kda)
+            if out is None:
+                out = logits.new_empty(len(index), logits.shape[1])
+            if want:
+                out[torch.tensor(want, device=out.device)] = logits
+        return out, pools
 
     def encode_images(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
         """Images packed end to end (pixel_values [L, 3, p, p] fp32, grid_thws [S, 3]) -> features [N, d] (VISION.md
@@ -299,8 +332,6 @@ class TorchExecutor(Executor):
             with torch.no_grad():
                 return self.runner.forward(ids, batch, pools, logits_index, image_rows=image_rows)
 
-    snapshot_in_step = True             # K3Model / FusedModel copy KDA states inside a prefill (model.reference)
-
     @property
     def overlap_decode(self) -> bool:
         """Whether the scheduler overlaps decode steps with its host work by default (runtime/pipeline.py): on CUDA
@@ -415,12 +446,11 @@ class GraphExecutor(Executor):
     def forward(self, ids, batch, pools, logits_index, image_rows=None):
         """ids [T] int64, batch (model.reference.Batch), pools (per layer), image_rows -> (logits [M, vocab] fp32 on
         the CPU, new pools). The graphs' function bodies cannot raise, so the batch is validated here: ValueError for
-        a zero-length sequence, offsets that do not cover the T tokens, or a `kda_snapshot` (the graphs cannot copy
-        a state from inside a prefill: `snapshot_in_step` is False)."""
+        a zero-length sequence or offsets that do not cover the T tokens. A `batch.kda_snapshot` runs as one forward
+        per snapshot round (`forward_in_rounds`)."""
         from k3deploy.plugins.kda.reference import check_cu_seqlens
         if batch.kda_snapshot is not None:
-            raise ValueError("batch.kda_snapshot: this executor cannot snapshot inside a prefill step; cut the chunk "
-                             "at the snapshot position instead (Executor.snapshot_in_step is False)")
+            return self.forward_in_rounds(ids, batch, pools, logits_index, image_rows)
         if not batch.decode:
             check_cu_seqlens(batch.cu_seqlens, int(ids.shape[0]))
         meta = {"cu_seqlens": batch.cu_seqlens, "slots": batch.slots, "block_tables": batch.block_tables,

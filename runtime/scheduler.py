@@ -34,9 +34,9 @@ the step in flight first and runs synchronously, as does a step whose launch fai
 it launched; their tokens arrive with the next step (`run_until_done` books the last one).
 
 With prefix caching (`HybridCache(num_snapshots > 0)`, docs/PREFIX_CACHING.md) admission first restores the
-deepest published snapshot of the request's tokens (`_admit`). A prefill chunk that holds a periodic snapshot
-position has the executor copy the KDA state there inside the step (`_stage_in_step`, `Batch.kda_snapshot`, when
-`executor.snapshot_in_step`), or is cut there (`_align_chunk`) so that a step ends on it. Snapshots are published
+deepest published snapshot of the request's tokens (`_admit`). A prefill chunk that holds periodic snapshot
+positions has the executor copy the KDA state at each of them inside the step (`_stage_in_step`,
+`Batch.kda_snapshot`); a chunk or decode step that ends on one is snapshotted after it. Snapshots are published
 only once the step that computed their state completed: after a synchronous step (`_publish_snapshots`, the staged
 in-step ones), after booking an overlapped step (`_drain`: the ones `_stage_periodic` staged when it was launched).
 Every request that finishes normally is snapshotted after the tokens its steps computed (`_cache_finished`): prompt
@@ -173,7 +173,6 @@ class Scheduler:
         self.stats = {"tokens_generated": 0, "preemptions": 0, "steps": 0, "max_requests_per_step": 0,
                       "images_encoded": 0, "overlapped_steps": 0}
         self.last_step_requests: list[str] = []
-        self.snapshot_in_step = bool(getattr(executor, "snapshot_in_step", False))
         self.pipeline = None                      # runtime.pipeline.DecodePipeline while overlap is on
         self._inflight = None                     # the launched, not yet booked overlapped step (its Ticket)
         if getattr(executor, "overlap_decode", False) if overlap is None else overlap:
@@ -327,7 +326,7 @@ class Scheduler:
 
     def _publish_snapshots(self, group: list[tuple[Request, int]]) -> None:
         """After a synchronous step completed: snapshot every running request of `group` that stands at a periodic
-        snapshot position (its chunk was cut there by `_align_chunk`, or a decode step reached it)."""
+        snapshot position (its chunk ended there, or a decode step reached it)."""
         if not self.cache.prefix_caching:
             return
         for req, _ in group:
@@ -346,24 +345,19 @@ class Scheduler:
                 if staged is not None:
                     ticket.staged.append((req, staged))
 
-    def _align_chunk(self, req: Request, n: int) -> int:
-        """The request's next prefill chunk of at most n tokens: with prefix caching and an executor that cannot
-        snapshot inside a step, cut at a periodic snapshot position (`HybridCache.chunk_end`) so that a step ends
-        exactly there."""
-        return n if self.snapshot_in_step else self.cache.chunk_end(req.request_id, n, req.content_keys)
-
     def _stage_in_step(self, group: list[tuple[Request, int]]) -> list[tuple[int, Request, object]]:
-        """Before a prefill step of an executor that snapshots inside it: stage a snapshot for every chunk that holds
-        a periodic snapshot position (`HybridCache.snapshot_position`), its KDA rows to be written by the forward.
+        """Before a prefill step: stage a snapshot at every periodic snapshot position strictly inside each chunk
+        (`HybridCache.snapshot_positions`), its KDA rows to be written by the forward (`Batch.kda_snapshot`).
         Returns [(row in group, request, runtime.cache.StagedSnapshot)]."""
-        if not (self.snapshot_in_step and self.cache.prefix_caching):
+        if not self.cache.prefix_caching:
             return []
         out = []
         for row, (req, n) in enumerate(group):
             rid = req.request_id
-            pos = self.cache.snapshot_position(rid, req.num_computed, req.num_computed + n, req.content_keys)
-            staged = None if pos is None else self.cache.stage(rid, pos, keys=req.content_keys, copy=False)
-            if staged is not None:
+            for pos in self.cache.snapshot_positions(rid, req.num_computed, req.num_computed + n, req.content_keys):
+                staged = self.cache.stage(rid, pos, keys=req.content_keys, copy=False)
+                if staged is None:
+                    break                              # every row staged: no deeper one either
                 out.append((row, req, staged))
         return out
 
@@ -377,7 +371,7 @@ class Scheduler:
             snap = self.cache.lookup(rid, req.token_slice, req.num_tokens, req.content_keys)
         self.cache.allocate(rid, snap)
         cached = snap.length if snap is not None else 0
-        n = self._align_chunk(req, min(req.num_tokens - cached, budget, self.cache.room(rid)))
+        n = min(req.num_tokens - cached, budget, self.cache.room(rid))
         if n <= 0:
             self.cache.free(rid)
             return 0
@@ -404,7 +398,7 @@ class Scheduler:
                 i += 1                                 # its token in flight ends it (length): no next row
                 continue
             rid = req.request_id
-            n = 1 if req.is_decode else self._align_chunk(req, min(req.num_tokens - req.num_computed, budget))
+            n = 1 if req.is_decode else min(req.num_tokens - req.num_computed, budget)
             while not self.cache.can_append(rid, n):
                 room = self.cache.room(rid)
                 if not req.is_decode and room > 0:

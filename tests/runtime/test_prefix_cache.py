@@ -29,7 +29,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 from k3deploy.model.config import load_config
 from k3deploy.model.reference import Batch, KdaSnapshot
 from k3deploy.runtime.cache import HybridCache, plan_memory
-from k3deploy.runtime.executor import TorchExecutor
+from k3deploy.runtime.executor import Executor, TorchExecutor
 from k3deploy.runtime.prefix_cache import PrefixChain, check_content_keys
 from k3deploy.runtime.sampling import SamplingParams
 from k3deploy.runtime.scheduler import Scheduler
@@ -61,13 +61,14 @@ class RecordingExecutor:
     position) (the scheduler's cache maps slots to requests: `self.sched`, set after the scheduler is built).
     serial: run every token alone, as a one-token prefill of its sequence, in order (see the module docstring);
     an in-step KDA snapshot (`Batch.kda_snapshot`) is then taken by the one-token forward that ends at its position.
-    snapshot_in_step: whether the scheduler snapshots inside prefill steps (else it cuts the chunks there).
+    rounds: take the in-step snapshots as the graph backends do, one whole forward per snapshot round
+    (`Executor.forward_in_rounds`), instead of inside each KDA layer.
     `forward_on_device` (the overlapped decode steps) runs the same path."""
 
-    def __init__(self, model, serial: bool = True, snapshot_in_step: bool = False):
+    def __init__(self, model, serial: bool = True, rounds: bool = False):
         self.inner, self.serial = TorchExecutor(model), serial
         self.cfg, self.tp, self.act_dtype, self.device = model.cfg, 1, torch.float32, model.device
-        self.snapshot_in_step = snapshot_in_step
+        self.rounds = rounds
         self.sched = None
         self.logits: dict[tuple[str, int], torch.Tensor] = {}
 
@@ -81,6 +82,8 @@ class RecordingExecutor:
 
     def forward(self, ids, batch, pools, logits_index, image_rows=None):
         assert image_rows is None, "text only"
+        if self.rounds and batch.kda_snapshot is not None:
+            return Executor.forward_in_rounds(self, ids, batch, pools, logits_index)
         cache = self.sched.cache
         owner = {cache.slot(r): r for r in self.sched.requests if r in cache}
         cu = batch.cu_seqlens.tolist()
@@ -90,14 +93,14 @@ class RecordingExecutor:
                 self._record(owner[int(batch.slots[n])], int(batch.context_lens[n]) + cu[n + 1] - cu[n] - 1, row)
             return logits, pools
         snap = batch.kda_snapshot
-        at = {seq: (offset, row) for seq, offset, row in snap.at} if snap is not None else {}
+        at = {(seq, offset): row for seq, offset, row in snap.at} if snap is not None else {}
         last = []
         for n in range(len(cu) - 1):
             rid, ctx = owner[int(batch.slots[n])], int(batch.context_lens[n])
             for j in range(cu[n + 1] - cu[n]):
                 here = None
-                if n in at and at[n][0] == j + 1:          # the state after this token is the snapshot's
-                    here = KdaSnapshot.of([0, 1], [(0, 1, at[n][1])], snap.pools)
+                if (n, j + 1) in at:                       # the state after this token is a snapshot's
+                    here = KdaSnapshot.of([0, 1], [(0, 1, at[(n, j + 1)])], snap.pools)
                 one = Batch(torch.tensor([0, 1], dtype=torch.int32), batch.slots[n:n + 1],
                             batch.block_tables[n:n + 1], torch.tensor([ctx + j], dtype=torch.int32), kda_snapshot=here)
                 logits, pools = self.inner.forward(ids[cu[n] + j: cu[n] + j + 1], one, pools,
@@ -109,10 +112,10 @@ class RecordingExecutor:
 
 
 def make(model, *, caching: bool, serial: bool = True, max_batch=3, block_size=4, num_blocks=65, interval=8,
-         snapshots=8, max_context=96, max_num_tokens=16, overlap=False, in_step=False):
+         snapshots=8, max_context=96, max_num_tokens=16, overlap=False, rounds=False):
     cache = HybridCache(model.cfg, max_batch + 1, num_blocks, block_size, max_context=max_context,
                         num_snapshots=snapshots if caching else 0, snapshot_interval=interval if caching else None)
-    ex = RecordingExecutor(model, serial, in_step)
+    ex = RecordingExecutor(model, serial, rounds)
     sched = Scheduler(ex, cache, max_batch, max_num_tokens, eos_token_id=-1, overlap=overlap)
     ex.sched = sched
     return sched
@@ -149,17 +152,17 @@ def shared_contents(cache: HybridCache) -> dict:
 
 MAX_PROMPT = 40
 TOTALS = {"hit_tokens": 0, "partial_hits": 0, "evictions": 0, "preemptions": 0, "cancels": 0, "stops": 0,
-          "in_step": 0}
+          "in_step": 0, "several_in_a_chunk": 0}
 
 
-def machine(model, overlap: bool = False, in_step: bool = False):
+def machine(model, overlap: bool = False, rounds: bool = False):
     """The conversation-tree state machine over `model` (caching on vs off, both with the serial RecordingExecutor,
-    both with overlapped decode steps or both without; in_step: the executor snapshots inside prefill steps)."""
+    both with overlapped decode steps or both without; rounds: the executor takes in-step snapshots in rounds)."""
 
     class PrefixCacheMachine(RuleBasedStateMachine):
         def __init__(self):
             super().__init__()
-            kw = dict(overlap=overlap, in_step=in_step)
+            kw = dict(overlap=overlap, rounds=rounds)
             self.on, self.off = Run(make(model, caching=True, **kw)), Run(make(model, caching=False, **kw))
             cache, allocate = self.on.sched.cache, self.on.sched.cache.allocate
 
@@ -172,6 +175,8 @@ def machine(model, overlap: bool = False, in_step: bool = False):
             def counting_stage_in_step(group):                # count the snapshots taken inside prefill steps
                 out = stage_in_step(group)
                 TOTALS["in_step"] += len(out)
+                rows = [row for row, _, _ in out]
+                TOTALS["several_in_a_chunk"] += len(rows) > len(set(rows))
                 return out
             self.on.sched._stage_in_step = counting_stage_in_step
             self.prompts: dict[str, list[int]] = {}
@@ -308,22 +313,22 @@ def machine(model, overlap: bool = False, in_step: bool = False):
     return PrefixCacheMachine
 
 
-@pytest.mark.parametrize("overlap, in_step", [(False, False), (True, False), (False, True), (True, True)],
-                         ids=["sync-cut", "overlap-cut", "sync-in-step", "overlap-in-step"])
-def test_caching_on_equals_off_bit_exact_random_conversation_trees(micro_model, fast_dequant, overlap, in_step):
+@pytest.mark.parametrize("overlap, rounds", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["sync-layers", "overlap-layers", "sync-rounds", "overlap-rounds"])
+def test_caching_on_equals_off_bit_exact_random_conversation_trees(micro_model, fast_dequant, overlap, rounds):
     """Random conversation trees (prompts sharing prefixes of random lengths with earlier prompts and replies),
     random chunk budgets, stop tokens (landing while other requests arrive), preemptions and cancels, with decode
-    steps synchronous or overlapped, and periodic snapshots taken at a chunk cut or inside the prefill step: caching
+    steps synchronous or overlapped, and periodic snapshots (several in one chunk) taken inside the KDA layers or by
+    one forward per snapshot round: caching
     on gives every request the tokens and logits of caching off, bit for bit; after every step the cache invariants
     hold and no snapshot's blocks or KDA rows changed; the pools are empty once the requests ended and the cache is
     reset."""
     for k in TOTALS:
         TOTALS[k] = 0
-    run_state_machine_as_test(machine(micro_model, overlap, in_step), settings=settings(
+    run_state_machine_as_test(machine(micro_model, overlap, rounds), settings=settings(
         max_examples=8, stateful_step_count=30, deadline=None, derandomize=True, database=None,
         suppress_health_check=list(HealthCheck)))
-    # the examples exercised what they are for (snapshots inside prefill steps only where the executor takes them)
-    assert all(v for k, v in TOTALS.items() if k != "in_step") and bool(TOTALS["in_step"]) == in_step, TOTALS
+    assert all(TOTALS.values()), TOTALS                      # the examples exercised what they are for
 
 
 def _stop_under_overlap(model, caching: bool, prompt: list[int], stop: int, at: int, arrival: bool):
@@ -588,18 +593,18 @@ def conversations(sched) -> tuple[Run, dict[str, list[int]]]:
 
 @pytest.mark.parametrize("serial", [True, False], ids=["serial-bit-exact", "batched"])
 def test_conversations_on_k3_tiny(tiny_model, fast_dequant, serial):
-    """k3-tiny (9 layers, AttnRes, grouped top-k MoE), periodic snapshots taken at a chunk cut or inside the prefill
-    step: caching on gives the tokens of caching off; the logits that chose them are bit-identical with the serial
-    executor and within fp32 rounding batched; the later turns reused the system prompt (periodic snapshot at 16)
-    and the first turns' replies (end snapshots). Inside the step, the snapshots are the chunk cut's (their pool
-    rows bit for bit with the serial executor), taken with fewer prefill steps."""
+    """k3-tiny (9 layers, AttnRes, grouped top-k MoE), periodic snapshots taken inside the prefill step's KDA layers
+    or by one forward per snapshot round: caching on gives the tokens of caching off; the logits that chose them are
+    bit-identical with the serial executor and within fp32 rounding batched; the later turns reused the system
+    prompt (periodic snapshot at 16) and the first turns' replies (end snapshots). Both ways take the same
+    snapshots (their pool rows bit for bit with the serial executor)."""
     kw = dict(serial=serial, max_batch=3, block_size=8, num_blocks=1 + 3 * 8, interval=16, snapshots=12,
               max_context=64, max_num_tokens=20)
     off = make(tiny_model, caching=False, **kw)
     b, prompts = conversations(off)
-    snaps, prefill_steps = {}, {}
-    for in_step in (False, True):
-        on = make(tiny_model, caching=True, in_step=in_step, **kw)
+    snaps = {}
+    for rounds in (False, True):
+        on = make(tiny_model, caching=True, rounds=rounds, **kw)
         batches, forward = [], on.executor.forward
 
         def recording(ids, batch, *args, **kwargs):
@@ -617,14 +622,13 @@ def test_conversations_on_k3_tiny(tiny_model, fast_dequant, serial):
                     torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
         st_ = on.cache.prefix_stats      # u1, u2 and the branch resume at 16, each second turn after its first reply
         assert (st_["hits"], st_["hit_tokens"]) == (6, 3 * 16 + sum(len(prompts[f"u{u}"]) + 3 for u in range(3)))
-        prefill_steps[in_step] = sum(not x.decode for x in batches)
-        assert any(x.kda_snapshot is not None for x in batches) == in_step
+        assert any(x.kda_snapshot is not None for x in batches)
         cache = on.cache
-        snaps[in_step] = {s.key: (s.length, [cache.snapshots.pools[l][n][s.row].clone() for l in cache.kda_layers
+        snaps[rounds] = {s.key: (s.length, [cache.snapshots.pools[l][n][s.row].clone() for l in cache.kda_layers
                                              for n in ("state", "conv")]) for s in cache.index.entries.values()}
         cache.check_consistent()
         assert cache.reset_prefix_cache() and cache.blocks_in_use == 0 and cache.slots_in_use == 0
-    assert prefill_steps[True] < prefill_steps[False], prefill_steps
+
     assert {k: n for k, (n, _) in snaps[True].items()} == {k: n for k, (n, _) in snaps[False].items()}
     for key, (length, got) in snaps[True].items():
         for x, y in zip(got, snaps[False][key][1]):
@@ -690,15 +694,27 @@ def test_llm_enable_prefix_caching(tiny_ckpt):
 
 def test_onnxruntime_backend_with_prefix_caching(tiny_build_tp1):
     """The onnxruntime backend (per-layer graphs take the pools as inputs and return new ones): the restored slot
-    and copied blocks live in the cache's pools like the torch backend's; caching on gives caching off's tokens."""
+    and copied blocks live in the cache's pools like the torch backend's; the periodic snapshots inside its 32-token
+    prefill chunks (at 16 and 48) are taken by one forward per snapshot round; caching on gives caching off's
+    tokens, for the second turn (resumed after the first reply) and for a prompt sharing 50 tokens (resumed at 48)."""
     from k3deploy.runtime.api import LLM
     out, r = tiny_build_tp1
     assert r.returncode == 0, r.stderr[-3000:]
     kw = dict(backend="onnxruntime", max_batch=2, max_num_tokens=32, max_context=256)
     p1 = list(range(40, 110))
-    o1, p2, o2 = _two_turns(LLM(out, enable_prefix_caching=True, snapshot_interval=64, **kw), p1)
-    _, _, want = _two_turns(LLM(out, **kw), p1)
+    p3 = p1[:50] + [7, 8, 9]
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    on = LLM(out, enable_prefix_caching=True, snapshot_interval=16, num_snapshots=8, **kw)
+    rounds, forward_in_rounds = [], on.executor.forward_in_rounds
+    on.executor.forward_in_rounds = lambda *a, **k: rounds.append(len(a[1].kda_snapshot.rounds)) or forward_in_rounds(
+        *a, **k)
+    o1, p2, o2 = _two_turns(on, p1)
+    o3 = on.generate([p3], sp)[0]
+    off = LLM(out, **kw)
+    _, _, want = _two_turns(off, p1)
+    assert rounds == [2, 2], rounds                  # chunks [0, 32) and [32, 64) of the first turn
     assert o2.token_ids == want.token_ids and o2.num_cached_tokens == len(p1) + len(o1.token_ids) - 1
+    assert o3.num_cached_tokens == 48 and o3.token_ids == off.generate([p3], sp)[0].token_ids
 
 
 TP_SCRIPT = """
