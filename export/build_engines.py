@@ -3,8 +3,8 @@
 
     python export/build_engines.py [--checkpoint DIR] [--out DIR] [--tp N] [--ep M]
         [--backend tensorrt|tensorrt-rtx|onnxruntime] [--target-cc sm86 ...] [--max-batch B]
-        [--max-num-tokens T] [--max-context L] [--check-finite full|sampled] [--aot] [--enable-prefix-caching]
-        [--dry-run] [--force]
+        [--max-num-tokens T] [--max-context L] [--check-finite full|sampled] [--aot]
+        [--enable-prefix-caching [--num-snapshots N] [--snapshot-interval T]] [--dry-run] [--force]
 
 Steps (each with progress and a one-line summary; skipped on a rerun whose inputs hash the same, redone with
 --force): checkpoint (load + validate, every float tensor finite: --check-finite) -> plan -> export (shard per TP/EP rank, ONNX per layer) -> verify
@@ -296,7 +296,8 @@ def build(args) -> int:
         if vision_max < 4:
             raise BuildError(f"--vision-max-patches {vision_max}: an image takes at least 4 patches (2x2); pass >= 4")
     plan = make_plan(cfg, args.tp, ep, max_batch=args.max_batch, max_context=max_context, block_size=args.block_size,
-                     vision_patches=vision_max, prefix_caching=args.enable_prefix_caching)
+                     vision_patches=vision_max, prefix_caching=args.enable_prefix_caching,
+                     num_snapshots=args.num_snapshots)
     from k3deploy.engines.build import parse_target_cc
     try:   # the spelling (sm86 / 86 / 8.6) is checked here, support by the installed RTX below
         targets = parse_target_cc(args.target_cc)
@@ -344,7 +345,8 @@ def build(args) -> int:
         print(plan.report())
         return f"{plan.weights.total:,} B of weights per rank, {len(plan.cfg.kda_layers)} KDA + {len(plan.cfg.mla_layers)} MLA layers", None
 
-    pipe.run(2, "plan", [fp, args.tp, ep, args.max_batch, max_context, args.enable_prefix_caching], [out / "plan.txt"],
+    pipe.run(2, "plan", [fp, args.tp, ep, args.max_batch, max_context, args.enable_prefix_caching, args.num_snapshots],
+             [out / "plan.txt"],
              step_plan)
 
     from k3deploy.export.onnx_export import code_hash, export_model
@@ -418,16 +420,20 @@ def build(args) -> int:
                     "backend": serve_backend, "tp": args.tp, "ep": ep, "config_hash": cfg.config_hash(),
                     "max_batch": args.max_batch, "max_num_tokens": args.max_num_tokens, "max_context": max_context,
                     "block_size": args.block_size, "enable_prefix_caching": args.enable_prefix_caching,
+                    "num_snapshots": plan.memory.num_snapshots if plan.memory and args.enable_prefix_caching else None,
+                    "snapshot_interval": args.snapshot_interval,
                     "verify_report": "verify/report.json", "triton_repository": "triton",
                     "vision": vision_manifest(cfg, vprofiles, processor) if vprofiles else None}
         write_json_atomic(manifest, out / "manifest.json")
         cfg_path = write_repository(out, out / "triton", serve_backend, max_batch=args.max_batch,
                                     max_num_tokens=args.max_num_tokens, max_context=max_context, overwrite=True,
-                                    enable_prefix_caching=args.enable_prefix_caching)
+                                    enable_prefix_caching=args.enable_prefix_caching,
+                                    num_snapshots=args.num_snapshots, snapshot_interval=args.snapshot_interval)
         return f"manifest.json + Triton repository {cfg_path.parent.parent} (backend {serve_backend})", None
 
     pipe.run(6, "repository", exp_inputs + [backend, serve_backend, args.max_batch, args.max_num_tokens, max_context,
-                                         args.block_size, vprofiles, args.enable_prefix_caching],
+                                         args.block_size, vprofiles, args.enable_prefix_caching, args.num_snapshots,
+                                         args.snapshot_interval],
              [out / "manifest.json", out / "triton"], step_repository)
 
     def step_smoke():
@@ -496,6 +502,12 @@ def parse_args(argv=None, prog=None):
                          "reuses the KDA state and latent blocks of prefixes earlier requests computed (multi-turn "
                          "chats, shared system prompts); the plan budgets its snapshot pool. Engines are unchanged "
                          "(docs/PREFIX_CACHING.md)")
+    ap.add_argument("--num-snapshots", type=int, default=None,
+                    help="with --enable-prefix-caching: KDA snapshot pool rows (one request's KDA state each), "
+                         "budgeted by the plan and served (default: 2 x --max-batch)")
+    ap.add_argument("--snapshot-interval", type=int, default=None,
+                    help="with --enable-prefix-caching: tokens between periodic KDA snapshots, a multiple of "
+                         "--block-size (default: 1024 rounded up to one)")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the plan only; allocates no weights; checks the --target-cc spelling but not the "
                          "backend (except with --aot) or which targets it supports (plan on a machine without "
@@ -506,6 +518,15 @@ def parse_args(argv=None, prog=None):
     for name in ("tp", "max_batch", "max_num_tokens", "max_context", "ep", "vision_max_patches", "vision_max_images"):
         if getattr(a, name) is not None and getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("num_snapshots", "snapshot_interval"):
+        v = getattr(a, name)
+        flag = "--" + name.replace("_", "-")
+        if v is not None and not a.enable_prefix_caching:
+            ap.error(f"{flag} {v}: only used with --enable-prefix-caching; add it or drop {flag}")
+        if v is not None and v < 1:
+            ap.error(f"{flag} must be >= 1")
+    if a.snapshot_interval is not None and a.snapshot_interval % a.block_size:
+        ap.error(f"--snapshot-interval {a.snapshot_interval}: must be a multiple of --block-size {a.block_size}")
     if a.block_size < 16 or a.block_size % 16:
         ap.error(f"--block-size {a.block_size}: must be a positive multiple of 16 (16, 32, 64, ...; the MLA "
                  "kernels' key tiles take 16 tokens at least)")

@@ -196,14 +196,14 @@ class DeploymentPlan:
 def make_plan(cfg: K3Config, tp: int = 1, ep: int = 1, *, gpu_bytes: int = H200_BYTES, max_batch: int = 8,
               max_context: int | None = None, block_size: int = 64, act_dtype: torch.dtype = torch.bfloat16,
               activation_reserve: float = 0.1, vision_patches: int | None = None,
-              prefix_caching: bool = False) -> DeploymentPlan:
+              prefix_caching: bool = False, num_snapshots: int | None = None) -> DeploymentPlan:
     """Plan a deployment of cfg on tp ranks of gpu_bytes each. The cache budget per rank is what the weights
     (the vision tower's included) leave after `activation_reserve` of the GPU. vision_patches: patches of the
-    largest vision call (default: the release processor's bound, 67,588). prefix_caching adds the runtime's
-    default snapshot pool (runtime.prefix_cache.default_num_snapshots rows, one request's KDA bytes each) to the
-    cache plan. Raises ValueError (naming tp/ep) when they cannot shard cfg."""
+    largest vision call (default: the release processor's bound, 67,588). prefix_caching adds the snapshot pool
+    to the cache plan: num_snapshots rows (default: the runtime's, runtime.prefix_cache.default_num_snapshots) of
+    one request's KDA bytes each. Raises ValueError (naming tp/ep) when they cannot shard cfg."""
     from k3deploy.runtime.prefix_cache import default_num_snapshots
-    snapshots = default_num_snapshots(max_batch) if prefix_caching else 0
+    snapshots = (num_snapshots or default_num_snapshots(max_batch)) if prefix_caching else 0
     weights = weight_bytes_per_rank(cfg, tp, ep)
     max_context = max_context or cfg.max_position_embeddings
     budget = int(gpu_bytes * (1 - activation_reserve)) - weights.total

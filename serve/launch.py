@@ -858,6 +858,16 @@ def _parse_args(argv: Optional[Sequence[str]] = None, prog: str | None = None) -
                     "Python-backend stub dies (tritonserver never outlives this launcher). docs/OPERATIONS.md")
     p.add_argument("--repo", required=True,
                    help="Triton model repository (written by `k3deploy build` or `k3deploy repository`)")
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="serve a copy of --repo with prefix caching on in its k3 model (LLM(enable_prefix_caching="
+                        "True): multi-turn chats and shared system prompts reuse cached KDA state and latent blocks; "
+                        "docs/PREFIX_CACHING.md); the repository itself is not changed")
+    p.add_argument("--num-snapshots", type=int, default=None,
+                   help="with --enable-prefix-caching: KDA snapshot pool rows (default: the repository's, else "
+                        "2 x max_batch)")
+    p.add_argument("--snapshot-interval", type=int, default=None,
+                   help="with --enable-prefix-caching: tokens between periodic KDA snapshots, a multiple of the "
+                        "latent block size (default: the repository's, else 1024 rounded up to one)")
     p.add_argument("--http-port", type=int, default=None, help="HTTP/REST port (default: a free one)")
     p.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default: a free one)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics port (omit: metrics off)")
@@ -898,18 +908,31 @@ def main(argv: Optional[Sequence[str]] = None, prog: str | None = None) -> int:
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
     front: Optional[OpenAIFront] = None
+    repo, copied = args.repo, None
     try:
+        if args.enable_prefix_caching or args.num_snapshots is not None or args.snapshot_interval is not None:
+            from k3deploy.serve.repository import RepositoryError, check_prefix_caching, with_prefix_caching
+            try:
+                check_prefix_caching(args.enable_prefix_caching, args.num_snapshots, args.snapshot_interval)
+                copied = pathlib.Path(tempfile.mkdtemp(prefix="k3repo_"))
+                repo = with_prefix_caching(args.repo, copied / "repository", args.num_snapshots,
+                                           args.snapshot_interval)
+            except RepositoryError as e:
+                raise TritonLaunchError(str(e)) from e
+            LOGGER.info("serving %s with prefix caching on (a copy in %s)", args.repo, repo)
         if args.openai_port is not None:
             check_ports_free(args.openai_host, {"--openai-port": args.openai_port})
         free = iter(free_ports(2, args.host))
         http_port = args.http_port if args.http_port is not None else next(free)
         grpc_port = args.grpc_port if args.grpc_port is not None else next(free)
-        server = TritonServer(args.repo, http_port, grpc_port, args.metrics_port, host=args.host,
+        server = TritonServer(repo, http_port, grpc_port, args.metrics_port, host=args.host,
                               workdir=args.workdir, startup_timeout=args.timeout, exit_timeout=args.exit_timeout,
                               log_verbose=args.log_verbose, stub_site=args.stub_site)
         server.start(wait=False)
     except TritonLaunchError as e:
         LOGGER.error("%s", e)
+        if copied is not None:
+            shutil.rmtree(copied, ignore_errors=True)
         return 2
     try:
         deadline = time.monotonic() + args.timeout
@@ -948,6 +971,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: str | None = None) -> int:
             front.stop()
         rc = server.stop()
         LOGGER.info("tritonserver exited with code %s", rc)
+        if copied is not None:
+            shutil.rmtree(copied, ignore_errors=True)
 
 
 if __name__ == "__main__":

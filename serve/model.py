@@ -54,7 +54,8 @@ callback wakes after every token.
 
 Config parameters (string values): ``project_root`` (prepended to ``sys.path``), ``model_path``,
 ``backend``, ``max_batch``, ``max_num_tokens``, ``max_context``, ``vocab_size`` (optional),
-``enable_prefix_caching`` ("true": ``LLM(enable_prefix_caching=True)``).
+``enable_prefix_caching`` ("true": ``LLM(enable_prefix_caching=True)``) with ``num_snapshots`` and
+``snapshot_interval`` (optional integers, passed to LLM).
 """
 
 from __future__ import annotations
@@ -424,7 +425,7 @@ class TritonPythonModel:
                 "the k3deploy checkout that contains runtime/") from e
         self._SamplingParams = SamplingParams
         kwargs: dict[str, Any] = {"backend": params.get("backend") or "torch"}
-        for key in ("max_batch", "max_num_tokens", "max_context"):
+        for key in ("max_batch", "max_num_tokens", "max_context", "num_snapshots", "snapshot_interval"):
             if params.get(key):
                 kwargs[key] = int(params[key])
         for key in ("device", "ops", "dense_dtype"):      # torch backend on a GPU (python -m k3deploy.serve.repository --device)

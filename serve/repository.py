@@ -17,7 +17,8 @@ else ``--backend``, else ``torch``. The config carries parameters ``project_root
 in the stub so ``import runtime`` works), ``model_path``, ``backend``, ``max_batch``, ``max_num_tokens``,
 ``max_context``, when given ``device`` / ``ops`` / ``cuda_graphs`` (torch backend on a GPU: ``--device cuda
 --ops kernels --cuda-graphs``), ``enable_prefix_caching`` (``--enable-prefix-caching``: the runtime reuses cached
-prefixes, docs/PREFIX_CACHING.md; ``k3deploy build --enable-prefix-caching`` writes it too) and, when
+prefixes, docs/PREFIX_CACHING.md; ``k3deploy build --enable-prefix-caching`` writes it too) with ``num_snapshots`` /
+``snapshot_interval`` (``--num-snapshots`` / ``--snapshot-interval``; omitted: the runtime's defaults) and, when
 ``DIR/config.json`` names it, ``vocab_size`` (used to reject out-of-range ids early).
 
 Every written ``config.pbtxt`` is parsed back with the ModelConfig protobuf shipped in ``tritonclient``
@@ -268,7 +269,8 @@ def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backe
                      project_root: str | pathlib.Path = PROJECT_ROOT, overwrite: bool = False,
                      device: Optional[str] = None, ops: Optional[str] = None,
                      cuda_graphs: bool = False, dense_dtype: Optional[str] = None,
-                     enable_prefix_caching: bool = False) -> pathlib.Path:
+                     enable_prefix_caching: bool = False, num_snapshots: Optional[int] = None,
+                     snapshot_interval: Optional[int] = None) -> pathlib.Path:
     """Write ``out/<name>/config.pbtxt`` and ``out/<name>/1/model.py``; return the config's path. When ``engines``
     holds a tokenizer (``tiktoken.model``, found as ``runtime.api.resolve_model_dir`` finds it) the text model
     ``out/k3_text`` (serve/text_model.py, TensorRT-LLM's ensemble names) is written beside it, calling ``<name>``.
@@ -276,13 +278,15 @@ def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backe
     parameters the model passes to ``LLM(device=..., ops=...)``; omitted = the runtime's defaults (CPU).
     ``cuda_graphs`` becomes ``LLM(cuda_graphs=True)`` (decode steps replayed from CUDA graphs; CUDA, ops "kernels").
     ``dense_dtype`` ("float32" / "bfloat16") becomes ``LLM(dense_dtype=...)`` (torch backend).
-    ``enable_prefix_caching`` becomes ``LLM(enable_prefix_caching=True)`` (every backend; docs/PREFIX_CACHING.md).
+    ``enable_prefix_caching`` becomes ``LLM(enable_prefix_caching=True)`` (every backend; docs/PREFIX_CACHING.md),
+    with ``num_snapshots`` (snapshot pool rows) and ``snapshot_interval`` (tokens) when given.
 
     Raises:
         RepositoryError: tritonclient is missing (the serve extra), ``engines`` is not a directory, the backend
             is unknown, a limit is < 1, ``device`` is malformed (or not "cpu" for onnxruntime), ``ops`` /
             ``cuda_graphs`` / ``dense_dtype`` are given for a backend other than torch, ``dense_dtype`` is not
-            "float32" or "bfloat16", ``cuda_graphs`` lacks a CUDA ``device`` and ``ops="kernels"``, or
+            "float32" or "bfloat16", ``cuda_graphs`` lacks a CUDA ``device`` and ``ops="kernels"``,
+            ``num_snapshots`` / ``snapshot_interval`` are given without ``enable_prefix_caching`` or are < 1, or
             ``out/<name>`` exists and ``overwrite`` is false.
     """
     engines = pathlib.Path(engines).resolve()
@@ -298,6 +302,7 @@ def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backe
                               f"ops={ops!r})")
     if max_context is not None and int(max_context) < 1:
         raise RepositoryError(f"max_context={max_context} must be >= 1 (or omitted)")
+    check_prefix_caching(enable_prefix_caching, num_snapshots, snapshot_interval)
     resolved = resolve_backend(engines, backend)
     if device is not None:
         from k3deploy.runtime.distributed import parse_device
@@ -342,6 +347,8 @@ def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backe
         "cuda_graphs": "true" if cuda_graphs else None,
         "dense_dtype": dense_dtype,
         "enable_prefix_caching": "true" if enable_prefix_caching else None,
+        "num_snapshots": None if num_snapshots is None else int(num_snapshots),
+        "snapshot_interval": None if snapshot_interval is None else int(snapshot_interval),
     }
     text = render_config(name, params, instance_count)
     validate_config(text, name, where=str(model_dir / "config.pbtxt"))
@@ -359,6 +366,54 @@ def write_repository(engines: str | pathlib.Path, out: str | pathlib.Path, backe
         shutil.copy2(TEXT_MODEL_PY, text_dir / "1" / "model.py")
         LOGGER.info("wrote %s (text in, text out, through %s)", text_dir, name)
     return model_dir / "config.pbtxt"
+
+
+def check_prefix_caching(enable: bool, num_snapshots: Optional[int], snapshot_interval: Optional[int]) -> None:
+    """RepositoryError naming the option when num_snapshots / snapshot_interval are given without prefix caching
+    or are not integers >= 1 (a snapshot_interval that is no multiple of the latent block size is refused by the
+    runtime when the model loads)."""
+    for flag, v in (("--num-snapshots", num_snapshots), ("--snapshot-interval", snapshot_interval)):
+        if v is None:
+            continue
+        if not enable:
+            raise RepositoryError(f"{flag} {v}: only used with --enable-prefix-caching; add it or drop {flag}")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise RepositoryError(f"{flag} {v!r}: give an integer >= 1")
+
+
+def with_prefix_caching(repo: str | pathlib.Path, out: str | pathlib.Path, num_snapshots: Optional[int] = None,
+                        snapshot_interval: Optional[int] = None) -> pathlib.Path:
+    """Copy the model repository ``repo`` to ``out`` (replaced) with prefix caching turned on in its ``k3`` model
+    (parameters ``enable_prefix_caching`` and, when given, ``num_snapshots`` / ``snapshot_interval``; the others
+    kept). Returns ``out``.
+
+    Raises:
+        RepositoryError: ``repo`` has no ``k3`` model, its config does not parse, or the values are bad
+            (:func:`check_prefix_caching`).
+    """
+    check_prefix_caching(True, num_snapshots, snapshot_interval)
+    text_format, model_config_pb2 = _model_config_proto()
+    repo, out = pathlib.Path(repo).resolve(), pathlib.Path(out).resolve()
+    src = repo / DEFAULT_MODEL_NAME / "config.pbtxt"
+    if not src.is_file():
+        raise RepositoryError(f"--repo {repo}: no {DEFAULT_MODEL_NAME}/config.pbtxt; pass a repository written by "
+                              "`k3deploy repository` or `k3deploy build`")
+    cfg = model_config_pb2.ModelConfig()
+    try:
+        text_format.Parse(src.read_text(), cfg)
+    except text_format.ParseError as e:
+        raise RepositoryError(f"{src} does not parse as a Triton ModelConfig: {e}") from e
+    for key, v in (("enable_prefix_caching", "true"), ("num_snapshots", num_snapshots),
+                   ("snapshot_interval", snapshot_interval)):
+        if v is not None:
+            cfg.parameters[key].string_value = str(v)
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(repo, out, symlinks=True)
+    text = text_format.MessageToString(cfg)
+    validate_config(text, DEFAULT_MODEL_NAME, where=str(out / DEFAULT_MODEL_NAME / "config.pbtxt"))
+    (out / DEFAULT_MODEL_NAME / "config.pbtxt").write_text(text)
+    return out
 
 
 def validate_repository(repo: str | pathlib.Path) -> list[pathlib.Path]:
@@ -410,6 +465,12 @@ def main(argv: Optional[Sequence[str]] = None, prog: str | None = None) -> int:
     p.add_argument("--enable-prefix-caching", action="store_true",
                    help="LLM(enable_prefix_caching=True): reuse the KDA state and latent blocks of prefixes earlier "
                         "requests computed (multi-turn chats, shared system prompts; docs/PREFIX_CACHING.md)")
+    p.add_argument("--num-snapshots", type=int, default=None,
+                   help="with --enable-prefix-caching: KDA snapshot pool rows, one request's KDA state each "
+                        "(default: the runtime's, 2 x max_batch)")
+    p.add_argument("--snapshot-interval", type=int, default=None,
+                   help="with --enable-prefix-caching: tokens between periodic KDA snapshots, a multiple of the "
+                        "latent block size (default: the runtime's, 1024 rounded up to one)")
     p.add_argument("--force", action="store_true", help="replace an existing OUT/<name>")
     args = p.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
@@ -418,7 +479,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: str | None = None) -> int:
                                 max_num_tokens=args.max_num_tokens, max_context=args.max_context,
                                 instance_count=args.instances, overwrite=args.force, device=args.device,
                                 ops=args.ops, cuda_graphs=args.cuda_graphs, dense_dtype=args.dense_dtype,
-                                enable_prefix_caching=args.enable_prefix_caching)
+                                enable_prefix_caching=args.enable_prefix_caching,
+                                num_snapshots=args.num_snapshots, snapshot_interval=args.snapshot_interval)
     except RepositoryError as e:
         LOGGER.error("%s", e)
         return 2

@@ -36,6 +36,7 @@ from k3client import launcher  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WAIT_S = 120
 KEY = "test-key"
+INTERVAL = 16                            # tokens between periodic KDA snapshots (`serve --snapshot-interval`)
 MSGS = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -69,9 +70,10 @@ class Env:
 @pytest.fixture(scope="module")
 def env(tiny_ckpt, tmp_path_factory):
     repo = tmp_path_factory.mktemp("openai") / "repo"
-    repo_mod.write_repository(tiny_ckpt, repo, "torch", max_batch=16, max_context=512, enable_prefix_caching=True)
+    repo_mod.write_repository(tiny_ckpt, repo, "torch", max_batch=16, max_context=512)
     metrics, port = free_ports(2)
-    with launcher(repo, "--metrics-port", str(metrics), "--openai-port", str(port), "--api-key", KEY,
+    with launcher(repo, "--enable-prefix-caching", "--snapshot-interval", str(INTERVAL), "--num-snapshots", "64",
+                  "--metrics-port", str(metrics), "--openai-port", str(port), "--api-key", KEY,
                   "--max-request-bytes", str(4 << 20), root=ROOT) as (proc, urls):
         yield Env(proc, urls, Tokenizer.from_file(tiny_ckpt / "tiktoken.model"))
 
@@ -253,6 +255,39 @@ def test_cached_tokens_of_a_resumed_prompt(env):
     cold = env.client.completions.create(**greedy(prompt=[7] + longer[1:], max_tokens=4,
                                                   extra_body={"ignore_eos": True}))
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_cached_tokens_of_a_chat_turn_a_stream_and_a_prompt_list(env):
+    """The repository is served with `--enable-prefix-caching --snapshot-interval 16`. A chat's second turn resumes
+    inside the history it shares with the first turn's prompt (at least its last 16-token snapshot position,
+    less than its whole prompt), streamed with include_usage the same count in the usage chunk; a completions
+    request with two prompts extending an earlier one sums both prompts' cached tokens; the server's
+    k3_prefix_cache_tokens gauge holds the cached prefixes."""
+    msgs = [{"role": "system", "content": "You answer in one word. " * 6}, {"role": "user", "content": "Sky colour?"}]
+    kw = dict(max_tokens=5, extra_body={"ignore_eos": True, "chat_template_kwargs": {"thinking": False}})
+    one = env.client.chat.completions.create(**greedy(messages=msgs, **kw))
+    assert one.usage.prompt_tokens_details.cached_tokens == 0
+    turn2 = msgs + [{"role": "assistant", "content": one.choices[0].message.content or ""},
+                    {"role": "user", "content": "And grass?"}]
+    two = env.client.chat.completions.create(**greedy(messages=turn2, **kw))
+    p1, p2 = (encode_chat(env.tok, m, thinking=False) for m in (msgs, turn2))
+    shared = next(i for i, (a, b) in enumerate(zip(p1 + [-1], p2)) if a != b)
+    cached = two.usage.prompt_tokens_details.cached_tokens
+    assert two.usage.prompt_tokens == len(p2) and shared // INTERVAL * INTERVAL <= cached < len(p2), (cached, shared)
+    assert shared >= 2 * INTERVAL
+    chunks = list(env.client.chat.completions.create(**greedy(messages=turn2, stream=True,
+                                                              stream_options={"include_usage": True}, **kw)))
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert len(usage) == 1 and usage[0].prompt_tokens_details.cached_tokens >= cached
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == two.choices[0].message.content
+    rnd = random.Random(9)
+    p = [rnd.randrange(3, 700) for _ in range(3 * INTERVAL)]
+    env.client.completions.create(**greedy(prompt=p, max_tokens=1, extra_body={"ignore_eos": True}))
+    both = env.client.completions.create(**greedy(prompt=[p + [5, 6], p + [7]], max_tokens=2,
+                                                  extra_body={"ignore_eos": True}))
+    assert both.usage.prompt_tokens == 2 * len(p) + 3
+    assert both.usage.prompt_tokens_details.cached_tokens == 2 * len(p), both.usage
+    assert env.wait_metric(env.urls["metrics"], "k3_prefix_cache_tokens", lambda v: v >= len(p)) >= len(p)
 
 
 def test_bad_requests_leave_the_server_serving(env):

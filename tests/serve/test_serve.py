@@ -453,6 +453,45 @@ def test_repository_writer_config_validates(tmp_path):
         repo_mod.write_repository(engines, tmp_path / "repo6", "onnxruntime", ops="kernels")
 
 
+def test_repository_prefix_caching_parameters_and_the_serving_copy(tmp_path, echo_repo):
+    """`repository --enable-prefix-caching --num-snapshots --snapshot-interval` writes the three parameters; without
+    --enable-prefix-caching or below 1 they are refused naming the flag. `with_prefix_caching` (what `k3deploy
+    serve --enable-prefix-caching` serves) copies a repository with them set and every other parameter kept,
+    leaving the original as it was; `serve` refuses the flags without --enable-prefix-caching and a repository
+    without a k3 model (exit 2, the reason logged)."""
+    from k3deploy.serve import launch
+    engines = tmp_path / "ckpt"
+    engines.mkdir()
+    (engines / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 321}}))
+
+    def params(repo):
+        from google.protobuf import text_format
+        from tritonclient.grpc import model_config_pb2
+        cfg = model_config_pb2.ModelConfig()
+        text_format.Parse((repo / "k3" / "config.pbtxt").read_text(), cfg)
+        return {k: v.string_value for k, v in cfg.parameters.items()}
+    assert repo_mod.main(["--engines", str(engines), "--out", str(tmp_path / "r1"), "--backend", "onnxruntime",
+                          "--enable-prefix-caching", "--num-snapshots", "6", "--snapshot-interval", "128"]) == 0
+    got = params(tmp_path / "r1")
+    assert (got["enable_prefix_caching"], got["num_snapshots"], got["snapshot_interval"]) == ("true", "6", "128")
+    for bad, msg in ((dict(num_snapshots=4), "--num-snapshots 4: only used with --enable-prefix-caching"),
+                     (dict(enable_prefix_caching=True, snapshot_interval=0), "--snapshot-interval 0: give an integer")):
+        with pytest.raises(repo_mod.RepositoryError, match=msg):
+            repo_mod.write_repository(engines, tmp_path / "bad", "onnxruntime", **bad)
+    assert not (tmp_path / "bad").exists()
+    repo_mod.write_repository(engines, tmp_path / "r2", "onnxruntime", max_batch=4)
+    before = (tmp_path / "r2" / "k3" / "config.pbtxt").read_text()
+    copy = repo_mod.with_prefix_caching(tmp_path / "r2", tmp_path / "copy", snapshot_interval=64)
+    assert (tmp_path / "r2" / "k3" / "config.pbtxt").read_text() == before
+    got, orig = params(copy), params(tmp_path / "r2")
+    assert got.pop("enable_prefix_caching") == "true" and got.pop("snapshot_interval") == "64" and got == orig
+    assert (copy / "k3" / "1" / "model.py").is_file() and repo_mod.validate_repository(copy)
+    with pytest.raises(repo_mod.RepositoryError, match="no k3/config.pbtxt"):
+        repo_mod.with_prefix_caching(echo_repo, tmp_path / "copy2")
+    assert launch.main(["--repo", str(tmp_path / "r2"), "--num-snapshots", "3"]) == 2
+    assert launch.main(["--repo", str(echo_repo), "--enable-prefix-caching"]) == 2
+
+
 def test_repository_backend_precedence(tmp_path):
     engines = tmp_path / "e"
     engines.mkdir()
@@ -542,8 +581,10 @@ def k3(request, tmp_path_factory):
     else:
         out, r = request.getfixturevalue("tiny_build_tp1")
         assert r.returncode == 0, r.stderr[-3000:]
-        repo = out / "triton"
         assert json.loads((out / "manifest.json").read_text())["backend"] == "onnxruntime"
+        # the build's repository as `k3deploy serve --enable-prefix-caching` serves it
+        repo = repo_mod.with_prefix_caching(out / "triton", tmp_path_factory.mktemp("k3_build") / "repo",
+                                            num_snapshots=12, snapshot_interval=16)
         llm = api.LLM(str(out), backend="onnxruntime", max_batch=8)
         vocab = llm.cfg.vocab_size
 
@@ -791,8 +832,8 @@ def test_k3_bad_inputs_get_error_and_server_keeps_serving(k3):
 
 def test_k3_num_cached_tokens_with_the_final_response(k3):
     """The second turn of a conversation reports the prompt tokens served from the prefix cache in its final
-    response (the runtime variant's repository enables prefix caching; the build's does not: 0), streaming or not,
-    with the tokens of a run without caching; the hit shows in the metrics."""
+    response (the runtime's repository written with prefix caching, the build's served with it turned on),
+    streaming or not, with the tokens of a run without caching; the hit shows in the metrics."""
     first = list(range(40, 70))
     res = grpc_stream(k3.server.grpc_url, "k3", _req(first, 4, end_id=one(-1)))
     assert res.error is None and res.num_cached_tokens == 0
@@ -802,8 +843,8 @@ def test_k3_num_cached_tokens_with_the_final_response(k3):
         r2 = grpc_stream(k3.server.grpc_url, "k3", _req(second, 3, streaming=one(streaming, np.bool_),
                                                        end_id=one(-1)))
         assert r2.error is None and r2.tokens == want
-        assert r2.num_cached_tokens == (len(first) + 3 if k3.kind == "runtime" else 0), streaming
-    if k3.kind == "runtime":
-        assert wait_metric(k3.server, "k3_prefix_cache_hit_tokens", lambda v: v >= 33) >= 33
-        assert 0 < wait_metric(k3.server, "k3_prefix_cache_hit_rate", lambda v: v > 0) < 1
-        assert wait_metric(k3.server, "k3_snapshot_pool_bytes", lambda v: v > 0) > 0
+        assert r2.num_cached_tokens == len(first) + 3, streaming
+    assert wait_metric(k3.server, "k3_prefix_cache_hit_tokens", lambda v: v >= 33) >= 33
+    assert 0 < wait_metric(k3.server, "k3_prefix_cache_hit_rate", lambda v: v > 0) < 1
+    assert wait_metric(k3.server, "k3_snapshot_pool_bytes", lambda v: v > 0) > 0
+    assert wait_metric(k3.server, "k3_prefix_cache_tokens", lambda v: v > 0) > 0
