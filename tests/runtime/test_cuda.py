@@ -467,6 +467,57 @@ def test_prefix_caching_with_kernels_and_cuda_graphs_on_gpu(micro_ckpt, micro_mo
 
 @pytest.mark.gpu
 @cuda_only
+@pytest.mark.parametrize("seed", [0, 1])
+def test_prefix_caching_random_conversation_trees_on_gpu(micro_ckpt, micro_model, seed):
+    """A random conversation tree on the in-place kernels with CUDA-graph decode: a root turn, then branches that
+    share random-length prefixes of its prompt + reply, sent in random waves under a random chunk budget, with
+    periodic snapshots every 16 tokens (several inside one prefill chunk). Caching on gives the tokens of caching
+    off and of the CPU reference, the branches reuse cached prefixes, and the pools are empty once the cache is
+    reset."""
+    import random
+
+    from k3deploy.runtime.api import LLM, SamplingParams
+    rnd = random.Random(seed)
+    root = stable_prompts(micro_model, 1, [rnd.randrange(30, 60)], 6, KERNEL_TRIALS, 5e-2, seed=40 + seed)[0]
+    hist = root + greedy_path(micro_model, root, 6)
+    branches, cuts = [], {}
+    for i in range(5):
+        cut = rnd.randrange(8, len(hist) + 1)
+        branches += stable_prompts(micro_model, 1, [rnd.randrange(3, 15)], 4, KERNEL_TRIALS, 5e-2,
+                                   seed=50 + 10 * seed + i, prefix=tuple(hist[:cut]))
+        cuts[id(branches[-1])] = cut
+    rnd.shuffle(branches)
+    waves, i = [[root]], 0
+    while i < len(branches):
+        k = rnd.randrange(1, 4)
+        waves.append(branches[i:i + k])
+        i += k
+    kw = dict(device=DEV, ops="kernels", max_batch=4, max_num_tokens=rnd.choice([16, 24, 64]), max_context=128,
+              block_size=16, cuda_graphs=True)
+    got = {}
+    for caching in (False, True):
+        extra = dict(enable_prefix_caching=True, snapshot_interval=16, num_snapshots=64) if caching else {}
+        with LLM(micro_ckpt, **kw, **extra) as llm:
+            outs = []
+            for wave in waves:
+                n = 6 if wave[0] is root else 4
+                outs += llm.generate(wave, SamplingParams(max_tokens=n, ignore_eos=True))
+                llm.cache.check_consistent()
+            got[caching] = [o.token_ids for o in outs]
+            if caching:        # each branch resumes at its shared prefix's last snapshot position at least
+                for p, o in zip((p for wave in waves for p in wave), outs):
+                    cut, done = (0, 0) if p is root else (cuts[id(p)], len(root) + 5)    # root: its end snapshot
+                    floor = done if cut >= done else cut // 16 * 16
+                    assert floor <= o.num_cached_tokens < len(p), (floor, o.num_cached_tokens, len(p))
+                assert sum(o.num_cached_tokens for o in outs) > 0
+                llm.reset_prefix_cache()
+                assert llm.cache.blocks_in_use == 0 and llm.cache.slots_in_use == 0
+    want = [greedy_path(micro_model, p, 6 if p is root else 4) for wave in waves for p in wave]
+    assert got[True] == got[False] == want
+
+
+@pytest.mark.gpu
+@cuda_only
 def test_bf16_dense_weights_on_gpu_graphs_equal_eager(micro_ckpt):
     """dense_dtype="bfloat16" on the GPU with the kernels: bf16 cuBLAS GEMMs for the projections, the decode step
     replayed from CUDA graphs gives the eager bf16 run's tokens; the weights take about half the fp32 bytes."""
