@@ -467,6 +467,8 @@ class LLM:
             self._engine = None
 
     def metrics(self) -> dict:
+        """The scheduler's counters and gauges (`AsyncEngine.metrics`; with prefix caching the prefix-cache metrics
+        of docs/PREFIX_CACHING.md), read through the engine while it runs."""
         return self._engine.metrics() if self._engine else self.scheduler.metrics()
 
     # ---- synchronous helpers ----
