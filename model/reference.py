@@ -35,7 +35,8 @@ class SnapshotRound:
     tokens [Tj] int64: the batch's packed rows of the pieces, in order; cu [Nj+1] int32: their offsets in that
     packing; seqs [Nj] int64: the batch sequence of each piece; starts [Nj] int32: where each piece starts in its
     sequence; snap [Cj] int64 and rows [Cj] int64: the batch sequences whose KDA state after this round (their
-    piece ends on a snapshot offset) goes to which snapshot row."""
+    piece ends on a snapshot offset) goes to which snapshot row; span: (first, end) when `tokens` is that one
+    contiguous range of packed rows (a slice instead of a gather), else None."""
 
     tokens: torch.Tensor
     cu: torch.Tensor
@@ -43,9 +44,15 @@ class SnapshotRound:
     starts: torch.Tensor
     snap: torch.Tensor
     rows: torch.Tensor
+    span: tuple[int, int] | None = None
 
     def to(self, device: "str | torch.device") -> "SnapshotRound":
-        return SnapshotRound(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
+        return dataclasses.replace(self, **{f: getattr(self, f).to(device) for f in (
+            "tokens", "cu", "seqs", "starts", "snap", "rows")})
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """The rows of packed x [T, ...] this round runs."""
+        return x[self.span[0]:self.span[1]] if self.span else x.index_select(0, self.tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,10 +100,11 @@ class KdaSnapshot:
             cu = [0]
             for _, a, b, _ in piece:
                 cu.append(cu[-1] + b - a)
+            span = (tokens[0], tokens[-1] + 1) if tokens and tokens[-1] + 1 - tokens[0] == len(tokens) else None
             rounds.append(SnapshotRound(t(tokens), t(cu, torch.int32), t([q for q, _, _, _ in piece]),
                                         t([a for _, a, _, _ in piece], torch.int32),
                                         t([q for q, _, _, r in piece if r is not None]),
-                                        t([r for _, _, _, r in piece if r is not None])))
+                                        t([r for _, _, _, r in piece if r is not None]), span))
         return cls(at, pools, tuple(rounds))
 
     def to(self, device: "str | torch.device") -> "KdaSnapshot":
@@ -228,7 +236,7 @@ def kda_prefill_snapshotting(kda_prefill, args: tuple, state: torch.Tensor, conv
     acts, weights = args[:4], args[4:]
     whole = None
     for rnd in s.rounds:
-        piece = [a.index_select(0, rnd.tokens) for a in acts]
+        piece = [rnd.take(a) for a in acts]
         out, state, conv = kda_prefill(*piece, *weights, state, conv, rnd.cu, batch.slots.index_select(0, rnd.seqs),
                                        **kw)
         s.save(rnd, {layer: {"state": state, "conv": conv}}, batch.slots, (layer,))
@@ -236,7 +244,10 @@ def kda_prefill_snapshotting(kda_prefill, args: tuple, state: torch.Tensor, conv
             return out, state, conv
         if whole is None:
             whole = out.new_empty(acts[0].shape[0], out.shape[1])
-        whole.index_copy_(0, rnd.tokens, out)
+        if rnd.span:
+            whole[rnd.span[0]:rnd.span[1]] = out
+        else:
+            whole.index_copy_(0, rnd.tokens, out)
     return whole, state, conv
 
 

@@ -201,7 +201,7 @@ class Executor:
             seqs = rnd.seqs.to(batch.slots.device)
             sub = Batch(rnd.cu.to(batch.cu_seqlens.device), batch.slots[seqs], batch.block_tables[seqs],
                         batch.context_lens[seqs] + rnd.starts.to(batch.context_lens.device))
-            logits, pools = self.forward(ids[rnd.tokens.to(ids.device)], sub, pools,
+            logits, pools = self.forward(rnd.take(ids), sub, pools,
                                          torch.tensor(local, dtype=torch.long, device=logits_index.device), rows)
             snap.save(rnd, pools, batch.slots, kda)
             if out is None:
