@@ -146,6 +146,7 @@ class DeploymentPlan:
     max_context: int = 0
     act_dtype: torch.dtype = torch.bfloat16
     vision_patches: int = 0          # patches of the largest vision call (the processor's bound)
+    num_snapshots: int = 0           # prefix-cache snapshot pool rows (0: prefix caching off)
 
     @property
     def fits(self) -> bool:
@@ -177,6 +178,10 @@ class DeploymentPlan:
         lines.append("-- decode state per request")
         lines.append(f"  KDA state + conv per rank   {self.kda_bytes_per_request:,} B ({self.kda_bytes_per_request / MiB:.1f} MiB)"
                      " = one prefix-cache snapshot")
+        if self.num_snapshots:
+            pool = self.num_snapshots * self.kda_bytes_per_request
+            lines.append(f"  snapshot pool (prefix cache) {self.num_snapshots} x that = {pool:,} B ({pool / GiB:.2f} GiB) "
+                         "per rank, budgeted apart from the slots and latent blocks")
         lines.append(f"  latent per token per rank   {self.latent_bytes_per_token:,} B")
         lines.append(f"  one request at 1M context   {self.request_bytes_1m:,} B ({self.request_bytes_1m / GiB:.2f} GiB) per rank; "
                      f"whole model (TP=1) {self.request_bytes_1m_tp1:,} B ({self.request_bytes_1m_tp1 / GiB:.2f} GiB)")
@@ -224,4 +229,5 @@ def make_plan(cfg: K3Config, tp: int = 1, ep: int = 1, *, gpu_bytes: int = H200_
                           request_bytes_1m=one.bytes_per_request, request_bytes_1m_tp1=one_tp1.bytes_per_request, kda_bytes_per_request=one.kda_bytes_per_request,
                           latent_bytes_per_token=one.latent_bytes_per_token, max_batch_at_context=int(max_b),
                           smallest=None if weights.total < gpu_bytes else smallest_fit(cfg, gpu_bytes),
-                          max_context=max_context, act_dtype=act_dtype, vision_patches=patches)
+                          max_context=max_context, act_dtype=act_dtype, vision_patches=patches,
+                          num_snapshots=snapshots)
