@@ -216,6 +216,7 @@ class StagedSnapshot:
     length: int
     row: int
     blocks: tuple[int, ...]
+    final: bool = False
 
 
 class HybridCache:
@@ -403,9 +404,10 @@ class HybridCache:
             heapq.heappush(self._free_blocks, blk)
 
     def _take_block(self) -> int:
-        """The lowest free block for one request, evicting least recently used snapshots until one is free."""
+        """The lowest free block for one request, evicting least recently used snapshots that hold a block no
+        request holds until one is free (snapshots whose blocks running requests share stay)."""
         while not self._free_blocks:
-            if not self._evict_lru():
+            if not self._evict_lru(reclaim=True):
                 raise CacheFull("no free latent block")
         blk = heapq.heappop(self._free_blocks)
         self._holders[blk] = 1
@@ -475,13 +477,13 @@ class HybridCache:
         if key in self.index:
             self.index.touch(key)
             return False
-        row = self._take_row()
+        row = self._take_row(final)
         if row is None:
             return False
         self.snapshots.save(self.pools, a.slot, row)
         blocks = tuple(a.blocks[: math.ceil(length / self.block_size)])
         self._hold_snapshot_blocks(blocks, length)
-        self.index.add(Snapshot(key, base, length, row, blocks))
+        self.index.add(Snapshot(key, base, length, row, blocks, final))
         self.prefix_stats["snapshots_taken"] += 1
         return True
 
@@ -503,7 +505,7 @@ class HybridCache:
         a, chain = self._allocs[rid], self._chain(rid, keys)
         if not self._snapshottable(a, length, final, chain.keys):
             return None
-        row = self._take_row()
+        row = self._take_row(final)
         if row is None:
             return None
         if copy:
@@ -511,7 +513,7 @@ class HybridCache:
         blocks = tuple(a.blocks[: math.ceil(length / self.block_size)])
         for b in blocks:
             self._hold(b, +1)                         # held like a request's table: neither free nor evictable
-        staged = StagedSnapshot(rid, a, chain, length, row, blocks)
+        staged = StagedSnapshot(rid, a, chain, length, row, blocks, final)
         self._staged.add(staged)
         return staged
 
@@ -532,7 +534,7 @@ class HybridCache:
         self._hold_snapshot_blocks(staged.blocks, staged.length)
         for b in staged.blocks:
             self._hold(b, -1)
-        self.index.add(Snapshot(key, base, staged.length, staged.row, staged.blocks))
+        self.index.add(Snapshot(key, base, staged.length, staged.row, staged.blocks, staged.final))
         self.prefix_stats["snapshots_taken"] += 1
         return True
 
@@ -552,11 +554,15 @@ class HybridCache:
         inside a content span."""
         return 0 < length <= a.num_tokens and (final or length % self.block_size == 0) and not inside_span(length, keys)
 
-    def _take_row(self) -> int | None:
-        """The lowest free snapshot row, evicting the least recently used snapshot when none is; None when all rows
-        are staged."""
-        if not self._free_rows and not self._evict_lru():
-            return None
+    def _take_row(self, final: bool) -> int | None:
+        """The lowest free snapshot row for a snapshot of kind `final` (end of request, else periodic); when none is
+        free, evicting the least recently used snapshot — of the same kind once that kind holds half the rows, so
+        that a burst of periodic snapshots (one long prompt) cannot evict every conversation's end-of-reply
+        snapshot, nor the reverse. None when nothing can be evicted (all rows staged)."""
+        if not self._free_rows:
+            same = sum(s.final == final for s in self.index.entries.values())
+            if not self._evict_lru(final=final if 2 * same >= self.snapshots.rows else None):
+                return None
         self._free_rows.sort()
         return self._free_rows.pop(0)
 
@@ -569,9 +575,13 @@ class HybridCache:
                 self._cached_tokens += self._valid[b]
             self._hold(b, +1, snapshot=True)
 
-    def _evict_lru(self, count: bool = True) -> bool:
-        """Drop the least recently used snapshot (its row and its holds on blocks); False when there is none."""
-        snap = self.index.lru() if self.index is not None else None
+    def _evict_lru(self, count: bool = True, final: bool | None = None, reclaim: bool = False) -> bool:
+        """Drop the least recently used snapshot (its row and its holds on blocks) — of kind `final` unless None,
+        holding a block no request holds when `reclaim`; False when there is none."""
+        if self.index is None:
+            return False
+        snap = next((s for s in self.index.entries.values() if (final is None or s.final == final)
+                     and (not reclaim or any(self._holders[b] == 0 for b in s.blocks))), None)
         if snap is None:
             return False
         self.index.remove(snap.key)

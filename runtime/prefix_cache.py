@@ -134,13 +134,15 @@ class PrefixChain:
 @dataclasses.dataclass(eq=False)
 class Snapshot:
     """One published prefix: KDA rows `row` of the snapshot pool after `length` tokens, and the latent `blocks`
-    holding tokens [0, length) (length // block_size full blocks, then the partial block if any)."""
+    holding tokens [0, length) (length // block_size full blocks, then the partial block if any); `final`: taken at
+    the end of a finished request, else at a periodic position."""
 
     key: bytes
     base: bytes
     length: int
     row: int
     blocks: tuple[int, ...]
+    final: bool = False              # the end of a finished request (else a periodic snapshot)
 
 
 class SnapshotPool:

@@ -28,7 +28,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 from k3deploy.model.config import load_config
 from k3deploy.model.reference import Batch, KdaSnapshot
-from k3deploy.runtime.cache import HybridCache, plan_memory
+from k3deploy.runtime.cache import CacheFull, HybridCache, plan_memory
 from k3deploy.runtime.executor import Executor, TorchExecutor
 from k3deploy.runtime.prefix_cache import PrefixChain, check_content_keys
 from k3deploy.runtime.sampling import SamplingParams
@@ -519,10 +519,11 @@ def test_restore_copies_state_and_partial_block_and_evicts_lru(micro_cfg):
     cache.check_consistent()
     assert cache.lookup("c", sl, 10).length == 8                # at most num_tokens - 1 tokens are reused
     assert cache.lookup("d", lambda a, b: [5] * (b - a), 12) is None
-    # a third snapshot evicts the least recently used one (10: the lookup of "c" used 8 after it)
+    # a third snapshot, periodic, evicts the least recently used periodic one: periodic snapshots hold half the
+    # rows (8), so the end-of-request one (10) stays although the lookup of "c" used 8 after it
     cache.append("b", 6)
     assert cache.publish("b", sl)
-    assert sorted(s.length for s in cache.index.entries.values()) == [8, 16]
+    assert sorted(s.length for s in cache.index.entries.values()) == [10, 16]
     assert cache.prefix_stats["evictions"] == 1
     cache.free("b")
     # blocks held only by snapshots are available: taking them evicts snapshots
@@ -532,6 +533,48 @@ def test_restore_copies_state_and_partial_block_and_evicts_lru(micro_cfg):
     cache.free("e")
     cache.check_consistent()
     assert cache.blocks_in_use == 0 and cache.reset_prefix_cache() == 0
+
+
+def test_eviction_spares_what_it_cannot_free_and_keeps_half_the_rows_per_kind(micro_cfg):
+    """Taking a latent block evicts only snapshots holding a block no request holds (a snapshot whose blocks a
+    running request shares frees nothing and stays); a burst of periodic snapshots (one long prompt) evicts
+    end-of-request snapshots only until periodic ones hold half the rows, then its own oldest."""
+    toks = list(range(3, 90))
+    sl = lambda a, b: toks[a:b]                                  # noqa: E731
+    cache = HybridCache(micro_cfg, 3, 7, 4, num_snapshots=4, snapshot_interval=4)
+    cache.allocate("a")
+    cache.append("a", 8)
+    assert cache.publish("a", sl, length=4) and cache.publish("a", sl, length=8)    # a still holds both blocks
+    cache.allocate("o")
+    cache.append("o", 4)
+    assert cache.publish("o", lambda a, b: [9] * (b - a), final=True)
+    cache.free("o")                                             # its block is held by its snapshot alone
+    cache.allocate("b")
+    cache.append("b", 16)                                       # 4 free blocks, then the one o's snapshot holds
+    assert sorted(s.length for s in cache.index.entries.values()) == [4, 8]
+    assert cache.prefix_stats["evictions"] == 1
+    with pytest.raises(CacheFull):
+        cache.append("b", 4)                                    # a's snapshots would free nothing: they stay
+    assert len(cache.index) == 2
+    cache.check_consistent()
+    cache.free("a")
+    cache.free("b")
+    assert cache.reset_prefix_cache() == 2
+
+    cache = HybridCache(micro_cfg, 4, 40, 4, num_snapshots=4, snapshot_interval=4)
+    for rid in ("x", "y", "z", "w"):                            # four finished conversations fill the pool
+        cache.allocate(rid)
+        cache.append(rid, 6)
+        assert cache.publish(rid, lambda a, b, r=rid: [ord(r)] * (b - a), final=True)
+        cache.free(rid)
+    cache.allocate("long")
+    cache.append("long", 24)
+    for n in range(4, 25, 4):                                   # six periodic snapshots of one prompt
+        assert cache.publish("long", sl, length=n)
+    kinds = sorted((s.final, s.length) for s in cache.index.entries.values())
+    assert kinds == [(False, 20), (False, 24), (True, 6), (True, 6)], kinds
+    cache.free("long")
+    cache.check_consistent()
 
 
 def test_snapshot_interval_and_sizes_are_validated(micro_cfg):
@@ -783,7 +826,10 @@ def test_build_plan_with_prefix_caching(capsys, tmp_path):
     from k3deploy.model.config import preset_json
     (tmp_path / "config.json").write_text(json.dumps(preset_json("k3-tiny")))      # a config-only checkpoint
     assert main(["plan", "--checkpoint", str(tmp_path), "--enable-prefix-caching"]) == 0
-    assert "snapshot pool           16 x KDA total" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "snapshot pool           16 x KDA total" in out and "snapshot pool (prefix cache) 16 x that" in out
+    p = make_plan(load_config("k3"), 8, 8, max_batch=8, max_context=4096, prefix_caching=True, num_snapshots=4)
+    assert p.memory is None and "snapshot pool (prefix cache) 4 x that = 224,686,080 B" in p.report()
 
 
 def test_images_key_the_cache_by_content(tiny_vl_ckpt):
