@@ -867,7 +867,8 @@ def _parse_args(argv: Optional[Sequence[str]] = None, prog: str | None = None) -
                         "2 x max_batch)")
     p.add_argument("--snapshot-interval", type=int, default=None,
                    help="with --enable-prefix-caching: tokens between periodic KDA snapshots, a multiple of the "
-                        "latent block size (default: the repository's, else 1024 rounded up to one)")
+                        "latent block size (16 on the CPU, 64 on CUDA, the engines' for tensorrt; the model refuses "
+                        "another when it loads) (default: the repository's, else 1024 rounded up to one)")
     p.add_argument("--http-port", type=int, default=None, help="HTTP/REST port (default: a free one)")
     p.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default: a free one)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics port (omit: metrics off)")

@@ -470,7 +470,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: str | None = None) -> int:
                         "(default: the runtime's, 2 x max_batch)")
     p.add_argument("--snapshot-interval", type=int, default=None,
                    help="with --enable-prefix-caching: tokens between periodic KDA snapshots, a multiple of the "
-                        "latent block size (default: the runtime's, 1024 rounded up to one)")
+                        "latent block size (16 on the CPU, 64 on CUDA, the engines' for tensorrt; the model refuses "
+                        "another when it loads) (default: the runtime's, 1024 rounded up to one)")
     p.add_argument("--force", action="store_true", help="replace an existing OUT/<name>")
     args = p.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
