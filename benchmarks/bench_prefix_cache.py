@@ -86,8 +86,8 @@ def parse_args(argv=None):
     s.add_argument("--system-len", type=int, default=4096, help="shared system prompt tokens (default %(default)s)")
     s.add_argument("--question-len", type=int, default=128, help="each user's own tokens (default %(default)s)")
     s.add_argument("--cold-len", type=int, default=6000,
-                   help="snapshot cost: prompt tokens (default %(default)s: one chunk of --max-num-tokens 8192 with a "
-                        "snapshot inside it, at 5120)")
+                   help="snapshot cost: prompt tokens (default %(default)s: one chunk of --max-num-tokens 8192 with "
+                        "snapshots inside it at every multiple of the interval, 1024 ... 5120)")
     s.add_argument("--repeats", type=int, default=3, help="snapshot cost: runs per mode (default %(default)s)")
     o = ap.add_argument_group("output")
     o.add_argument("--out", type=Path, default=None, help="append JSON lines here")
