@@ -461,7 +461,11 @@ def build(args) -> int:
 
 def parse_args(argv=None, prog=None):
     """The CLI's arguments; exits 2 with a message naming the flag for a value < 1."""
-    ap = argparse.ArgumentParser(prog=prog or "python export/build_engines.py", description=__doc__.split("\n\n")[0],
+    plan_only = argv is not None and list(argv[:1]) == ["--dry-run"] and str(prog or "").endswith(" plan")
+    description = ("The deployment plan of a checkpoint (weights and shapes per rank, decode state, the cache plan, "
+                   "the graphs): build's plan step alone, allocating no weights; it takes build's options."
+                   if plan_only else __doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=prog or "python export/build_engines.py", description=description,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", help="K3 checkpoint directory (config.json, index, shards). Default: the embedded "
                                          "k3-tiny synthetic checkpoint, generated on first use. A directory with only "
