@@ -478,7 +478,8 @@ class TritonPythonModel:
         try:
             G, C = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
             for key, desc in (("kda_slots_in_use", "KDA state slots held by requests"),
-                              ("latent_blocks_in_use", "MLA latent-cache blocks held by requests"),
+                              ("latent_blocks_in_use",
+                               "MLA latent-cache blocks not free (held by requests or the prefix cache)"),
                               ("max_requests_per_step", "Most requests the scheduler ran in one step"),
                               ("active_requests", "Requests submitted and not yet finished"),
                               ("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / looked up"),
