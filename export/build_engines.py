@@ -522,13 +522,11 @@ def parse_args(argv=None, prog=None):
     for name in ("tp", "max_batch", "max_num_tokens", "max_context", "ep", "vision_max_patches", "vision_max_images"):
         if getattr(a, name) is not None and getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("num_snapshots", "snapshot_interval"):
-        v = getattr(a, name)
-        flag = "--" + name.replace("_", "-")
-        if v is not None and not a.enable_prefix_caching:
-            ap.error(f"{flag} {v}: only used with --enable-prefix-caching; add it or drop {flag}")
-        if v is not None and v < 1:
-            ap.error(f"{flag} must be >= 1")
+    from k3deploy.serve.repository import RepositoryError, check_prefix_caching
+    try:
+        check_prefix_caching(a.enable_prefix_caching, a.num_snapshots, a.snapshot_interval)
+    except RepositoryError as e:
+        ap.error(str(e))
     if a.snapshot_interval is not None and a.snapshot_interval % a.block_size:
         ap.error(f"--snapshot-interval {a.snapshot_interval}: must be a multiple of --block-size {a.block_size}")
     if a.block_size < 16 or a.block_size % 16:

@@ -818,6 +818,12 @@ def test_build_plan_with_prefix_caching(capsys, tmp_path):
     from k3deploy.export.build_engines import parse_args
     from k3deploy.export.plan import make_plan
     assert parse_args(["--enable-prefix-caching"]).enable_prefix_caching and not parse_args([]).enable_prefix_caching
+    for bad, msg in ((["--num-snapshots", "4"], "--num-snapshots 4: only used with --enable-prefix-caching"),
+                     (["--enable-prefix-caching", "--num-snapshots", "0"], "--num-snapshots 0: give an integer >= 1"),
+                     (["--enable-prefix-caching", "--snapshot-interval", "100"], "multiple of --block-size 64")):
+        with pytest.raises(SystemExit) as e:
+            parse_args(bad)
+        assert e.value.code == 2 and msg in capsys.readouterr().err
     cfg = load_config("k3-tiny")
     p = make_plan(cfg, 2, 2, max_batch=8, max_context=4096, prefix_caching=True)
     assert p.memory.num_snapshots == 16 and p.memory.snapshot_pool_bytes == 16 * p.kda_bytes_per_request
