@@ -47,6 +47,7 @@ class SnapshotRound:
     span: tuple[int, int] | None = None
 
     def to(self, device: "str | torch.device") -> "SnapshotRound":
+        """The same round with its index tensors on `device` (span stays on the host)."""
         return dataclasses.replace(self, **{f: getattr(self, f).to(device) for f in (
             "tokens", "cu", "seqs", "starts", "snap", "rows")})
 
