@@ -43,82 +43,44 @@ def _p_new(prow, arow, cc, cm, dst, P_IN: tl.constexpr, ADD: tl.constexpr):
 @triton.jit
 def _attn_res_norm_kernel(p_ptr, add_ptr, bank_ptr, q_ptr, w_ptr, out_ptr, rows_ptr,
                           stride_p, stride_add, stride_bt, stride_br, stride_out, D, eps,
-                          NB: tl.constexpr, NBP: tl.constexpr, P_IN: tl.constexpr, ADD: tl.constexpr,
+                          NB: tl.constexpr, RB: tl.constexpr, P_IN: tl.constexpr, ADD: tl.constexpr,
                           P_OUT: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr):
-    """One program per output row. Sources: bank rows 0..NB-1 (one [NBP, BD] tile per column step) and the block
-    sum P' = P + add (P_IN / ADD; stored to P with P_OUT 1, to bank row NB with P_OUT 2). Pass 1: square sums and
-    query dots; softmax of the scores; pass 2: the mix, rounded and staged in the output row with its square sum;
-    pass 3: the RMSNorm with w in place. The sums accumulate elementwise over the column steps and are reduced
-    across the program once after each pass (a block-wide reduction per column step would cost a barrier each:
-    the kernel is latency-bound, one program per row)."""
+    """One program per output row, the whole row (BD >= D columns) in registers, one read of every source: the
+    block sum P' = P + add (P_IN / ADD; stored to P with P_OUT 1, to bank row NB with P_OUT 2) starts an online
+    softmax over the sources (running max, denominator and unnormalized mix), then bank rows 0..NB-1 join it RB
+    rows at a time; the mix is rounded, normalized and multiplied by w."""
     i = tl.program_id(0)
     t = tl.load(rows_ptr + i).to(tl.int64) if ROWS else i.to(tl.int64)
     adt = out_ptr.dtype.element_ty
-    r = tl.arange(0, NBP)
-    rm = r < NB
     prow = p_ptr + t * stride_p
-    arow = add_ptr + t * stride_add
-    bptr = bank_ptr + t * stride_bt + r[:, None].to(tl.int64) * stride_br
     orow = out_ptr + i.to(tl.int64) * stride_out
-    acc_ss = tl.zeros([NBP, BD], tl.float32)
-    acc_dq = tl.zeros([NBP, BD], tl.float32)
-    acc_ssp = tl.zeros([BD], tl.float32)
-    acc_dqp = tl.zeros([BD], tl.float32)
-    for c0 in range(0, D, BD):                                   # pass 1
-        cc = c0 + tl.arange(0, BD)
-        cm = cc < D
-        qv = tl.load(q_ptr + cc, mask=cm, other=0.0).to(tl.float32)
-        pn = _p_new(prow, arow, cc, cm, orow, P_IN, ADD)
-        if P_OUT == 1:
-            tl.store(prow + cc, pn.to(adt), mask=cm)
-        if P_OUT == 2:
-            tl.store(bank_ptr + t * stride_bt + NB * stride_br + cc, pn.to(adt), mask=cm)
-        acc_ssp += pn * pn
-        acc_dqp += pn * qv
-        if NB > 0:
-            v = tl.load(bptr + cc[None, :], mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
-            acc_ss += v * v
-            acc_dq += v * qv[None, :]
-    ss_p = tl.sum(acc_ssp, 0)
-    dq_p = tl.sum(acc_dqp, 0)
-    ss = tl.sum(acc_ss, 1)
-    dq = tl.sum(acc_dq, 1)
-    s = tl.where(rm, dq * tl.rsqrt(ss / D + eps), float("-inf"))
-    s_p = dq_p * tl.rsqrt(ss_p / D + eps)
-    mx = tl.maximum(tl.max(s, 0), s_p)
-    e = tl.exp(s - mx)
-    e_p = tl.exp(s_p - mx)
-    z = tl.sum(e, 0) + e_p
-    pb = e / z
-    pp = e_p / z
-    if P_OUT != 0:
-        tl.debug_barrier()
-    acc_h = tl.zeros([BD], tl.float32)
-    for c0 in range(0, D, BD):                                   # pass 2
-        cc = c0 + tl.arange(0, BD)
-        cm = cc < D
-        if P_OUT == 1:
-            pn = tl.load(prow + cc, mask=cm, other=0.0).to(tl.float32)
-        elif P_OUT == 2:
-            pn = tl.load(bank_ptr + t * stride_bt + NB * stride_br + cc, mask=cm, other=0.0).to(tl.float32)
-        else:
-            pn = _p_new(prow, arow, cc, cm, orow, P_IN, ADD)
-        h = pn * pp
-        if NB > 0:
-            v = tl.load(bptr + cc[None, :], mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
-            h += tl.sum(v * pb[:, None], 0)
-        h = h.to(adt)
-        tl.store(orow + cc, h, mask=cm)
-        hf = h.to(tl.float32)
-        acc_h += hf * hf
-    rstd = tl.rsqrt(tl.sum(acc_h, 0) / D + eps)
-    tl.debug_barrier()
-    for c0 in range(0, D, BD):                                   # pass 3
-        cc = c0 + tl.arange(0, BD)
-        cm = cc < D
-        h = tl.load(orow + cc, mask=cm, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + cc, mask=cm, other=0.0).to(tl.float32)
-        tl.store(orow + cc, ((h * rstd).to(adt).to(tl.float32) * w).to(adt), mask=cm)
+    cc = tl.arange(0, BD)
+    cm = cc < D
+    qv = tl.load(q_ptr + cc, mask=cm, other=0.0).to(tl.float32)
+    pn = _p_new(prow, add_ptr + t * stride_add, cc, cm, orow, P_IN, ADD)
+    if P_OUT == 1:
+        tl.store(prow + cc, pn.to(adt), mask=cm)
+    if P_OUT == 2:
+        tl.store(bank_ptr + t * stride_bt + NB * stride_br + cc, pn.to(adt), mask=cm)
+    m = tl.sum(pn * qv, 0) * tl.rsqrt(tl.sum(pn * pn, 0) / D + eps)      # P's score; its weight exp(0) = 1
+    z = 1.0
+    mix = pn
+    for r0 in tl.static_range(0, NB, RB):
+        r = r0 + tl.arange(0, RB)
+        rm = r < NB
+        v = tl.load(bank_ptr + t * stride_bt + r[:, None].to(tl.int64) * stride_br + cc[None, :],
+                    mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
+        s = tl.where(rm, tl.sum(v * qv[None, :], 1) * tl.rsqrt(tl.sum(v * v, 1) / D + eps), float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 0))
+        alpha = tl.exp(m - m_new)
+        e = tl.exp(s - m_new)
+        z = z * alpha + tl.sum(e, 0)
+        mix = mix * alpha + tl.sum(v * e[:, None], 0)
+        m = m_new
+    h = (mix / z).to(adt).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(h * h, 0) / D + eps)
+    w = tl.load(w_ptr + cc, mask=cm, other=0.0).to(tl.float32)
+    tl.store(orow + cc, ((h * rstd).to(adt).to(tl.float32) * w).to(adt), mask=cm)
 
 
 def attn_res_norm(P: torch.Tensor, add: torch.Tensor | None, bank: torch.Tensor, num_rows: int,
@@ -147,22 +109,21 @@ def attn_res_norm(P: torch.Tensor, add: torch.Tensor | None, bank: torch.Tensor,
     if M == 0:
         return out
     a = add if add is not None else P
-    NBP, BD, warps = attn_res_tiles(D, int(num_rows))
+    RB, BD, warps = attn_res_tiles(D, int(num_rows))
     _attn_res_norm_kernel[(M,)](
         P, a, bank, query, norm_w, out, rows if rows is not None else P,
         P.stride(0), a.stride(0), bank.stride(0), bank.stride(1), out.stride(0), D, float(eps),
-        NB=int(num_rows), NBP=NBP, P_IN=not restart,
+        NB=int(num_rows), RB=RB, P_IN=not restart,
         ADD=add is not None, P_OUT={"P": 1, "bank": 2, None: 0}[store], ROWS=rows is not None, BD=BD,
         num_warps=warps)
     return out
 
 
 def attn_res_tiles(D: int, num_rows: int) -> tuple[int, int, int]:
-    """(NBP bank-row tile, BD columns per step, warps) of `_attn_res_norm_kernel` for width D and num_rows bank
-    sources: its [NBP, BD] fp32 accumulators stay in registers with 16 warps at K3's width, 2048 columns per step
-    below 8 bank rows and 1024 from 8 up."""
-    NBP = max(2, triton.next_power_of_2(num_rows))
-    return NBP, min(2048 if NBP < 8 else 1024, triton.next_power_of_2(D)), 16 if D >= 2048 else 4
+    """(RB bank rows per load, BD columns = the row padded to a power of 2, warps) of `_attn_res_norm_kernel` for
+    width D and num_rows bank sources: at K3's width (7168: BD 8192, 16 warps) up to 4 bank rows load at once and
+    deeper banks 2 at a time, which keeps every value in registers (no spills, offline Triton 3.6 for sm_90)."""
+    return (4 if num_rows <= 4 else 2), triton.next_power_of_2(D), 16 if D >= 2048 else 4
 
 
 @triton.jit
