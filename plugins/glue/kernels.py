@@ -1,12 +1,14 @@
 """Triton kernels of a decoder layer's glue (GPU; CPU tensors under TRITON_INTERPRET=1): everything between the
-projections (cuBLAS) and the five custom ops, one launch each. fp32 definitions: plugins/glue/reference.py.
+projections (cuBLAS) and the five custom ops, one launch each (`greedy_pick`: two). fp32 definitions:
+plugins/glue/reference.py.
 
 * `attn_res_norm`: pending residual add + optional bank commit + Block AttnRes (scores over the bank and the
   block sum, softmax, mix) + the RMSNorm after it (MODEL.md §6.2-§6.3, §2.1);
 * `lora_norms`: MLA's q_a / kv_a RMSNorms and the latent cache row [c_kv ‖ k_pe] from one GEMM output (§5.2);
 * `mla_absorb`: q_nope·W_UK ‖ q_pe for the decode (the MLA prefill's absorb kernel, plugins/mla/kernels.py);
 * `mla_out`: W_UV up-projection of the absorbed decode's latent output with the sigmoid gate (§5.3);
-* `moe_out_rows`: RMSNorm of the combined routed latent and the shared experts' SiTU into one buffer (§7.2, §2.2).
+* `moe_out_rows`: RMSNorm of the combined routed latent and the shared experts' SiTU into one buffer (§7.2, §2.2);
+* `greedy_pick`: after the head, each row's argmax and whether its logits are all finite, in one read of them.
 
 Activations are in the model dtype `adt` (bf16 or fp32, the output tensor's dtype); math is fp32 and rounds to
 `adt` where the model's tensors are `adt`: the block sum P, the AttnRes output, a norm's normalized value before
@@ -311,3 +313,76 @@ def moe_out_rows(yl: torch.Tensor | None, norm_w: torch.Tensor | None, gu: torch
             BR=max(2, triton.next_power_of_2(RL)), BI=min(2048, max(2, triton.next_power_of_2(inter))),
             num_warps=_warps(max(RL, min(inter, 2048))))
     return out
+
+
+# ------------------------------------------------------------------------------------------------ greedy pick
+GREEDY_BLOCK = 2048        # logits per load of `_greedy_part_kernel`
+GREEDY_PROGRAMS = 512      # (row, part) programs to aim for: about 4 per SM of an H100 / H200
+
+
+@triton.jit
+def _greedy_part_kernel(x_ptr, val_ptr, idx_ptr, bad_ptr, V, stride_x, PART, NPART, BV: tl.constexpr):
+    """Program (row b, part p): the largest logit of columns [p PART, (p + 1) PART) and its lowest column (0 with no
+    value above -inf), and whether the part holds a NaN or an infinity."""
+    b = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
+    best = tl.full([BV], float("-inf"), tl.float32)
+    at = tl.zeros([BV], tl.int32)
+    bad = tl.zeros([BV], tl.int1)
+    lo = p * PART
+    for c0 in range(lo, tl.minimum(lo + PART, V), BV):
+        c = c0 + tl.arange(0, BV)
+        x = tl.load(x_ptr + b * stride_x + c, mask=c < V, other=float("-inf")).to(tl.float32)
+        bad |= ((x != x) | (tl.abs(x) == float("inf"))) & (c < V)
+        up = x > best                       # strict: a lane keeps its first column of a tie
+        best = tl.where(up, x, best)
+        at = tl.where(up, c, at)
+    mx = tl.max(best, 0)
+    i = tl.min(tl.where(best == mx, at, 2147483647), 0)
+    o = b * NPART + p
+    tl.store(val_ptr + o, mx)
+    tl.store(idx_ptr + o, tl.where(mx > float("-inf"), i, 0))
+    tl.store(bad_ptr + o, tl.max(bad.to(tl.int32), 0))
+
+
+@triton.jit
+def _greedy_merge_kernel(val_ptr, idx_ptr, bad_ptr, ids_ptr, checked_ptr, NPART, BP: tl.constexpr):
+    """Row b: the parts' largest logit at its lowest column -> ids[b]; checked[b] = ids[b], or -1 when a part holds
+    a NaN or an infinity."""
+    b = tl.program_id(0).to(tl.int64)
+    p = tl.arange(0, BP)
+    pm = p < NPART
+    v = tl.load(val_ptr + b * NPART + p, mask=pm, other=float("-inf"))
+    i = tl.load(idx_ptr + b * NPART + p, mask=pm, other=0)
+    bad = tl.load(bad_ptr + b * NPART + p, mask=pm, other=0)
+    mx = tl.max(v, 0)
+    best = tl.min(tl.where(pm & (v == mx), i, 2147483647), 0)
+    best = tl.where(mx > float("-inf"), best, 0).to(tl.int64)
+    tl.store(ids_ptr + b, best)
+    tl.store(checked_ptr + b, tl.where(tl.max(bad, 0) > 0, -1, best))
+
+
+def greedy_pick(logits: torch.Tensor, ids: torch.Tensor, checked: torch.Tensor) -> None:
+    """The greedy token of each row in one read of the logits: ids[b] = argmax of logits[b] (lowest column on ties,
+    as torch.argmax; 0 for a row of -inf), checked[b] = ids[b], or -1 when the row holds a NaN or an infinity (the
+    rows `sampling.usable` would not pass as finite). Two launches, no host reads (CUDA-graph safe).
+
+    Args:
+        logits: [B, V] fp32 / bf16, unit stride in the last dim, V < 2^31.
+        ids, checked: [B] int64 outputs (ids may be the next step's input tokens).
+    """
+    B, V = logits.shape
+    if B == 0:
+        return
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    npart = max(1, min(triton.cdiv(GREEDY_PROGRAMS, B), triton.cdiv(V, GREEDY_BLOCK)))
+    part = triton.cdiv(triton.cdiv(V, npart), GREEDY_BLOCK) * GREEDY_BLOCK
+    npart = triton.cdiv(V, part)
+    val = torch.empty(B * npart, dtype=torch.float32, device=logits.device)
+    idx = torch.empty(B * npart, dtype=torch.int32, device=logits.device)
+    bad = torch.empty(B * npart, dtype=torch.int32, device=logits.device)
+    _greedy_part_kernel[(B, npart)](logits, val, idx, bad, V, logits.stride(0), part, npart, BV=GREEDY_BLOCK,
+                                    num_warps=8)
+    _greedy_merge_kernel[(B,)](val, idx, bad, ids, checked, npart, BP=max(2, triton.next_power_of_2(npart)),
+                               num_warps=1)

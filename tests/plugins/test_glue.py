@@ -211,6 +211,40 @@ def test_moe_out_rows_k3_width(T, RL, inter):
     _check_moe_rows(T, RL or 8, inter, torch.bfloat16, yl_on=RL > 0)
 
 
+# ------------------------------------------------------------------------------------------------ greedy pick
+def _greedy_case(V, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(8, V, generator=g)
+    x[1, [V // 3, V - 1]] = x[1].max() + 1          # a tie in two parts: the lower column wins
+    x[2, 7] = float("nan")
+    x[3, V // 2] = float("inf")
+    x[4, 0] = float("-inf")                          # one -inf: not finite
+    x[5] = float("-inf")                             # all -inf: argmax 0, not finite
+    x[6, :] = -5.0                                   # constant row: column 0
+    x[7, V - 1] = x[7].max() + 1                     # the last column (past the last full block)
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("programs", [gk.GREEDY_PROGRAMS, 8], ids=["parts", "one-part"])
+@pytest.mark.parametrize("V,dtype", [(5000, torch.float32), (300, torch.float32), (9000, torch.bfloat16)])
+def test_greedy_pick(V, dtype, programs, monkeypatch):
+    """ids = torch.argmax (lowest column on ties: within a part's lanes, across lanes and across parts), checked =
+    ids or -1 for rows holding a NaN or an infinity, as the pipeline's torch ops decide; several parts per row, or
+    one part of several loads."""
+    monkeypatch.setattr(gk, "GREEDY_PROGRAMS", programs)
+    x = _greedy_case(V, dtype, seed=V)
+    G = Guarded()
+    ids, checked = G.empty(8, dtype=torch.long), G.empty(8, dtype=torch.long)
+    gk.greedy_pick(G(x.to(DEV)), ids, checked)
+    G.check()
+    want = torch.argmax(x.float(), -1)
+    finite = torch.isfinite(x.float()).all(-1)
+    assert torch.equal(checked.cpu(), torch.where(finite, want, -1)), (checked, want, finite)
+    real = ~torch.isnan(x.float()).any(-1)           # torch.argmax picks a NaN; the kernel the largest number
+    assert torch.equal(ids.cpu()[real], want[real]) and bool(((ids >= 0) & (ids < V)).all())
+    assert checked[1] == V // 3 and checked[6] == 0 and checked[7] == V - 1 and ids[5] == 0
+
+
 # ------------------------------------------------------------------------------------------------ sm_90 compiles
 _COMPILE = r'''
 import os, re, subprocess, tempfile
