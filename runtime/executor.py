@@ -341,8 +341,9 @@ class TorchExecutor(Executor):
     def forward_on_device(self, ids, batch, pools, logits_index):
         """A decode forward whose inputs are on `self.device` already, enqueued without host reads or syncs (the
         overlapped decode of runtime/pipeline.py): ids [B] int64 produced on the device (not validated), batch
-        (decode=True, int32 metadata on the device), logits_index [M] int64 on the device. The decode graphs when
-        enabled, else the runner's `forward_on_device`. Returns (logits [M, vocab] fp32 on the device, pools)."""
+        (decode=True, int32 metadata on the device), logits_index [M] int64 on the device or None (every row). The
+        decode graphs when enabled (logits_index None: a view of the graph's output, valid until its next replay),
+        else the runner's `forward_on_device`. Returns (logits [M, vocab] fp32 on the device, pools)."""
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             if self.graphs is not None and batch.decode:
                 return self.graphs.forward(ids, batch, pools, logits_index)

@@ -157,11 +157,12 @@ class DecodeGraphs:
                 return b
         raise ValueError(f"decode batch of {n} > max_batch {self.max_batch} of the captured graphs")
 
-    def forward(self, ids: torch.Tensor, batch: Batch, pools: dict, logits_index: torch.Tensor):
+    def forward(self, ids: torch.Tensor, batch: Batch, pools: dict, logits_index: torch.Tensor | None):
         """A decode forward (same contract as `Executor.forward`): ids [B] int64, batch (decode=True, block tables
-        at most `max_blocks` wide), pools (the captured tensors), logits_index [M] rows < B -> (logits [M, vocab]
-        fp32 on the device, pools). ValueError for a prefill batch, B > max_batch, wider block tables or other
-        pool tensors; RuntimeError after `release`. Nothing is written before the checks pass."""
+        at most `max_blocks` wide), pools (the captured tensors), logits_index [M] rows < B or None (all B rows: a
+        view of the graph's output, valid until the next replay) -> (logits [M, vocab] fp32 on the device, pools).
+        ValueError for a prefill batch, B > max_batch, wider block tables or other pool tensors; RuntimeError after
+        `release`. Nothing is written before the checks pass."""
         if self._released:
             raise RuntimeError("the decode graphs were released (executor closed)")
         if not batch.decode:
@@ -186,4 +187,6 @@ class DecodeGraphs:
         else:
             with torch.no_grad():
                 logits = self._run(b)
+        if logits_index is None:
+            return logits[:n], pools                     # a view of the graph's output: no copy
         return logits.index_select(0, logits_index.to(logits.device)), pools

@@ -15,7 +15,8 @@ so the GPU runs step n+1 while the host books step n and plans step n+2. `Decode
 * the metadata (gather index, host ids, slots, context lengths, block tables) is written into one of two pinned host
   buffers and goes to the device in one non_blocking copy; a buffer is rewritten only after the event recorded
   behind its copy;
-* sampling is the greedy argmax on the device (`sampling.sample_batch`'s rule for temperature 0); the ids, and the
+* sampling is the greedy argmax on the device (`sampling.sample_batch`'s rule for temperature 0; on CUDA one read
+  of the logits gives each row's argmax and whether the row is finite: `plugins.glue.kernels.greedy_pick`); the ids, and the
   logprobs when a row asks for them (`sampling.logprob_tensors`), come back in one non_blocking copy each into
   pinned memory behind an event: `wait` is the only synchronization of a step.
 
@@ -70,7 +71,7 @@ class DecodePipeline:
         self._meta = torch.zeros(size, dtype=torch.int32, device=dev)
         self._tokens = torch.zeros(2 * R, dtype=torch.long, device=dev)   # [last sampled ids | host ids]
         self._cu = torch.arange(R + 1, dtype=torch.int32, device=dev)
-        self._rows = torch.arange(R, dtype=torch.long, device=dev)
+        self._checked = torch.zeros(R, dtype=torch.long, device=dev)
 
     def launch(self, reqs: list, src: list[int], host_ids: list[int], slots: list[int], context_lens: list[int],
                block_tables: torch.Tensor, pools: dict, top_k: list[int | None]) -> tuple[Ticket, dict]:
@@ -114,11 +115,18 @@ class DecodePipeline:
         ids = self._tokens.index_select(0, md[:B])
         batch = Batch(self._cu[:B + 1], md[2 * R:2 * R + B], md[4 * R:end].view(B, W), md[3 * R:3 * R + B],
                       decode=True)
-        logits, pools = self.executor.forward_on_device(ids, batch, pools, self._rows[:n])
+        logits, pools = self.executor.forward_on_device(ids, batch, pools, None)
+        logits = logits[:n]                              # the real rows (a view: no copy of the logits)
         sampled = self._tokens[:n]
-        torch.argmax(logits, dim=-1, out=sampled)
+        checked = self._checked[:n]                      # sampled, or -1 for a row with a NaN / Inf
+        if self.cuda:
+            from k3deploy.plugins.glue.kernels import greedy_pick    # Triton: imported where it runs
+            greedy_pick(logits, sampled, checked)
+        else:
+            torch.argmax(logits, dim=-1, out=sampled)
+            checked.copy_(torch.where(torch.isfinite(logits).all(-1), sampled, -1))
         out = self._pinned((n,), torch.long)
-        out.copy_(torch.where(torch.isfinite(logits).all(-1), sampled, -1), non_blocking=True)   # -1: NaN/Inf row
+        out.copy_(checked, non_blocking=True)
         lp = None
         if any(t is not None for t in top_k):
             lp = tuple(self._to_host(t) for t in logprob_tensors(logits, sampled, max(t or 0 for t in top_k)))

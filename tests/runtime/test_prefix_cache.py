@@ -107,6 +107,8 @@ class RecordingExecutor:
                                                    torch.zeros(1, dtype=torch.long))
                 self._record(rid, ctx + j, logits[0])
             last.append(logits[0])
+        if logits_index is None:                           # every row: a decode step's one token per sequence
+            return torch.stack(last), pools
         rows = {c - 1: n for n, c in enumerate(cu[1:])}
         return torch.stack([last[rows[int(i)]] for i in logits_index]), pools
 
