@@ -93,17 +93,18 @@ def _mla_attend(q_ptr, cache_ptr, bt_row, b, hh, hmask, stride_qb, stride_qh, st
 
 @triton.jit
 def _mla_split_kernel(
-    q_ptr, cache_ptr, bt_ptr, ctx_ptr, po_ptr, plse_ptr,
-    stride_qb, stride_qh, stride_bt, sm_scale,
+    q_ptr, cache_ptr, bt_ptr, ctx_ptr, po_ptr, plse_ptr, out_ptr,
+    stride_qb, stride_qh, stride_bt, stride_ob, stride_oh, sm_scale,
     H, NSPLIT,
-    BS: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+    BS: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, DIRECT: tl.constexpr,
 ):
     """grid (head groups, splits, B). One program: BH heads of one sequence over one of NSPLIT equal parts of ITS
     context (L = context_lens[b] + 1 tokens; a part is cdiv(L, NSPLIT) rounded up to BN), so a sequence shorter than
     the block-table width still spreads over all splits (mixed batches, CUDA graphs sized for the longest context).
     BN divides BS and the part is a multiple of BN, so every [BN, 576] tile lies inside ONE paged block:
     its block id is one scalar load and the tile is BN*576 contiguous elements (coalesced 16-byte loads that
-    the pipeliner turns into cp.async stages), read once for all BH heads."""
+    the pipeliner turns into cp.async stages), read once for all BH heads. DIRECT (NSPLIT = 1): the normalized
+    output goes to out [B, H, R] in its dtype, with no partials and no combine."""
     hg = tl.program_id(0)
     sp = tl.program_id(1)
     b = tl.program_id(2)
@@ -119,10 +120,14 @@ def _mla_split_kernel(
     # partial results: acc / l and lse (base 2)
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    off = (b * H + hh) * NSPLIT + sp
-    tl.store(po_ptr + off[:, None].to(tl.int64) * R + dr[None, :], o, mask=hmask[:, None])
-    tl.store(plse_ptr + off, lse, mask=hmask)
+    if DIRECT:
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + hh[:, None] * stride_oh + dr[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+    else:
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        off = (b * H + hh) * NSPLIT + sp
+        tl.store(po_ptr + off[:, None].to(tl.int64) * R + dr[None, :], o, mask=hmask[:, None])
+        tl.store(plse_ptr + off, lse, mask=hmask)
 
 
 @triton.jit
@@ -154,20 +159,36 @@ def _mla_combine_kernel(po_ptr, plse_ptr, out_ptr, H, NSPLIT, stride_ob, stride_
 
 def _split_policy(BH: int, BN: int) -> tuple[int, int]:
     """(programs per SM to aim for, least tokens per split) of the decode's sequence split for a BH x BN tile: the
-    64 x 64 tiles (216 KiB of shared memory: one program per SM) aim at 2 per SM with 512 tokens per split (half
-    the partials for the combine to read), the smaller tiles (several resident per SM) at 8 with 256."""
-    return (2, 512) if BH >= 64 and BN >= 64 else (8, 256)
+    64 x 64 tiles (216 KiB of shared memory: one resident program per SM) fill whole waves of SMs with 512 tokens
+    per split or more (`_num_splits`), the smaller tiles (several resident per SM) aim at 8 per SM with 256."""
+    return (1, 512) if BH >= 64 and BN >= 64 else (8, 256)
+
+
+@functools.lru_cache(maxsize=4096)
+def _num_splits(B: int, ngroups: int, capacity: int, sms: int, programs_per_sm: int, min_tok: int) -> int:
+    """Splits of each sequence's context for B sequences x ngroups head groups on `sms` SMs, each split at least
+    `min_tok` of the `capacity` tokens. Several resident programs per SM: enough programs for programs_per_sm x sms.
+    One (programs_per_sm 1): the splits are equally long, so a partial last wave idles SMs for a whole split; the
+    fewest splits whose programs fill their waves best (searched up to four waves)."""
+    cap = max(1, triton.cdiv(capacity, min_tok))
+    per = B * ngroups
+    if programs_per_sm > 1:
+        return max(1, min(triton.cdiv(programs_per_sm * sms, per), cap))
+    best, fill = 1, (0, 1)                   # fill = programs / (waves x SMs) as a fraction (num, den)
+    for n in range(1, min(cap, triton.cdiv(4 * sms, per)) + 1):
+        num, den = per * n, triton.cdiv(per * n, sms) * sms
+        if num * fill[1] > fill[0] * den:
+            best, fill = n, (num, den)
+    return best
 
 
 def _launch_cfg(B, H, capacity, device, BN, BH):
-    """Split-K along the sequence for BH-head groups and BN-key tiles: enough (head group, split, sequence) programs
-    for `_split_policy`'s programs per SM (several resident CTAs per SM and a short tail), each split at least its
-    tokens. Fixed from the cache capacity (no host sync; CUDA-graph safe). Returns (BH, head groups, splits, tokens
-    per split)."""
+    """Split-K along the sequence for BH-head groups and BN-key tiles: `_num_splits` with `_split_policy`'s programs
+    per SM and least tokens per split. Fixed from the cache capacity (no host sync; CUDA-graph safe). Returns (BH,
+    head groups, splits, tokens per split)."""
     pps, min_tok = _split_policy(BH, BN)
     ngroups = triton.cdiv(H, BH)
-    target = pps * num_sms(device)
-    nsplit = max(1, min(triton.cdiv(target, B * ngroups), triton.cdiv(capacity, min_tok)))
+    nsplit = _num_splits(B, ngroups, capacity, num_sms(device), pps, min_tok)
     nsplit, tok = _split_tokens(capacity, nsplit, BN)
     return BH, ngroups, nsplit, tok
 
@@ -241,10 +262,8 @@ def _decode_ws_bytes(batch, num_heads, kv_lora_rank, max_blocks, block_size, num
         return 0
     rows = 0
     ngroups = triton.cdiv(num_heads, BH)
-    target = programs_per_sm * num_sms
-    cap_splits = triton.cdiv(capacity, min_tok)
     for b in range(1, int(batch) + 1):   # nsplit(b) <= this bound, which is monotone in the capacity
-        rows = max(rows, b * num_heads * max(1, min(triton.cdiv(target, b * ngroups), cap_splits)))
+        rows = max(rows, b * num_heads * _num_splits(b, ngroups, capacity, num_sms, programs_per_sm, min_tok))
     return plan_bytes([((rows, kv_lora_rank), torch.float32), ((rows,), torch.float32)])
 
 
@@ -318,18 +337,21 @@ def mla_decode(q_abs, latent, cache, block_tables, context_lens, *, num_heads: i
         # a workspace sized for another device (SM count): fewer, longer splits
         fit = (ws.remaining() - WORKSPACE_ALIGN) // ((R + 1) * 4 * B * H)
         nsplit, tok = _split_tokens(capacity, max(1, fit), BN)
-    po = ws.empty((B * H * nsplit, R), torch.float32)
-    plse = ws.empty((B * H * nsplit,), torch.float32)
+    direct = nsplit == 1
+    po = ws.empty((0 if direct else B * H * nsplit, R), torch.float32)
+    plse = ws.empty((0 if direct else B * H * nsplit,), torch.float32)
     try:
         _mla_split_kernel[(ngroups, nsplit, B)](
-            q_abs, cache, bt, ctx, po, plse, q_abs.stride(0), q_abs.stride(1), bt.stride(0), float(scale),
-            H, nsplit, BS=BS, R=R, DR=DR, BH=BH, BN=BN, num_warps=warps, num_stages=stages)
+            q_abs, cache, bt, ctx, po, plse, out, q_abs.stride(0), q_abs.stride(1), bt.stride(0), out.stride(0),
+            out.stride(1), float(scale), H, nsplit, BS=BS, R=R, DR=DR, BH=BH, BN=BN, DIRECT=direct,
+            num_warps=warps, num_stages=stages)
     except triton.runtime.errors.OutOfResources as e:
         raise ValueError(f"mla_decode: the {BH} x {BN} tiles over a {cache.dtype} latent cache of width {DL} do not "
                          f"fit this GPU ({e}); use a 16-bit cache (the torch backend's "
                          "LLM(dense_dtype='bfloat16') allocates bf16 latents)") from e
-    _mla_combine_kernel[(B, H)](po, plse, out, H, nsplit, out.stride(0), out.stride(1),
-                                R=R, BSPLIT=min(16, max(2, triton.next_power_of_2(nsplit))), num_warps=4)
+    if not direct:
+        _mla_combine_kernel[(B, H)](po, plse, out, H, nsplit, out.stride(0), out.stride(1),
+                                    R=R, BSPLIT=min(16, max(2, triton.next_power_of_2(nsplit))), num_warps=4)
     return out, cache
 
 

@@ -250,6 +250,19 @@ def test_mla_decode_workspace_bytes_bounds_every_smaller_batch(H, cap, monkeypat
                     assert need <= bound, (batch, b, MB, mb)
 
 
+@pytest.mark.parametrize("B,sms,want", [(64, 132, 1), (16, 132, 4), (32, 132, 2), (1, 132, 9), (48, 132, 4),
+                                         (64, 8, 1), (3, 8, 4)])
+def test_mla_decode_splits_fill_whole_waves(B, sms, want):
+    """sm_90's 64 x 64 tiles (one resident program per SM) at 96 heads (2 head groups), 4160-token tables (>= 512
+    tokens a split: at most 9): the fewest splits whose (group, split, sequence) programs fill their waves of SMs
+    best; B=64 on 132 SMs: 1 split (128 programs, one wave), not 3 (384 programs: 3 waves)."""
+    pps, min_tok = mla_k._split_policy(64, 64)
+    assert pps == 1
+    n = mla_k._num_splits(B, 2, 4160, sms, pps, min_tok)
+    fill = lambda k: (2 * B * k) / (-(-2 * B * k // sms) * sms)
+    assert n == want and all(fill(k) <= fill(n) for k in range(1, 10)), (n, [fill(k) for k in range(1, 10)])
+
+
 def test_mla_decode_small_workspace_reduces_splits():
     """A workspace with room for one split's partials only (sized for another GPU): one split, the same result."""
     case = mla_decode_case(BS=16, MB=32)
@@ -555,9 +568,9 @@ from k3deploy.plugins.mla import kernels as mk
 bh, bn, ns, nw = mk._decode_tiles(({cap // 10}, {cap % 10}), {H}, {BS}, itemsize={itemsize})
 fn = mk._mla_split_kernel
 names = fn.arg_names
-const = dict(BS={BS}, R=512, DR=64, BH=bh, BN=bn)
+const = dict(BS={BS}, R=512, DR=64, BH=bh, BN=bn, DIRECT=0)
 dt = "*bf16" if {itemsize} == 2 else "*fp32"
-sig = {{n: "constexpr" if n in const else dt if n in ("q_ptr", "cache_ptr") else "*fp32" if n in ("po_ptr",
+sig = {{n: "constexpr" if n in const else dt if n in ("q_ptr", "cache_ptr", "out_ptr") else "*fp32" if n in ("po_ptr",
         "plse_ptr") else "*i32" if n.endswith("_ptr") else "fp32" if n == "sm_scale" else "i32" for n in names}}
 attrs = {{(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*")}}
 src = ASTSource(fn=fn, signature=sig, constexprs={{(names.index(k),): v for k, v in const.items()}}, attrs=attrs)
