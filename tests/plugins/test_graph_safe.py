@@ -235,7 +235,7 @@ def test_workspace_same_result_and_stays_inside(case):
 @pytest.mark.parametrize("H,cap", [(16, None), (96, (9, 0))])
 def test_mla_decode_workspace_bytes_bounds_every_smaller_batch(H, cap, monkeypatch):
     """The bound covers every smaller batch and block table, for the 16 x 32 tiles (8 programs per SM, >= 256 tokens
-    a split) and sm_90's 64 x 64 ones at 96 heads (2 per SM, >= 512 tokens: `_split_policy`), on the CPU's 8 SMs."""
+    a split) and sm_90's 64 x 64 ones at 96 heads (whole waves, >= 512 tokens: `_split_policy`), on the CPU's 8 SMs."""
     monkeypatch.setattr(mla_k, "_device_cap", lambda device: cap)
     R, BS = 512, 64
     BH, BN = mla_k._decode_tiles(cap, H, BS)[:2]
