@@ -4,9 +4,9 @@
     python benchmarks/bench_decode.py --preset k3-slice --device cuda --batch 16 --prompt-len 512 --steps 32 \\
         --ops torch,kernels --out bench_decode.jsonl
     python benchmarks/bench_decode.py --preset k3-slice --device cuda --batch 1,16,64 --prompt-len 4096 \\
-        --ops kernels,kernels-unfused --cuda-graphs --dense-dtype bfloat16 --kernel-profile 4   # fused vs unfused
-    python benchmarks/bench_decode.py --preset k3-tp8-rank --device cuda --batch 1,16,64 --prompt-len 4096 \\
-        --ops kernels --cuda-graphs --dense-dtype bfloat16 --kernel-profile 4 --ttft 8192,32768 --predict-experts 896
+        --ops kernels,kernels-unfused --cuda-graphs --dense-dtype bfloat16 --kernel-profile 2   # fused vs unfused
+    python benchmarks/bench_decode.py --preset k3-tp8-rank --device cuda --batch 1,16,64 --prompt-len 1024 \\
+        --ops kernels --cuda-graphs --dense-dtype bfloat16 --kernel-profile 2 --ttft 8192,32768 --predict-experts 896
     torchrun --standalone --nproc-per-node 8 benchmarks/bench_decode.py --preset k3-slice --tp 8 --ep 8 --device cuda
     python benchmarks/bench_decode.py --checkpoint DIR ...      # weights from a checkpoint instead of drawn on the device
 
