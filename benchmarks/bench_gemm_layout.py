@@ -200,6 +200,11 @@ def main(argv=None) -> int:
         ap.error(f"--rows {a.rows!r}: give comma-separated positive integers, e.g. 1,16,64")
     if a.iters < 1:
         ap.error(f"--iters {a.iters}: time at least once")
+    if a.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            ap.error("--plot needs matplotlib: pip install -e '.[bench]'")
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA GPU here (use --device cpu)")
