@@ -215,7 +215,7 @@ def _model_config_proto():
         from tritonclient.grpc import model_config_pb2
     except ImportError as e:
         raise RepositoryError(f"checking config.pbtxt needs tritonclient's ModelConfig protobuf ({e}); install the "
-                              "serving extra: pip install 'k3deploy[serve]'") from e
+                              "serving extra: pip install -e '.[serve]' in the checkout") from e
     return text_format, model_config_pb2
 
 
