@@ -105,7 +105,8 @@ def parse_args(argv=None):
     run.add_argument("--device", default=None, help="cuda (default when available; cuda:LOCAL_RANK under torchrun), "
                      "cuda:N or cpu")
     run.add_argument("--ops", default=None, help="comma-separated ops variants: torch (torch.library ops = Triton "
-                     "kernels; default on CUDA), kernels (kernels in place, no pool copies), reference (fp32; CPU default)")
+                     "kernels; default on CUDA), kernels (kernels in place, no pool copies, fused glue), kernels-unfused "
+                          "(the same kernels, unfused glue), reference (fp32; CPU default)")
     run.add_argument("--dense-dtype", default="float32", type=dense_dtype_name, choices=list(DENSE_DTYPES),
                      help="dense weights and their GEMMs: float32 (fp32) or bfloat16 (bf16) (default %(default)s; "
                           "--check still compares with the fp32 reference, which bf16 fails on the synthetic models "
