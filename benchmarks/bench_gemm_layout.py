@@ -185,7 +185,8 @@ def main(argv=None) -> int:
     head, rest = __doc__.split("\n\n", 1)
     ap = argparse.ArgumentParser(description=head, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=rest)
     ap.add_argument("--preset", default="k3-slice", help="model preset (default k3-slice; k3-tp8-rank: one TP=8 rank)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cuda (or cuda:N) or cpu (default: %(default)s, cuda where a GPU is present)")
     ap.add_argument("--rows", default="1,16,64,8192", help="comma-separated row counts M (default 1,16,64,8192)")
     ap.add_argument("--iters", type=int, default=5, help="timings per point, median (default 5)")
     ap.add_argument("--out", type=Path, default=None, help="append the JSON lines to this file")
@@ -205,7 +206,12 @@ def main(argv=None) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             ap.error("--plot needs matplotlib: pip install -e '.[bench]'")
-    device = torch.device(a.device)
+    try:
+        device = torch.device(a.device)
+    except RuntimeError:
+        ap.error(f"--device {a.device}: use cuda, cuda:N or cpu")
+    if device.type not in ("cuda", "cpu"):
+        ap.error(f"--device {a.device}: use cuda, cuda:N or cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA GPU here (use --device cpu)")
     try:

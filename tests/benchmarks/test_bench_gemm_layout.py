@@ -31,7 +31,8 @@ def test_help(bench, capsys):
     assert e.value.code == 0 and "--rows" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("args", [["--rows", "0"], ["--rows", "a"], ["--iters", "0"], ["--preset", "nope"]])
+@pytest.mark.parametrize("args", [["--rows", "0"], ["--rows", "a"], ["--iters", "0"], ["--preset", "nope"],
+                                  ["--device", "tpu"], ["--device", "meta"]])
 def test_bad_arguments_exit_2(bench, args, capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(["--device", "cpu"] + args)
