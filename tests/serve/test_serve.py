@@ -389,7 +389,7 @@ def test_repository_without_tritonclient_names_the_extra_and_writes_nothing(tmp_
     engines.mkdir()
     (engines / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 321}}))
     monkeypatch.setitem(sys.modules, "tritonclient.grpc", None)      # import -> ImportError
-    with pytest.raises(repo_mod.RepositoryError, match=r"pip install 'k3deploy\[serve\]'"):
+    with pytest.raises(repo_mod.RepositoryError, match=r"pip install -e '\.\[serve\]'"):
         repo_mod.write_repository(engines, tmp_path / "repo", "onnxruntime")
     assert not (tmp_path / "repo").exists()
     monkeypatch.delitem(sys.modules, "tritonclient.grpc")
