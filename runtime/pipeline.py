@@ -49,6 +49,13 @@ class Ticket:
     staged: list = dataclasses.field(default_factory=list)
 
 
+def _greedy_torch(logits: torch.Tensor, ids: torch.Tensor, checked: torch.Tensor) -> None:
+    """`plugins.glue.kernels.greedy_pick`'s contract in torch ops (the CPU): logits [B, V] -> ids [B] int64 argmax,
+    checked [B] int64 = ids, or -1 for a row holding a NaN or an infinity."""
+    torch.argmax(logits, dim=-1, out=ids)
+    checked.copy_(torch.where(torch.isfinite(logits).all(-1), ids, -1))
+
+
 class DecodePipeline:
     """Device side of overlapped decode steps for `executor` (anything with `device` and `forward_on_device(ids,
     batch, pools, logits_index) -> (logits, pools)` enqueuing a decode forward without host reads: TorchExecutor).
@@ -72,6 +79,10 @@ class DecodePipeline:
         self._tokens = torch.zeros(2 * R, dtype=torch.long, device=dev)   # [last sampled ids | host ids]
         self._cu = torch.arange(R + 1, dtype=torch.int32, device=dev)
         self._checked = torch.zeros(R, dtype=torch.long, device=dev)
+        self._greedy = _greedy_torch
+        if self.cuda:                                    # Triton: imported where it runs
+            from k3deploy.plugins.glue.kernels import greedy_pick
+            self._greedy = greedy_pick
 
     def launch(self, reqs: list, src: list[int], host_ids: list[int], slots: list[int], context_lens: list[int],
                block_tables: torch.Tensor, pools: dict, top_k: list[int | None]) -> tuple[Ticket, dict]:
@@ -119,12 +130,7 @@ class DecodePipeline:
         logits = logits[:n]                              # the real rows (a view: no copy of the logits)
         sampled = self._tokens[:n]
         checked = self._checked[:n]                      # sampled, or -1 for a row with a NaN / Inf
-        if self.cuda:
-            from k3deploy.plugins.glue.kernels import greedy_pick    # Triton: imported where it runs
-            greedy_pick(logits, sampled, checked)
-        else:
-            torch.argmax(logits, dim=-1, out=sampled)
-            checked.copy_(torch.where(torch.isfinite(logits).all(-1), sampled, -1))
+        self._greedy(logits, sampled, checked)
         out = self._pinned((n,), torch.long)
         out.copy_(checked, non_blocking=True)
         lp = None
