@@ -13,6 +13,15 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 REPO = Path(__file__).resolve().parents[1]
 
 
+def benchmark_module(name: str):
+    """benchmarks/<name>.py imported as module `name` (the scripts are not a package)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def relerr(a: torch.Tensor, b: torch.Tensor) -> float:
     """‖a − b‖ / ‖b‖ in fp64 on the CPU (any shapes that broadcast equal). AssertionError when a has non-finite
     values (a kernel that read poison or overflowed)."""

@@ -1,8 +1,6 @@
 """benchmarks/bench_common.py: the KDA decode inputs the benchmarks time, against the kernel and the reference
 (CPU: TRITON_INTERPRET=1)."""
-import importlib.util
 import os
-from pathlib import Path
 
 import torch
 
@@ -11,18 +9,13 @@ if not torch.cuda.is_available():
 
 from k3deploy.plugins.kda import kernels as kda_k          # noqa: E402
 from k3deploy.plugins.kda import reference as kda_ref      # noqa: E402
-from kernel_checks import relerr                           # noqa: E402  (tests/kernel_checks.py)
-
-ROOT = Path(__file__).resolve().parents[2]
+from kernel_checks import benchmark_module, relerr         # noqa: E402  (tests/kernel_checks.py)
 
 
 def test_bench_common_kda_inputs_drive_the_kernel():
     """benchmarks/bench_common.py's KDA decode inputs (what bench_kernels.py and the tile sweep time): the shapes and
     dtypes its docstring gives, slots a permutation of 1..B, and the kernel on them equals the fp32 reference."""
-    spec = importlib.util.spec_from_file_location(
-        "bench_common", ROOT / "benchmarks" / "bench_common.py")
-    bc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bc)
+    bc = benchmark_module("bench_common")
     B, H, K = 3, 2, 16
     d, state, conv, slots = bc.kda_decode_inputs(B, H, K, "cpu", torch.float32)
     P = H * K

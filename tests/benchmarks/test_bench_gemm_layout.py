@@ -1,28 +1,24 @@
 """benchmarks/bench_gemm_layout.py: its GEMMs are the fused runtime's (shapes and calls of one decode step), and the
-CLI runs on the CPU at k3-tiny's shapes and writes its records (the GPU numbers come from the H200 run; nothing here
+CLI runs on the CPU at k3-tiny's shapes and writes its records (its numbers mean something on a GPU only; nothing here
 is timed)."""
 from __future__ import annotations
 
 import collections
-import importlib.util
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from kernel_checks import benchmark_module   # tests/kernel_checks.py
+
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"   # must precede the first triton import (the fused glue kernels)
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_gemm_layout", ROOT / "benchmarks" / "bench_gemm_layout.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark_module("bench_gemm_layout")
 
 
 def test_help(bench, capsys):

@@ -2,21 +2,16 @@
 H200 run; nothing here is timed)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from kernel_checks import benchmark_module   # tests/kernel_checks.py
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_vision", ROOT / "benchmarks" / "bench_vision.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark_module("bench_vision")
 
 
 def test_help(bench, capsys):

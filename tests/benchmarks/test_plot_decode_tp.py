@@ -1,18 +1,16 @@
 """benchmarks/plot_decode_tp.py: how a decode record's step splits into bars, and the plot from real records."""
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from kernel_checks import benchmark_module   # tests/kernel_checks.py
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("plot_decode_tp", ROOT / "benchmarks" / "plot_decode_tp.py")
-    m = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(m)
-    return m
+    return benchmark_module("plot_decode_tp")
 
 
 def test_parts_split_the_step():

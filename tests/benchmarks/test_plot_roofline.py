@@ -1,21 +1,15 @@
 """benchmarks/plot_roofline.py: the rows and FLOP counts it plots (no matplotlib needed)."""
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from kernel_checks import benchmark_module   # tests/kernel_checks.py
 
 
 def test_plot_roofline_rows_and_drop(tmp_path):
     """benchmarks/plot_roofline.py's rows: % of the file's own copy bandwidth, unchecked records left out, --drop
     removing one family's records by field value (no matplotlib needed for the rows)."""
-    import json
-    spec = importlib.util.spec_from_file_location(
-        "plot_roofline", ROOT / "benchmarks" / "plot_roofline.py")
-    pr = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pr)
+    pr = benchmark_module("plot_roofline")
     recs = [{"what": "copy", "GBps": 4000.0},
             {"what": "mla_decode", "H": 12, "B": 64, "L": 1000, "correct": True, "us": 100.0, "bytes": 2e8,
              "pct_copy": 0},
